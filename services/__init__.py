@@ -1,0 +1,1 @@
+"""The services: rollout, learner, reward, and what they share in `common`."""

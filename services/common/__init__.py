@@ -1,0 +1,1 @@
+"""What more than one service uses: settings, the Redis bus, model loading, logging and metrics."""
