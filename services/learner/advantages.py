@@ -1,0 +1,74 @@
+"""Per-response advantages (GRPO group normalization) and per-token truncated importance-sampling weights.
+
+GRPO's std is the *unbiased* one (Bessel's correction, n − 1), as verl's `compute_grpo_outcome_advantage`
+uses `torch.std` — in the Lp-Reg authors' fork as in upstream verl. One deliberate difference: verl gives
+a lone response (group of size 1) mean 0 and std 1, i.e. advantage = its raw reward; here it gets 0, since
+a group of one carries no relative signal (DESIGN.md: reward minus group mean).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
+    """A_i = (r_i − mean_g r) / (std_g r + eps) per group g of `group_size` contiguous responses.
+
+    rewards [N] with N = groups × group_size → advantages [N] (float32 for integer rewards). std is
+    unbiased (n − 1); a group of size 1 gets advantage 0; a group with equal rewards gets 0.
+    """
+    (N,) = rewards.shape
+    if group_size < 1 or N % group_size != 0:
+        raise ValueError(f"{N} rewards do not split into groups of {group_size}")
+    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    if group_size == 1:
+        return torch.zeros_like(r)
+    grouped = r.view(N // group_size, group_size)  # [G, n]
+    mean = grouped.mean(dim=-1, keepdim=True)  # [G, 1]
+    std = grouped.std(dim=-1, keepdim=True)  # [G, 1], unbiased
+    return ((grouped - mean) / (std + eps)).view(N)
+
+
+def _log_is_ratio(learner_old_logp: Tensor, rollout_logp: Tensor, valid: Tensor) -> Tensor:
+    """log(π_learner_old / π_rollout) [B, T] in float32, 0 on masked tokens (padding may hold −inf)."""
+    log_w = learner_old_logp.detach().float() - rollout_logp.detach().float()
+    return torch.where(valid, log_w, torch.zeros_like(log_w))
+
+
+@torch.no_grad()
+def truncated_is_weights(
+    learner_old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float = 2.0
+) -> Tensor:
+    """Truncated importance sampling (TIS) weights w_t = min(exp(old_logp_t − rollout_logp_t), cap).
+
+    learner_old_logp: π_old as the learner recomputes it; rollout_logp: what the rollout engine reported
+    for the same tokens; both [B, T] → w [B, T] float32, detached, 0 on masked tokens. They correct for
+    the rollout engine's numerics (and staleness) differing from the learner's.
+    """
+    if cap <= 0.0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    valid = mask.bool()
+    # Bound the exponent just above log(cap) so exp never overflows, then cap exactly.
+    log_w = _log_is_ratio(learner_old_logp, rollout_logp, valid).clamp(max=math.log(cap) + 1.0)
+    w = torch.exp(log_w).clamp(max=cap)
+    return torch.where(valid, w, torch.zeros_like(w))
+
+
+@torch.no_grad()
+def truncated_is_metrics(
+    learner_old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float = 2.0
+) -> dict[str, Tensor]:
+    """How much TIS truncated, as detached 0-d tensors: `capped_tokens` (valid tokens whose raw weight
+    exceeded `cap`), `capped_frac`, `weight_mean` (mean truncated weight over valid tokens)."""
+    valid = mask.bool()
+    capped = valid & (_log_is_ratio(learner_old_logp, rollout_logp, valid) > math.log(cap))
+    weights = truncated_is_weights(learner_old_logp, rollout_logp, mask, cap)
+    n_valid = valid.sum().clamp(min=1)
+    return {
+        "capped_tokens": capped.sum(),
+        "capped_frac": capped.sum() / n_valid,
+        "weight_mean": weights.sum() / n_valid,
+    }
