@@ -1,0 +1,93 @@
+"""Wire contracts: every message that crosses a process, and the binary codec for its tensors.
+
+Import from here (`from sparkrl.proto import TrajectoryGroup, encode_group`); the submodules are the
+implementation. This package needs only pydantic, numpy and msgpack, so it installs into a rollout
+worker's own (vLLM) environment.
+"""
+
+from sparkrl.proto.codec import MAGIC, decode_group, decode_message, encode_group, encode_message
+from sparkrl.proto.control import (
+    CONTROL_SCHEMA_VERSION,
+    CheckpointCommand,
+    ControlBody,
+    ControlCommand,
+    HparamValue,
+    PauseCommand,
+    ResumeCommand,
+    SetHparamsCommand,
+    StopCommand,
+)
+from sparkrl.proto.errors import CodecError, FieldError
+from sparkrl.proto.group import TrajectoryGroup
+from sparkrl.proto.reward import (
+    REWARD_SCHEMA_VERSION,
+    RewardItem,
+    RewardRequest,
+    RewardResponse,
+    RewardResult,
+)
+from sparkrl.proto.status import STATUS_SCHEMA_VERSION, LearnerStatus, WorkerStatus
+from sparkrl.proto.tensors import Float32Array1D, Float32Array2D, Int32Array1D, Int32Array2D, NdArray
+from sparkrl.proto.trajectory import (
+    TRAJECTORY_SCHEMA_VERSION,
+    ChatMessage,
+    Completion,
+    Prompt,
+    SamplingParams,
+    group_id_for,
+)
+from sparkrl.proto.weights import (
+    CHECKSUM_ALGORITHM,
+    DTYPE_ITEMSIZE,
+    WEIGHTS_SCHEMA_VERSION,
+    TensorSpec,
+    WeightAnnouncement,
+    WeightDtype,
+    weights_checksum,
+)
+
+__all__ = [
+    "CHECKSUM_ALGORITHM",
+    "CONTROL_SCHEMA_VERSION",
+    "DTYPE_ITEMSIZE",
+    "MAGIC",
+    "REWARD_SCHEMA_VERSION",
+    "STATUS_SCHEMA_VERSION",
+    "TRAJECTORY_SCHEMA_VERSION",
+    "WEIGHTS_SCHEMA_VERSION",
+    "ChatMessage",
+    "CheckpointCommand",
+    "CodecError",
+    "Completion",
+    "ControlBody",
+    "ControlCommand",
+    "FieldError",
+    "Float32Array1D",
+    "Float32Array2D",
+    "HparamValue",
+    "Int32Array1D",
+    "Int32Array2D",
+    "LearnerStatus",
+    "NdArray",
+    "PauseCommand",
+    "Prompt",
+    "ResumeCommand",
+    "RewardItem",
+    "RewardRequest",
+    "RewardResponse",
+    "RewardResult",
+    "SamplingParams",
+    "SetHparamsCommand",
+    "StopCommand",
+    "TensorSpec",
+    "TrajectoryGroup",
+    "WeightAnnouncement",
+    "WeightDtype",
+    "WorkerStatus",
+    "decode_group",
+    "decode_message",
+    "encode_group",
+    "encode_message",
+    "group_id_for",
+    "weights_checksum",
+]

@@ -1,0 +1,88 @@
+"""Reward service messages: a batch of completions to score, and one result per item.
+
+Writer: a rollout worker (`POST /score`). Reader: the reward service, which answers with `RewardResponse`.
+"""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+REWARD_SCHEMA_VERSION = 1
+MAX_ITEMS_PER_REQUEST = 4096
+MAX_COMPLETION_CHARS = 200_000
+
+
+class RewardItem(BaseModel):
+    """One completion to score."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task: str = Field(
+        min_length=1,
+        max_length=64,
+        description="Verifier name in the reward service's registry: `math`, `countdown` or a custom one.",
+    )
+    completion: str = Field(
+        max_length=MAX_COMPLETION_CHARS, description="The generated text, decoded, without the prompt."
+    )
+    answer: str | None = Field(
+        default=None,
+        max_length=MAX_COMPLETION_CHARS,
+        description="Reference answer (e.g. `\\frac{1}{2}` for math). None when the task needs none "
+        "(countdown uses `task_data`).",
+    )
+    task_data: dict[str, Any] | None = Field(
+        default=None,
+        description='Task-specific data, e.g. countdown\'s `{"numbers": [...], "target": 24}`. '
+        "None when the task needs none.",
+    )
+
+
+class RewardRequest(BaseModel):
+    """A batch to score. Writer: rollout worker. Reader: reward service."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = Field(
+        default=REWARD_SCHEMA_VERSION, description="Wire version; the service rejects others with 422."
+    )
+    items: list[RewardItem] = Field(
+        min_length=1,
+        max_length=MAX_ITEMS_PER_REQUEST,
+        description="Items scored independently, answered in the same order.",
+    )
+    timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=600,
+        description="Per-item time limit in seconds; None means the service's default. An item past it "
+        "scores 0 with status `timeout`.",
+    )
+
+
+class RewardResult(BaseModel):
+    """The score of one item. Writer: reward service. Reader: rollout worker (into the trajectory group)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    score: float = Field(
+        description="The reward, usually 0 or 1; 0 for every status but `correct`, unless a custom "
+        "verifier gives partial credit."
+    )
+    status: Literal["correct", "incorrect", "no_answer", "timeout", "error"] = Field(
+        description="`no_answer`: nothing to check could be extracted; `timeout`: the item ran past its "
+        "limit; `error`: the verifier raised (see `detail`)."
+    )
+    detail: str = Field(
+        default="", max_length=2000, description="Human-readable reason: the extracted answer, the error, …"
+    )
+    elapsed_s: float = Field(ge=0, description="Wall time spent verifying this item, seconds.")
+
+
+class RewardResponse(BaseModel):
+    """Scores in request order. Writer: reward service. Reader: rollout worker."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = Field(default=REWARD_SCHEMA_VERSION, description="Wire version.")
+    results: list[RewardResult] = Field(description="One result per request item, same order.")

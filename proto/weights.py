@@ -1,0 +1,199 @@
+"""Weight-sync announcements: what the learner is about to broadcast, and how to join the broadcast.
+
+Writer: the learner, in Redis, before each broadcast. Readers: rollout workers (to allocate buckets,
+join the process group and verify what they received) and the controller's weight-sync monitor.
+The broadcast sends `num_buckets` flat byte buffers in bucket order; tensor `i` lives in bucket
+`manifest[i].bucket` at byte `manifest[i].offset`.
+"""
+
+import hashlib
+import math
+from collections.abc import Iterable
+from typing import Literal
+
+from pydantic import Field, NonNegativeInt, model_validator
+
+from sparkrl.proto.base import WireModel
+from sparkrl.proto.errors import FieldError
+
+WEIGHTS_SCHEMA_VERSION = 1
+
+WeightDtype = Literal[
+    "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
+    "int64", "int32", "int16", "int8", "uint8", "bool",
+]  # fmt: skip
+
+# Bytes per element of each dtype, spelled as torch spells them (without `torch.`), so that neither
+# side needs torch to size a bucket.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+}  # fmt: skip
+
+CHECKSUM_ALGORITHM = "blake2b-256"
+
+
+def weights_checksum(tensor_bytes: Iterable[bytes | bytearray | memoryview]) -> str:
+    """The announcement's checksum: blake2b (32-byte digest) over each tensor's raw bytes, in manifest
+    order, fed one after another (each tensor contiguous, native little-endian, no padding); lowercase hex.
+    """
+    digest = hashlib.blake2b(digest_size=32)
+    for chunk in tensor_bytes:
+        digest.update(chunk)
+    return digest.hexdigest()
+
+
+class TensorSpec(WireModel):
+    """One parameter in the broadcast. Writer: learner. Reader: rollout worker (unpacks the buckets)."""
+
+    name: str = Field(
+        min_length=1,
+        description="Parameter name as in the model's state dict (e.g. "
+        "`model.layers.0.mlp.up_proj.weight`). Writer: learner. Reader: rollout worker (loads it into its "
+        "engine by this name).",
+    )
+    dtype: WeightDtype = Field(
+        description="Element type, torch's name without `torch.`. Writer: learner. Reader: rollout worker."
+    )
+    shape: list[NonNegativeInt] = Field(
+        description="Dimensions; [] for a scalar. Writer: learner. Reader: rollout worker."
+    )
+    numel: int = Field(
+        ge=0,
+        description="Number of elements, the product of `shape`. Writer: learner. Reader: rollout worker.",
+    )
+    bucket: int = Field(
+        ge=0,
+        description="Index of the bucket that carries the tensor, in [0, num_buckets). Writer: learner. "
+        "Reader: rollout worker.",
+    )
+    offset: int = Field(
+        ge=0,
+        description="Byte offset of the tensor's first element in its bucket. Writer: learner. Reader: "
+        "rollout worker.",
+    )
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_ITEMSIZE[self.dtype]
+
+    @model_validator(mode="after")
+    def _check(self) -> "TensorSpec":
+        if math.prod(self.shape) != self.numel:
+            raise FieldError("numel", f"{self.numel} is not the product of shape {self.shape}")
+        return self
+
+
+class WeightAnnouncement(WireModel):
+    """A new policy version is about to be broadcast. Writer: learner. Readers: rollout workers, monitor.
+
+    Invariants: tensor names are unique; each bucket index in [0, num_buckets) is used; tensors of a
+    bucket do not overlap; a bucket ends within `bucket_bytes` unless it holds one tensor only (a tensor
+    larger than a bucket travels alone); `total_bytes` is the sum of the tensors' sizes.
+    """
+
+    schema_version: Literal[1] = Field(
+        default=WEIGHTS_SCHEMA_VERSION, description="Wire version; readers reject others."
+    )
+    version: int = Field(
+        ge=0,
+        description="Policy version of these weights (the learner's optimizer steps so far). Writer: "
+        "learner. Reader: rollout worker (tags the tokens it samples with them).",
+    )
+    manifest: list[TensorSpec] = Field(
+        min_length=1,
+        description="Every tensor sent, in checksum order. Writer: learner. Reader: rollout worker.",
+    )
+    total_bytes: int = Field(
+        ge=0,
+        description="Sum of the tensors' sizes, bytes. Writer: learner. Readers: rollout worker, monitor "
+        "(bandwidth).",
+    )
+    bucket_bytes: int = Field(
+        gt=0,
+        description="Bucket capacity, bytes. Writer: learner. Reader: rollout worker (allocates receive "
+        "buffers).",
+    )
+    num_buckets: int = Field(
+        ge=1,
+        description="Number of broadcasts that carry the weights. Writer: learner. Reader: rollout worker.",
+    )
+    checksum: str = Field(
+        pattern=r"^[0-9a-f]{64}$",
+        description="blake2b-256 hex digest of the tensors' raw bytes in manifest order (see "
+        "`weights_checksum`). Writer: learner. Reader: rollout worker (verifies what it received, reports "
+        "it in its status).",
+    )
+    group_epoch: int = Field(
+        ge=0,
+        description="Generation of the broadcast process group; it increases whenever the group is "
+        "re-formed (a worker left or joined). Writer: learner. Reader: rollout worker (re-joins when it "
+        "changes).",
+    )
+    rendezvous_host: str = Field(
+        min_length=1,
+        description="Host of the learner's TCPStore for this group epoch. Writer: learner. Reader: rollout "
+        "worker.",
+    )
+    rendezvous_port: int = Field(
+        ge=1, le=65535, description="Port of that TCPStore. Writer: learner. Reader: rollout worker."
+    )
+    world_size: int = Field(
+        ge=1,
+        description="Ranks in the broadcast group: the learner (rank 0) plus the workers admitted to this "
+        "epoch. Writer: learner. Reader: rollout worker.",
+    )
+    backend: Literal["gloo", "nccl"] = Field(
+        description="torch.distributed backend of the group: `nccl` on GPU, `gloo` on CPU. Writer: "
+        "learner. Reader: rollout worker."
+    )
+    snapshot_path: str | None = Field(
+        default=None,
+        description="Where a worker that joins late loads the latest weights from (a directory of "
+        "safetensors shards). Writer: learner. Reader: rollout worker. None when no snapshot was written "
+        "yet.",
+    )
+    created_at: float = Field(
+        ge=0,
+        description="Unix time (s) of the announcement. Writer: learner. Readers: rollout worker, monitor "
+        "(sync latency).",
+    )
+
+    def bucket_sizes(self) -> list[int]:
+        """Bytes to receive per bucket: the end of its last tensor."""
+        sizes = [0] * self.num_buckets
+        for spec in self.manifest:
+            sizes[spec.bucket] = max(sizes[spec.bucket], spec.offset + spec.nbytes)
+        return sizes
+
+    @model_validator(mode="after")
+    def _check(self) -> "WeightAnnouncement":
+        names = [spec.name for spec in self.manifest]
+        if len(set(names)) != len(names):
+            duplicate = next(name for name in names if names.count(name) > 1)
+            raise FieldError("manifest", f"tensor name {duplicate!r} appears more than once")
+        if sum(spec.nbytes for spec in self.manifest) != self.total_bytes:
+            raise FieldError("total_bytes", f"{self.total_bytes} is not the manifest's sum of tensor sizes")
+        by_bucket: dict[int, list[tuple[int, int]]] = {}
+        for i, spec in enumerate(self.manifest):
+            if spec.bucket >= self.num_buckets:
+                raise FieldError(
+                    f"manifest[{i}].bucket", f"{spec.bucket} is not below num_buckets={self.num_buckets}"
+                )
+            by_bucket.setdefault(spec.bucket, []).append((spec.offset, i))
+        for bucket in range(self.num_buckets):
+            self._check_bucket(bucket, sorted(by_bucket.get(bucket, [])))
+        return self
+
+    def _check_bucket(self, bucket: int, members: list[tuple[int, int]]) -> None:
+        if not members:
+            raise FieldError("num_buckets", f"bucket {bucket} carries no tensor")
+        end = 0
+        for offset, i in members:
+            if offset < end:
+                raise FieldError(f"manifest[{i}].offset", f"overlaps the previous tensor of bucket {bucket}")
+            end = offset + self.manifest[i].nbytes
+        if end > self.bucket_bytes and len(members) > 1:
+            raise FieldError(
+                "bucket_bytes", f"bucket {bucket} holds {len(members)} tensors and ends at byte {end}"
+            )
