@@ -1,0 +1,22 @@
+"""Lua scripts of the bus: each runs atomically in Redis, so no other client sees a half-done step."""
+
+# Atomic: the duplicate check, the capacity check and the add cannot interleave with another producer, so
+# two feeders racing on one id add it once, and the stream never grows past maxlen.
+# Returns 0 (duplicate), -1 (full), or the new entry id.
+PUBLISH_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('XLEN', KEYS[2]) >= tonumber(ARGV[2]) then return -1 end
+local id = redis.call('XADD', KEYS[2], '*', 'id', ARGV[3], 'payload', ARGV[4])
+redis.call('SET', KEYS[1], id, 'PX', ARGV[1])
+return id
+"""
+
+# XACK first: only an entry still pending is dead-lettered, so a retry after a lost reply (or a race with
+# a consumer that did finish it) records nothing twice. Returns 1 if dead-lettered, 0 if not pending.
+DEAD_LETTER_LUA = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'stream', KEYS[1], 'entry_id', ARGV[2],
+  'id', ARGV[4], 'reason', ARGV[5], 'payload', ARGV[6], 'time_ms', ARGV[7], 'deliveries', ARGV[8])
+redis.call('XDEL', KEYS[1], ARGV[2])
+return 1
+"""

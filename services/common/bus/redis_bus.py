@@ -1,0 +1,398 @@
+"""`RedisBus`: both sides of the bus over Redis Streams (see the package docstring for the guarantees)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.commands.core import Script
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from sparkrl.services.common.bus.lua import DEAD_LETTER_LUA, PUBLISH_LUA
+from sparkrl.services.common.bus.records import (
+    GROUPS,
+    BusBackpressureTimeout,
+    BusUnavailable,
+    DeadLetter,
+    Entry,
+    QueueDepth,
+    StreamKind,
+)
+from sparkrl.services.common.settings import BusSettings
+
+log = logging.getLogger("sparkrl.bus")
+
+T = TypeVar("T")
+_Row = tuple[bytes, dict[bytes, bytes], int]  # (entry id, fields, deliveries including this one)
+
+_BACKOFF_BASE_S = 0.05
+_BACKOFF_CAP_S = 2.0
+_POLL_MAX_S = 0.25  # longest sleep between back-pressure checks
+
+
+class RedisBus:
+    """Both sides of the bus. Thread-safe like a redis-py client (one connection per call, pooled)."""
+
+    settings: BusSettings
+    url: str  # the URL with any password masked, for messages
+    dedup_ttl_s: float  # how long a published id is remembered
+    _redis: redis.Redis
+    _groups_ready: set[str]
+    _publish_script: Script
+    _dead_letter_script: Script
+
+    def __init__(self, settings: BusSettings) -> None:
+        if settings.block_ms >= settings.socket_timeout_s * 1000:
+            raise ValueError(
+                f"bus.block_ms ({settings.block_ms}) must be below bus.socket_timeout_s "
+                f"({settings.socket_timeout_s} s), or every idle blocking read would time out"
+            )
+        self.settings = settings
+        self.url = _mask_password(settings.url)
+        self.dedup_ttl_s = settings.dedup_ttl_s
+        # redis-py's own retries are off: `_run` owns retrying, so its backoff and deadline are the only ones.
+        self._redis = redis.Redis.from_url(
+            settings.url,
+            socket_timeout=settings.socket_timeout_s,
+            socket_connect_timeout=settings.socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+        self._groups_ready = set()
+        self._publish_script = self._redis.register_script(PUBLISH_LUA)
+        self._dead_letter_script = self._redis.register_script(DEAD_LETTER_LUA)
+
+    def close(self) -> None:
+        self._redis.close()
+
+    def __enter__(self) -> RedisBus:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ── keys ──────────────────────────────────────────────────────────────────────────────────────────
+    def stream_key(self, kind: str) -> str:
+        """`{ns}:prompts`, `{ns}:trajectories`, `{ns}:dead`."""
+        return f"{self.settings.namespace}:{kind}"
+
+    def _published_key(self, kind: StreamKind, item_id: str) -> str:
+        return f"{self.settings.namespace}:published:{kind}:{item_id}"
+
+    def _status_key(self, kind: str, member_id: str) -> str:
+        return f"{self.settings.namespace}:status:{kind}:{member_id}"
+
+    def _value_key(self, name: str) -> str:
+        return f"{self.settings.namespace}:value:{name}"
+
+    def _maxlen(self, kind: StreamKind) -> int:
+        return self.settings.prompt_maxlen if kind == "prompts" else self.settings.trajectory_maxlen
+
+    # ── producer side ─────────────────────────────────────────────────────────────────────────────────
+    def publish_prompt(self, prompt_id: str, payload: bytes, timeout_s: float | None = None) -> bool:
+        """Add a prompt unless this prompt id was published before; False for a duplicate."""
+        return self._publish("prompts", prompt_id, payload, timeout_s)
+
+    def publish_group(self, group_id: str, payload: bytes, timeout_s: float | None = None) -> bool:
+        """Add a trajectory group unless this group id was published before; False for a duplicate."""
+        return self._publish("trajectories", group_id, payload, timeout_s)
+
+    def _publish(self, kind: StreamKind, item_id: str, payload: bytes, timeout_s: float | None) -> bool:
+        """Wait while the stream is full (bounded polls, up to timeout_s), then add atomically.
+
+        A reply lost to a dropped connection is retried; the retry then finds the id already published
+        and returns False, but the entry is in the stream: nothing is lost or doubled.
+        """
+        timeout_s = self.settings.publish_timeout_s if timeout_s is None else timeout_s
+        key, maxlen = self.stream_key(kind), self._maxlen(kind)
+        keys = [self._published_key(kind, item_id), key]
+        args = [int(self.dedup_ttl_s * 1000), maxlen, item_id, payload]
+        deadline = time.monotonic() + timeout_s
+        delay = 0.01
+        while True:
+            result = self._run(lambda: self._publish_script(keys=keys, args=args), kind)
+            if result != -1:
+                return result != 0
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BusBackpressureTimeout(
+                    f"{key} held {maxlen} unread or pending entries for {timeout_s:.1f} s; "
+                    f"is consumer group {GROUPS[kind]!r} running and acknowledging?"
+                )
+            log.debug("%s is full (%d entries): waiting for group %r", key, maxlen, GROUPS[kind])
+            time.sleep(min(delay, remaining))
+            delay = min(delay * 2, _POLL_MAX_S)
+
+    # ── consumer side ─────────────────────────────────────────────────────────────────────────────────
+    def read(self, kind: StreamKind, consumer: str, count: int, block_ms: int | None = None) -> list[Entry]:
+        """Up to `count` entries: first ones reclaimed from dead consumers, then new ones.
+
+        Blocks up to block_ms (default settings.block_ms; 0: not at all) only when nothing was reclaimed.
+        An entry delivered more than max_deliveries times is dead-lettered here, not returned.
+        """
+        if count < 1:
+            raise ValueError(f"count must be ≥ 1, got {count}")
+        block = self._block_ms(block_ms)
+        rows = self._run(lambda: self._reclaim(kind, consumer, count), kind)
+        entries = self._screen(kind, rows)
+        if len(entries) < count:
+            # Reclaimed work should start now, so only an empty hand waits for new entries.
+            wait = None if entries or block == 0 else block
+            fresh = self._run(lambda: self._read_new(kind, consumer, count - len(entries), wait), kind)
+            entries.extend(self._screen(kind, fresh))
+        return entries
+
+    def read_decoded(
+        self,
+        kind: StreamKind,
+        consumer: str,
+        count: int,
+        decode: Callable[[bytes], T],
+        block_ms: int | None = None,
+    ) -> list[tuple[Entry, T]]:
+        """`read`, then decode each payload; one that fails to decode is dead-lettered with the error."""
+        decoded: list[tuple[Entry, T]] = []
+        for entry in self.read(kind, consumer, count, block_ms):
+            try:
+                value = decode(entry.payload)
+            except Exception as exc:  # any decoder failure means a malformed message, not a bus fault
+                self.dead_letter(kind, entry, str(exc) or type(exc).__name__)
+                continue
+            decoded.append((entry, value))
+        return decoded
+
+    def ack(self, kind: StreamKind, entry_ids: list[str]) -> int:
+        """Acknowledge and delete (one transaction); returns how many were still pending."""
+        if not entry_ids:
+            return 0
+        key, group = self.stream_key(kind), GROUPS[kind]
+
+        def ack_and_delete() -> int:
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.xack(key, group, *entry_ids)
+            pipe.xdel(key, *entry_ids)
+            acked, _ = pipe.execute()
+            return int(acked)
+
+        return self._run(ack_and_delete, kind)
+
+    def touch(self, kind: StreamKind, consumer: str, entry_ids: list[str]) -> int:
+        """Reset the idle time of entries `consumer` still works on, so nobody (itself included) reclaims
+        them; for a consumer that holds entries longer than claim_idle_ms. Returns how many were pending.
+        """
+        if not entry_ids:
+            return 0
+        key, group = self.stream_key(kind), GROUPS[kind]
+
+        # JUSTID: a keep-alive is not a delivery, so it leaves the delivery count alone.
+        def keep_alive() -> list[bytes]:
+            return self._redis.xclaim(key, group, consumer, 0, entry_ids, justid=True)
+
+        return len(self._run(keep_alive, kind))
+
+    def dead_letter(self, kind: StreamKind, entry: Entry, reason: str) -> bool:
+        """Move an entry to `{ns}:dead` with its reason, ack and delete it (atomic); False if not pending."""
+        log.warning("dead-lettering %s entry %s (%s): %s", kind, entry.entry_id, entry.item_id, reason)
+        keys = [self.stream_key(kind), self.stream_key("dead")]
+        args = [
+            GROUPS[kind],
+            entry.entry_id,
+            self.settings.dead_letter_maxlen,
+            entry.item_id,
+            reason,
+            entry.payload,
+            int(time.time() * 1000),
+            entry.deliveries,
+        ]
+        return self._run(lambda: self._dead_letter_script(keys=keys, args=args), kind) == 1
+
+    def dead_letters(self, count: int = 100) -> list[DeadLetter]:
+        """The newest `count` dead letters, newest first."""
+        rows = self._run(lambda: self._redis.xrevrange(self.stream_key("dead"), count=count))
+        return [DeadLetter.from_fields(fields) for _, fields in rows]
+
+    def pending_info(self, kind: StreamKind) -> QueueDepth:
+        """(lag, pending) of the stream's consumer group."""
+        key, group = self.stream_key(kind), GROUPS[kind]
+
+        def query() -> QueueDepth:
+            pipe = self._redis.pipeline(transaction=True)
+            pipe.xinfo_groups(key)
+            pipe.xlen(key)
+            groups, length = pipe.execute()
+            info = next((g for g in groups if _text(g["name"]) == group), None)
+            if info is None:
+                return QueueDepth(lag=int(length), pending=0)
+            pending = int(info["pending"])
+            # Redis reports lag as nil after some deletions; since acked entries are deleted, the stream
+            # holds exactly the undelivered plus the pending ones, so the difference is the same number.
+            lag = info.get("lag")
+            return QueueDepth(lag=int(length) - pending if lag is None else int(lag), pending=pending)
+
+        return self._run(query, kind)
+
+    def _reclaim(self, kind: StreamKind, consumer: str, count: int) -> list[_Row]:
+        """XAUTOCLAIM entries idle > claim_idle_ms from any consumer, this one included."""
+        key, group = self.stream_key(kind), GROUPS[kind]
+        claimed: list[tuple[bytes, dict[bytes, bytes]]] = []
+        cursor: bytes | str = "0-0"
+        # Walk the whole pending list (it holds only in-flight entries, so it is short): a busy head must
+        # not hide idle entries behind it.
+        while len(claimed) < count:
+            reply = self._redis.xautoclaim(
+                key, group, consumer, self.settings.claim_idle_ms, start_id=cursor, count=count - len(claimed)
+            )
+            cursor = reply[0]
+            claimed.extend((entry_id, fields) for entry_id, fields in reply[1] if fields is not None)
+            if _text(cursor) == "0-0":
+                break
+        if not claimed:
+            return []
+        pipe = self._redis.pipeline(transaction=False)
+        for entry_id, _ in claimed:
+            pipe.xpending_range(key, group, min=entry_id, max=entry_id, count=1)
+        rows = []
+        for (entry_id, fields), pending in zip(claimed, pipe.execute(), strict=True):
+            if pending:  # empty: acknowledged by its slow owner since the claim; nothing left to do
+                rows.append((entry_id, fields, int(pending[0]["times_delivered"])))
+        return rows
+
+    def _read_new(self, kind: StreamKind, consumer: str, count: int, block_ms: int | None) -> list[_Row]:
+        reply = self._redis.xreadgroup(
+            GROUPS[kind], consumer, {self.stream_key(kind): ">"}, count=count, block=block_ms
+        )
+        if isinstance(reply, dict):  # RESP3 answers a map
+            reply = list(reply.items())
+        return [(entry_id, fields, 1) for _, batch in reply or [] for entry_id, fields in batch]
+
+    def _screen(self, kind: StreamKind, rows: list[_Row]) -> list[Entry]:
+        """Rows → entries; dead-letter the over-delivered and the malformed instead of returning them."""
+        entries = []
+        for entry_id, fields, deliveries in rows:
+            entry = Entry(
+                entry_id=_text(entry_id),
+                item_id=_text(fields.get(b"id", b"")),
+                payload=fields.get(b"payload", b""),
+                deliveries=deliveries,
+            )
+            if b"payload" not in fields or b"id" not in fields:
+                self.dead_letter(kind, entry, f"entry lacks the 'id' or 'payload' field: {sorted(fields)}")
+            elif deliveries > self.settings.max_deliveries:
+                self.dead_letter(kind, entry, f"delivered {deliveries - 1} times without ack")
+            else:
+                entries.append(entry)
+        return entries
+
+    # ── status, presence, announcements ───────────────────────────────────────────────────────────────
+    def put_status(self, kind: str, member_id: str, payload_json: str, ttl_s: float) -> None:
+        """Publish a member's status; it vanishes ttl_s after the last put, so a dead member disappears."""
+        if ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        key = self._status_key(kind, member_id)
+        self._run(lambda: self._redis.set(key, payload_json, px=max(1, int(ttl_s * 1000))))
+
+    def statuses(self, kind: str) -> dict[str, str]:
+        """member id → status JSON of every live member of `kind` (SCAN, so it never blocks Redis)."""
+        prefix = self._status_key(kind, "")
+
+        def query() -> dict[str, str]:
+            keys = list(self._redis.scan_iter(match=_glob_escape(prefix) + "*", count=1000))
+            values = self._redis.mget(keys) if keys else []
+            # A key may expire between SCAN and MGET: its value comes back nil and it is skipped.
+            return {
+                _text(k)[len(prefix) :]: _text(v) for k, v in zip(keys, values, strict=True) if v is not None
+            }
+
+        return self._run(query)
+
+    def set_value(self, name: str, payload: str | bytes, ttl_s: float | None = None) -> None:
+        """A named value (weight-sync announcement, control state); ttl_s None keeps it."""
+        px = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        self._run(lambda: self._redis.set(self._value_key(name), payload, px=px))
+
+    def get_value(self, name: str) -> bytes | None:
+        return self._run(lambda: self._redis.get(self._value_key(name)))
+
+    # ── plumbing ──────────────────────────────────────────────────────────────────────────────────────
+    def _block_ms(self, block_ms: int | None) -> int:
+        block = self.settings.block_ms if block_ms is None else block_ms
+        if not 0 <= block < self.settings.socket_timeout_s * 1000:
+            raise ValueError(f"block_ms must be in [0, socket timeout {self.settings.socket_timeout_s} s)")
+        return block
+
+    def _ensure_group(self, kind: StreamKind) -> None:
+        # Created at id 0, so prompts fed before any worker started (or re-added after Redis lost the
+        # group) are all delivered.
+        try:
+            self._redis.xgroup_create(self.stream_key(kind), GROUPS[kind], id="0", mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+        self._groups_ready.add(kind)
+
+    def _run(self, call: Callable[[], T], kind: StreamKind | None = None) -> T:
+        """Run `call`; on connection loss retry with exponential backoff + jitter for reconnect_max_s."""
+        failing_since: float | None = None
+        attempt = 0
+        regrouped = False
+        while True:
+            try:
+                if kind is not None and kind not in self._groups_ready:
+                    self._ensure_group(kind)
+                result = call()
+            except ResponseError as exc:
+                # A Redis that restarted without persistence, or was flushed, lost the group: recreate it.
+                if kind is None or regrouped or not _is_missing_group(exc):
+                    raise
+                log.warning("consumer group %r vanished from %s; recreating it", GROUPS[kind], self.url)
+                self._groups_ready.discard(kind)
+                regrouped = True
+                continue
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                now = time.monotonic()
+                failing_since = now if failing_since is None else failing_since
+                waited = now - failing_since
+                if waited >= self.settings.reconnect_max_s:
+                    raise BusUnavailable(
+                        f"Redis at {self.url} unreachable for {waited:.1f} s "
+                        f"(bus.reconnect_max_s={self.settings.reconnect_max_s}): {exc}"
+                    ) from exc
+                backoff = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**attempt) * random.uniform(0.5, 1.0)
+                delay = min(backoff, self.settings.reconnect_max_s - waited)
+                attempt += 1
+                log.warning("Redis at %s: %s; reconnect attempt %d in %.2f s", self.url, exc, attempt, delay)
+                time.sleep(delay)
+                continue
+            if failing_since is not None:
+                log.info("reconnected to %s after %.1f s", self.url, time.monotonic() - failing_since)
+            return result
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _is_missing_group(exc: ResponseError) -> bool:
+    message = str(exc)
+    return "NOGROUP" in message or "no such key" in message
+
+
+def _glob_escape(text: str) -> str:
+    """Escape SCAN MATCH metacharacters, so a namespace like `run[1]` matches only itself."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _mask_password(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
+    return urlunsplit(parts._replace(netloc=netloc))
