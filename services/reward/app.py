@@ -1,0 +1,173 @@
+"""The reward service: `POST /score` verifies a batch of completions in a pool of verifier processes.
+
+One process, one event loop. The loop only parses, dispatches and answers; every verification runs in
+the pool (`pool.py`), which enforces each item's time limit by killing the stuck worker, so no input can
+stall the loop or take the service down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from dataclasses import asdict
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from sparkrl.proto.reward import RewardRequest, RewardResponse, RewardResult
+from sparkrl.services.common.settings import RewardSettings
+from sparkrl.services.reward.metrics import RewardMetrics
+from sparkrl.services.reward.pool import VerifierPool
+from sparkrl.services.reward.verifiers import load_custom_verifiers, registry
+
+log = logging.getLogger("sparkrl.reward")
+
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
+
+# In-flight requests get this long after SIGTERM before uvicorn cancels them and the pool is closed.
+_GRACEFUL_SHUTDOWN_S = 5
+
+
+class BodyLimit:
+    """Answer 413 to a body over `max_bytes`, before anything parses it (declared or chunked length).
+
+    The body is buffered here (at most `max_bytes`) and replayed to the app, so the limit also holds for
+    chunked uploads that declare no Content-Length.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._reject(send, f"{int(declared)} bytes")
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break  # the client went away; the app sees an empty body and the disconnect after it
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._reject(send, f"over {self.max_bytes} bytes")
+                return
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, send: Send, size: str) -> None:
+        limit = f"the limit is {self.max_bytes} bytes (reward.max_request_bytes)"
+        response = JSONResponse({"detail": f"request body is {size}; {limit}"}, status_code=413)
+        await response({"type": "http"}, _no_body, send)
+
+
+async def _no_body() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def _unknown_tasks(request: RewardRequest, known: list[str]) -> list[dict[str, Any]]:
+    """Pydantic-shaped 422 entries for items naming a task the registry lacks."""
+    return [
+        {
+            "type": "unknown_task",
+            "loc": ["body", "items", index, "task"],
+            "msg": f"unknown task {item.task!r}; known tasks: {', '.join(known)}",
+            "input": item.task,
+        }
+        for index, item in enumerate(request.items)
+        if item.task not in known
+    ]
+
+
+def create_app(settings: RewardSettings) -> FastAPI:
+    """The app and its pool (started and closed by the app's lifespan). Raises on a bad custom verifier."""
+    load_custom_verifiers(settings.custom_verifiers)
+    verifiers = registry()
+    known = sorted(verifiers)
+    pool = VerifierPool(settings.verifier_processes, verifiers)
+    metrics = RewardMetrics(pool.stats)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        pool.start()
+        log.info("reward service ready: verifiers %s, %d processes", known, settings.verifier_processes)
+        try:
+            yield
+        finally:
+            pool.close()
+            log.info("reward service stopped: verifier pool closed")
+
+    app = FastAPI(title="sparkrl reward service", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+
+    @app.post("/score", response_model=RewardResponse)
+    async def score(request: RewardRequest) -> RewardResponse | JSONResponse:
+        """Score every item in parallel across the pool; results come back in request order."""
+        unknown = _unknown_tasks(request, known)
+        if unknown:
+            return JSONResponse({"detail": unknown}, status_code=422)
+        started = time.monotonic()
+        timeout_s = request.timeout_s or settings.item_timeout_s
+        futures = [
+            asyncio.wrap_future(
+                pool.submit(item.task, item.completion, item.answer, item.task_data, timeout_s)
+            )
+            for item in request.items
+        ]
+        results: list[RewardResult] = await asyncio.gather(*futures)
+        metrics.observe(request.items, results, time.monotonic() - started)
+        return RewardResponse(results=results)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "verifiers": known, "pool": asdict(pool.stats())}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def main(settings: RewardSettings) -> None:
+    """Serve until SIGTERM/SIGINT; uvicorn turns either into a graceful shutdown that closes the pool."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        access_log=False,
+        timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+    )
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:
+        # uvicorn re-raises a caught SIGINT after its graceful shutdown (pool closed); exit without a trace.
+        log.info("reward service interrupted")
