@@ -143,6 +143,12 @@ class WeightAnnouncement(WireModel):
         description="Ranks in the broadcast group: the learner (rank 0) plus the workers admitted to this "
         "epoch. Writer: learner. Reader: rollout worker.",
     )
+    members: list[str] = Field(
+        default_factory=list,
+        description="Worker ids admitted to this epoch, in rank order: worker `members[i]` is rank i + 1. "
+        "Writer: learner. Reader: rollout worker (a worker not listed waits for a later epoch; it may load "
+        "`snapshot_path` meanwhile).",
+    )
     backend: Literal["gloo", "nccl"] = Field(
         description="torch.distributed backend of the group: `nccl` on GPU, `gloo` on CPU. Writer: "
         "learner. Reader: rollout worker."
@@ -168,6 +174,12 @@ class WeightAnnouncement(WireModel):
 
     @model_validator(mode="after")
     def _check(self) -> "WeightAnnouncement":
+        if self.world_size != len(self.members) + 1:
+            raise FieldError(
+                "world_size", f"{self.world_size} is not 1 (learner) + {len(self.members)} members"
+            )
+        if len(set(self.members)) != len(self.members):
+            raise FieldError("members", "a worker id appears more than once")
         names = [spec.name for spec in self.manifest]
         if len(set(names)) != len(names):
             duplicate = next(name for name in names if names.count(name) > 1)

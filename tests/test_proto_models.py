@@ -239,6 +239,7 @@ def announcement(**change: object) -> dict:
         "rendezvous_host": "learner",
         "rendezvous_port": 29500,
         "world_size": 3,
+        "members": ["worker-a", "worker-b"],
         "backend": "gloo",
         "created_at": 1.7e9,
     }

@@ -1,0 +1,168 @@
+"""One epoch's broadcast group, the rendezvous keys both sides write, and the errors they raise.
+
+The learner hosts a `TCPStore`; every key below lives in it. A group epoch is one membership: rank 0 is
+the learner, ranks 1..N are the members in announced order. A process group is never re-formed under the
+same epoch (gloo's own rendezvous keys stay in the store under the epoch's prefix and would be reused),
+so any change of membership, and any failure, moves to a new epoch.
+"""
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from functools import partial
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+# The common base of ProcessGroupGloo and ProcessGroupNCCL; torch exports it only from its C module.
+from torch._C._distributed_c10d import Backend as C10dBackend
+
+Backend = Literal["gloo", "nccl"]
+Phase = Literal["join", "connect", "transfer", "verify"]
+
+START_GO = b"go"
+START_ABORT = b"abort"
+ACK_OK = b"ok"
+
+
+class SyncFailed(RuntimeError):
+    """A weight sync did not complete. The group of `epoch` is gone; the next sync needs a new epoch.
+
+    `phase` is where it failed: `join` (members never wrote their joined key), `connect` (forming the
+    process group), `transfer` (a bucket broadcast failed or timed out), `verify` (checksum mismatch or
+    no acknowledgement). `missing` names the members to drop from the next epoch when they are known:
+    the ones that never joined, or never acknowledged (a member blocked behind a hung one may be among
+    them). Empty when the failure cannot be pinned on a member.
+    """
+
+    reason: str
+    epoch: int
+    phase: Phase
+    missing: list[str]
+
+    def __init__(self, message: str, *, epoch: int, phase: Phase, missing: Sequence[str] = ()) -> None:
+        detail = f"; missing: {', '.join(missing)}" if missing else ""
+        super().__init__(f"weight sync failed in epoch {epoch} ({phase}): {message}{detail}")
+        self.reason = message
+        self.epoch = epoch
+        self.phase = phase
+        self.missing = list(missing)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Keyword-only fields: the default exception pickling would call __init__ with the message alone.
+        rebuild = partial(type(self), self.reason, epoch=self.epoch, phase=self.phase, missing=self.missing)
+        return (rebuild, ())
+
+
+class NotAMember(SyncFailed):
+    """This worker is not in the epoch's member list: it must not join (it waits for a later epoch)."""
+
+
+def joined_key(epoch: int, member: str) -> str:
+    """Written by a member (value b"1") before it forms the epoch's group; read by the learner."""
+    return f"epoch/{epoch}/joined/{member}"
+
+
+def start_key(epoch: int) -> str:
+    """Written by the learner: START_GO once every member joined, START_ABORT when some never did."""
+    return f"epoch/{epoch}/start"
+
+
+def ack_key(epoch: int, version: int, member: str) -> str:
+    """Written by a member after it verified `version`: ACK_OK or b"bad <checksum it computed>"."""
+    return f"epoch/{epoch}/ack/{version}/{member}"
+
+
+def connect_store(host: str, port: int, timeout: timedelta, *, is_master: bool) -> dist.TCPStore:
+    """The learner hosts (port 0 picks a free one); workers connect. `timeout` bounds every store wait."""
+    return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=timeout)
+
+
+def missing_keys(store: dist.Store, keys: dict[str, str], timeout: timedelta) -> list[str]:
+    """Waits up to `timeout` for every key; returns the names whose key never appeared."""
+    try:
+        store.wait(list(keys.values()), timeout)
+        return []
+    except dist.DistStoreError:
+        return [name for name, key in keys.items() if not store.check([key])]
+
+
+def bucket_device(backend: Backend) -> torch.device:
+    """Where buckets live: host memory for gloo, the current GPU for NCCL."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+@contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = previous
+
+
+def _new_backend(
+    store: dist.Store, rank: int, size: int, backend: Backend, timeout: timedelta
+) -> C10dBackend:
+    if backend == "gloo":
+        # Blocks until all `size` ranks connected, or raises after `timeout`.
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    from torch.distributed import ProcessGroupNCCL  # present only in CUDA builds of torch
+
+    options = ProcessGroupNCCL.Options(is_high_priority_stream=False)
+    options._timeout = timeout
+    # By default NCCL's watchdog tears the whole process down when a collective times out; a hung worker
+    # must cost the learner one failed sync, not its life. Read once, in this constructor.
+    with _env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0"):
+        return ProcessGroupNCCL(store, rank, size, options)
+
+
+class EpochGroup:
+    """The broadcast process group of one epoch, separate from any default group (DeepSpeed's)."""
+
+    epoch: int
+    rank: int
+    size: int
+    backend: Backend
+    device: torch.device
+    timeout: timedelta
+    _pg: C10dBackend
+
+    def __init__(
+        self, store: dist.Store, epoch: int, rank: int, size: int, backend: Backend, timeout: timedelta
+    ) -> None:
+        self.epoch = epoch
+        self.rank = rank
+        self.size = size
+        self.backend = backend
+        self.device = bucket_device(backend)
+        self.timeout = timeout
+        self._pg = _new_backend(
+            dist.PrefixStore(f"epoch/{epoch}/group/", store), rank, size, backend, timeout
+        )
+
+    def broadcast(self, bucket: Tensor) -> dist.Work:
+        """Starts broadcasting `bucket` from the learner (rank 0) in place; every rank calls it in order."""
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        options.rootTensor = 0
+        # The per-collective timeout is what turns a hung peer into an error instead of a hang.
+        options.timeout = self.timeout
+        return self._pg.broadcast([bucket], options)
+
+    def wait(self, work: dist.Work) -> None:
+        """Blocks until `work` completes; raises (a dead peer fast, a hung one after `timeout`)."""
+        # With a timeout, NCCL's wait blocks the CPU thread (not only the stream) and raises when it
+        # expires; gloo's op has already failed by then through its own timeout.
+        work.wait(self.timeout)
+
+    def abort(self) -> None:
+        """Closes the group's connections; peers blocked in a collective with this rank fail fast."""
+        self._pg.abort()

@@ -1,0 +1,200 @@
+"""The rollout worker's side: join the announced epoch's group, receive the buckets, verify, unpack."""
+
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from sparkrl.proto import WeightAnnouncement
+from sparkrl.proto import weights_checksum as checksum_of_bytes
+from sparkrl.services.common.weight_sync.group import (
+    ACK_OK,
+    START_GO,
+    Backend,
+    EpochGroup,
+    NotAMember,
+    SyncFailed,
+    ack_key,
+    connect_store,
+    joined_key,
+    start_key,
+)
+from sparkrl.services.common.weight_sync.manifest import raw_bytes, tensor_view, unpack
+
+
+class WeightReceiver:
+    """Receives announced versions (into fresh buckets unless `reuse_buffers`); keeps the epoch's group
+    between versions.
+
+    `timeout_s` bounds every wait (the learner starting the epoch, forming the group, each bucket), so a
+    dead or hung learner costs one failed `receive`, never a hang. Any failure drops the group and the
+    store connection, so the next epoch starts clean.
+    """
+
+    worker_id: str
+    backend: Backend
+    timeout: timedelta
+    reuse_buffers: bool
+    _store: dist.TCPStore | None
+    _address: tuple[str, int] | None
+    _group: EpochGroup | None
+    _buckets: list[Tensor]  # kept between receives only with reuse_buffers
+
+    def __init__(
+        self,
+        worker_id: str,
+        *,
+        backend: Backend = "gloo",
+        timeout_s: float = 60.0,
+        reuse_buffers: bool = False,
+    ) -> None:
+        """`reuse_buffers`: receive every version into the same buckets. Fresh buckets cost page faults
+        that halve gloo's throughput here, but with reuse the tensors `receive` returned are overwritten
+        by the next `receive`, even one that fails: only for a caller that copies them into its engine
+        before receiving again."""
+        self.worker_id = worker_id
+        self.backend = backend
+        self.timeout = timedelta(seconds=timeout_s)
+        self.reuse_buffers = reuse_buffers
+        self._store = None
+        self._address = None
+        self._group = None
+        self._buckets = []
+
+    def receive(self, announcement: WeightAnnouncement) -> dict[str, Tensor]:
+        """The announced weights, in manifest order, checksum verified.
+
+        `announcement.members` lists the epoch in rank order (rank i + 1 = members[i]). The tensors are
+        views into freshly received buckets (no copy), on the CPU for gloo and on the current GPU for NCCL.
+        Raises NotAMember (joining nothing) when this worker is not listed, SyncFailed on any failure.
+        """
+        epoch, members = announcement.group_epoch, announcement.members
+        if self.worker_id not in members:
+            self.close()  # excluded: whatever group this worker held is not the learner's any more
+            raise NotAMember(f"{self.worker_id} is not a member", epoch=epoch, phase="join")
+        if announcement.world_size != len(members) + 1 or announcement.backend != self.backend:
+            raise ValueError(
+                f"announcement (world_size {announcement.world_size}, {announcement.backend}) does not fit "
+                f"{len(members)} members on {self.backend}"
+            )
+        try:
+            store, group = self._connection(announcement, rank=list(members).index(self.worker_id) + 1)
+            tensors, checksum = self._receive_buckets(group, announcement)
+            verified = checksum == announcement.checksum
+            # The learner waits for one acknowledgement per member; a mismatch is acknowledged too, so
+            # the learner learns it now rather than at its timeout.
+            ack = ACK_OK if verified else f"bad {checksum}".encode()
+            store.set(ack_key(epoch, announcement.version, self.worker_id), ack)
+        except SyncFailed:
+            self.close()
+            raise
+        except RuntimeError as exc:  # gloo/NCCL errors and timeouts, store errors
+            self.close()
+            raise SyncFailed(str(exc), epoch=epoch, phase="transfer") from exc
+        except BaseException:  # a group left with receives posted must never be reused
+            self.close()
+            raise
+        if not verified:
+            self.close()
+            raise SyncFailed(f"checksum mismatch: got {checksum}", epoch=epoch, phase="verify")
+        return tensors
+
+    def close(self) -> None:
+        """Drops the group and the store connection."""
+        if self._group is not None:
+            self._group.abort()
+        self._group = None
+        self._store = None
+        self._address = None
+
+    def __enter__(self) -> "WeightReceiver":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _connection(self, announcement: WeightAnnouncement, rank: int) -> tuple[dist.TCPStore, EpochGroup]:
+        """The store and the epoch's group: the ones held when they still fit, else joined afresh."""
+        epoch = announcement.group_epoch
+        address = (announcement.rendezvous_host, announcement.rendezvous_port)
+        group, store = self._group, self._store
+        wanted = (address, epoch, rank, announcement.world_size)
+        if group is not None and store is not None:
+            held = (self._address, group.epoch, group.rank, group.size)
+            if held == wanted and _learner_still_there(store, epoch):
+                return store, group
+        self.close()
+        try:
+            store = connect_store(*address, self.timeout, is_master=False)
+        except RuntimeError as exc:
+            raise SyncFailed(f"cannot reach the learner's store: {exc}", epoch=epoch, phase="join") from exc
+        self._store, self._address = store, address
+        # Joined key first: the learner reads these keys to name the members that never showed up.
+        store.set(joined_key(epoch, self.worker_id), b"1")
+        try:
+            store.wait([start_key(epoch)], self.timeout)
+        except dist.DistStoreError as exc:
+            raise SyncFailed(
+                "the learner did not start the epoch in time", epoch=epoch, phase="join"
+            ) from exc
+        if store.get(start_key(epoch)) != START_GO:
+            raise SyncFailed("the learner aborted the epoch: members were missing", epoch=epoch, phase="join")
+        try:
+            self._group = EpochGroup(store, epoch, rank, announcement.world_size, self.backend, self.timeout)
+        except RuntimeError as exc:
+            raise SyncFailed(f"forming the group failed: {exc}", epoch=epoch, phase="connect") from exc
+        return store, self._group
+
+    def _receive_buckets(
+        self, group: EpochGroup, announcement: WeightAnnouncement
+    ) -> tuple[dict[str, Tensor], str]:
+        sizes = announcement.bucket_sizes()
+        buckets = self._bucket_buffers(sizes, group.device)
+        # Every receive is posted up front (gloo runs them in order on its own threads), so hashing an
+        # arrived bucket overlaps receiving the next ones.
+        works = [
+            group.broadcast(bucket) if size else None for bucket, size in zip(buckets, sizes, strict=True)
+        ]
+        checksum = checksum_of_bytes(_bytes_as_they_arrive(group, works, buckets, announcement))
+        return unpack(buckets, announcement.manifest), checksum
+
+    def _bucket_buffers(self, sizes: list[int], device: torch.device) -> list[Tensor]:
+        held = [(bucket.numel(), bucket.device) for bucket in self._buckets]
+        if self.reuse_buffers and held == [(size, device) for size in sizes]:
+            return self._buckets
+        buckets = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+        self._buckets = buckets if self.reuse_buffers else []
+        return buckets
+
+
+def _learner_still_there(store: dist.TCPStore, epoch: int) -> bool:
+    # A restarted learner has a new store: the old connection errors, or the epoch was never started.
+    try:
+        return store.check([start_key(epoch)])
+    except RuntimeError:
+        return False
+
+
+def _bytes_as_they_arrive(
+    group: EpochGroup, works: list[dist.Work | None], buckets: list[Tensor], announcement: WeightAnnouncement
+) -> Iterator[memoryview]:
+    """Each tensor's bytes in manifest order, waiting for buckets in bucket order as they are needed.
+
+    Waiting in bucket order keeps each wait's timeout about one bucket long: every earlier bucket has
+    already arrived when a wait starts. A GPU bucket is copied to the host once, not tensor by tensor.
+    """
+    arrived = 0
+    host: tuple[int, Tensor] = (-1, buckets[0])
+    for spec in announcement.manifest:
+        while arrived <= spec.bucket:
+            if works[arrived] is not None:
+                group.wait(works[arrived])
+            arrived += 1
+        if host[0] != spec.bucket:
+            host = (spec.bucket, buckets[spec.bucket].cpu())
+        yield raw_bytes(tensor_view(host[1], spec))
+    for work in works[arrived:]:
+        if work is not None:
+            group.wait(work)
