@@ -1,0 +1,131 @@
+"""Run reports from `RUN_DIR/metrics.jsonl`: the live progress line of `sparkrl up` and the final summary."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+
+def tail_bytes(path: Path, max_bytes: int) -> bytes:
+    """The last `max_bytes` of a file (empty when it does not exist yet)."""
+    try:
+        with path.open("rb") as file:
+            file.seek(max(0, file.seek(0, os.SEEK_END) - max_bytes))
+            return file.read()
+    except FileNotFoundError:
+        return b""
+
+
+def _read_records(path: Path, max_bytes: int = 1 << 40) -> list[dict[str, Any]]:
+    records = []
+    for raw in tail_bytes(path, max_bytes).splitlines():
+        # A line cut by the tail window, or still being written by the learner, is skipped.
+        with contextlib.suppress(ValueError):
+            record = json.loads(raw)
+            if isinstance(record, dict):
+                records.append(record)
+    return records
+
+
+def _worker_key(name: str) -> tuple[str, int]:
+    match = re.fullmatch(r"(.*?)(\d+)", name)
+    return (match.group(1), int(match.group(2))) if match else (name, -1)
+
+
+def _versions_text(versions: dict[str, Any]) -> str:
+    # `worker-3` → `w3`: the line must fit a terminal with a dozen workers.
+    short = {w: re.sub(r"^worker-(\d+)$", r"w\1", w) for w in versions}
+    return " ".join(f"{short[w]}:{versions[w]}" for w in sorted(versions, key=_worker_key))
+
+
+def _number(record: dict[str, Any], key: str) -> float | None:
+    value = record.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def progress_line(run_dir: Path | str, max_steps: int | None = None) -> str | None:
+    """`step 12/40 | reward 0.31 | entropy 1.23 | loss -0.004 | versions w0:11 w1:12 | sync 0.21s`.
+
+    From the last complete line of `RUN_DIR/metrics.jsonl` (only its tail is read); None before the
+    first step. Without `max_steps` (`learner.max_steps`) the step has no total.
+    """
+    records = _read_records(Path(run_dir) / "metrics.jsonl", max_bytes=65_536)
+    if not records:
+        return None
+    record = records[-1]
+    parts = [f"step {record.get('step', '?')}" + (f"/{max_steps}" if max_steps else "")]
+    for key, label, spec in (
+        ("reward_mean", "reward", ".2f"),
+        ("entropy", "entropy", ".2f"),
+        ("loss", "loss", ".3g"),
+    ):
+        value = _number(record, key)
+        if value is not None:
+            parts.append(f"{label} {value:{spec}}")
+    if isinstance(record.get("worker_versions"), dict) and record["worker_versions"]:
+        parts.append(f"versions {_versions_text(record['worker_versions'])}")
+    sync = _number(record, "sync_seconds")
+    if sync is not None:
+        parts.append(f"sync {sync:.2f}s")
+    return " | ".join(parts)
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def _wall_seconds(run_dir: Path) -> float | None:
+    # From the launch (the learner's config is written just before the first spawn) to its last metrics.
+    try:
+        started = (run_dir / "config" / "learner.yaml").stat().st_mtime
+        return round((run_dir / "metrics.jsonl").stat().st_mtime - started, 1)
+    except FileNotFoundError:
+        return None
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "n/a" if value is None else f"{value:{spec}}"
+
+
+def summarize(run_dir: Path | str) -> str:
+    """A few lines on the run from `metrics.jsonl`; the same facts go to `RUN_DIR/summary.json`."""
+    run_dir = Path(run_dir)
+    records = _read_records(run_dir / "metrics.jsonl")
+    last = records[-1] if records else {}
+    fifth = max(1, math.ceil(0.2 * len(records)))
+    checkpoints = run_dir / "checkpoints"
+    summary = {
+        "run_dir": str(run_dir),
+        "steps": last.get("step", len(records)),
+        "wall_seconds": _wall_seconds(run_dir),
+        "reward_mean_first_20pct": _mean([_number(r, "reward_mean") for r in records[:fifth]]),
+        "reward_mean_last_20pct": _mean([_number(r, "reward_mean") for r in records[-fifth:]]),
+        "final_entropy": _number(last, "entropy"),
+        "policy_version": last.get("policy_version"),
+        "worker_versions": last.get("worker_versions") or {},
+        "checkpoints_dir": str(checkpoints),
+        "checkpoints": sorted(p.name for p in checkpoints.iterdir()) if checkpoints.is_dir() else [],
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    wall = summary["wall_seconds"]
+    versions = _versions_text(summary["worker_versions"]) or "none reported"
+    return "\n".join(
+        [
+            f"run {run_dir}: {summary['steps']} steps" + (f" in {wall:.1f}s" if wall is not None else ""),
+            f"  reward mean: {_fmt(summary['reward_mean_first_20pct'])} (first 20% of steps)"
+            f" → {_fmt(summary['reward_mean_last_20pct'])} (last 20%)",
+            f"  final entropy: {_fmt(summary['final_entropy'])}",
+            f"  versions: learner {summary['policy_version']} | workers {versions}",
+            f"  checkpoints: {checkpoints}/ ({', '.join(summary['checkpoints']) or 'none'})",
+            f"  summary: {run_dir / 'summary.json'}",
+        ]
+    )
+
+
+# ── sparkrl up ────────────────────────────────────────────────────────────────────────────────────────

@@ -1,0 +1,302 @@
+"""`sparkrl up`'s launcher: the plan and its written configs, progress and summary, real process control."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from sparkrl import launcher
+from sparkrl.launcher import (
+    Role,
+    ServiceSpec,
+    Stack,
+    StackPlan,
+    plan_stack,
+    run_stack,
+    write_configs,
+)
+from sparkrl.run_report import progress_line, summarize
+from sparkrl.services.common.settings import SparkSettings, load_settings
+
+
+@pytest.fixture(autouse=True)
+def _no_sparkrl_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # load_settings lets SPARKRL_* override a file; these tests compare files with what was written.
+    for key in [k for k in os.environ if k.startswith("SPARKRL_")]:
+        monkeypatch.delenv(key)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """Pids whose process group is `pgid` (from /proc), so a service's grandchildren are seen too."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+def _assert_gone(pids: list[int]) -> None:
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # reaped, not a zombie: the launcher waited for it
+        assert _group_members(pid) == [], f"group {pid} left processes behind"
+
+
+# ── plan and written configs ──────────────────────────────────────────────────────────────────────────
+
+
+def test_plan_writes_one_config_per_service_that_loads_back(tmp_path: Path) -> None:
+    cfg = load_settings(None, [f"run_dir={tmp_path / 'run'}", "learner.max_steps=7"])
+    plan = plan_stack(cfg, workers=2)
+    write_configs(plan)
+
+    assert [s.name for s in plan.services] == [
+        "redis",
+        "reward",
+        "learner",
+        "worker-0",
+        "worker-1",
+        "prompts",
+    ]
+    assert plan.private_redis  # no Redis URL given
+    for spec in plan.services:
+        assert spec.config_path.parent == tmp_path / "run" / "config"
+        if spec.role == "redis":
+            assert spec.config_path.read_text() == spec.config
+            continue
+        loaded = load_settings(str(spec.config_path))
+        assert loaded == spec.config
+        assert loaded.model_dump() == spec.config.model_dump()
+    worker_1 = load_settings(str(tmp_path / "run" / "config" / "worker-1.yaml"))
+    assert worker_1.rollout.worker_id == "worker-1"
+    assert worker_1.learner.max_steps == 7
+    assert worker_1.run_dir == str(tmp_path / "run")
+
+
+def test_plan_picks_free_ports_and_keeps_given_ones(tmp_path: Path) -> None:
+    auto = plan_stack(SparkSettings(run_dir=str(tmp_path)), workers=1).settings
+    redis_port = int(auto.bus.url.rsplit(":", 1)[1].split("/")[0])
+    assert len({redis_port, auto.reward.port, auto.learner.sync.port}) == 3
+    assert 8100 not in (redis_port, auto.reward.port)  # defaults replaced, so two runs never collide
+    assert auto.reward.url == f"http://127.0.0.1:{auto.reward.port}"
+
+    given = load_settings(
+        None,
+        [
+            f"run_dir={tmp_path}",
+            "bus.url=redis://10.0.0.5:6380/2",
+            "reward.host=0.0.0.0",
+            "reward.port=9123",
+            "learner.sync.port=29777",
+        ],
+    )
+    plan = plan_stack(given, workers=1)
+    assert not plan.private_redis and "redis" not in [s.name for s in plan.services]
+    assert plan.settings.bus.url == "redis://10.0.0.5:6380/2"
+    assert plan.settings.reward.url == "http://127.0.0.1:9123"  # clients call where the service binds
+    assert plan.settings.learner.sync.port == 29777
+    assert plan_stack(given, workers=1, private_redis=True).settings.bus.url.startswith("redis://127.0.0.1:")
+    with pytest.raises(ValueError, match="at least 1"):
+        plan_stack(given, workers=0)
+
+
+def test_commands_start_each_service_from_its_file(tmp_path: Path) -> None:
+    plan = plan_stack(SparkSettings(run_dir=str(tmp_path)), workers=2)
+    by_name = {s.name: s for s in plan.services}
+    config = tmp_path / "config"
+    cli = (sys.executable, "-m", "sparkrl.cli")
+    assert by_name["reward"].command == (*cli, "reward", "--preset", str(config / "reward.yaml"))
+    assert by_name["learner"].command == (*cli, "learner", "--preset", str(config / "learner.yaml"))
+    assert by_name["prompts"].command == (*cli, "prompts", "--preset", str(config / "prompts.yaml"))
+    assert by_name["worker-1"].command == (
+        *cli,
+        "rollout",
+        "--preset",
+        str(config / "worker-1.yaml"),
+        "--worker-id",
+        "worker-1",
+    )
+    assert by_name["redis"].command[1:] == (str(config / "redis.conf"),)
+    assert Path(by_name["redis"].command[0]).name == "redis-server"
+    assert f"port {plan.settings.bus.url.rsplit(':', 1)[1].split('/')[0]}\n" in by_name["redis"].config
+    assert {s.log_path for s in plan.services} == {tmp_path / "logs" / f"{n}.log" for n in by_name}
+
+
+# ── progress and summary ──────────────────────────────────────────────────────────────────────────────
+
+
+def _record(step: int, reward: float, **extra: object) -> dict[str, object]:
+    return {
+        "step": step,
+        "policy_version": step,
+        "reward_mean": reward,
+        "entropy": 2.0 - step / 10,
+        "loss": -0.004,
+        "reg_tokens": 3,
+        "staleness_mean": 0.5,
+        "sync_seconds": 0.21,
+        "worker_versions": {"worker-0": step - 1, "worker-1": step},
+        **extra,
+    }
+
+
+def _write_metrics(run_dir: Path, records: list[dict[str, object]], tail: str = "") -> None:
+    lines = "".join(json.dumps(r) + "\n" for r in records)
+    (run_dir / "metrics.jsonl").write_text(lines + tail)
+
+
+def test_progress_line_formats_the_last_complete_step(tmp_path: Path) -> None:
+    assert progress_line(tmp_path) is None  # before the learner's first step
+    # The learner may be mid-write: a cut last line is skipped.
+    _write_metrics(tmp_path, [_record(11, 0.2), _record(12, 0.314)], tail='{"step": 13, "rew')
+    expected = "step 12/40 | reward 0.31 | entropy 0.80 | loss -0.004 | versions w0:11 w1:12 | sync 0.21s"
+    assert progress_line(tmp_path, max_steps=40) == expected
+    assert progress_line(tmp_path).startswith("step 12 | reward")
+    # Workers sort by number (w2 before w10); fields the learner did not write are left out.
+    _write_metrics(tmp_path, [{"step": 3, "worker_versions": {"worker-10": 3, "worker-2": 2, "edge": 1}}])
+    assert progress_line(tmp_path, 5) == "step 3/5 | versions edge:1 w2:2 w10:3"
+
+
+def test_summarize_reports_and_writes_summary_json(tmp_path: Path) -> None:
+    # Ten steps, reward 0.0 … 0.9: the first 20% are steps 1-2 (mean 0.05), the last 20% steps 9-10 (0.85).
+    _write_metrics(tmp_path, [_record(step, (step - 1) / 10) for step in range(1, 11)])
+    (tmp_path / "checkpoints" / "step-10").mkdir(parents=True)
+    text = summarize(tmp_path)
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 10
+    assert summary["reward_mean_first_20pct"] == pytest.approx(0.05)
+    assert summary["reward_mean_last_20pct"] == pytest.approx(0.85)
+    assert summary["final_entropy"] == pytest.approx(1.0)
+    assert summary["policy_version"] == 10
+    assert summary["worker_versions"] == {"worker-0": 9, "worker-1": 10}
+    assert summary["checkpoints"] == ["step-10"]
+    assert "10 steps" in text and "0.050" in text and "0.850" in text
+    assert "learner 10 | workers w0:9 w1:10" in text and str(tmp_path / "checkpoints") in text
+
+
+def test_summarize_without_metrics(tmp_path: Path) -> None:
+    assert "0 steps" in summarize(tmp_path)
+    assert json.loads((tmp_path / "summary.json").read_text())["reward_mean_last_20pct"] is None
+
+
+# ── real processes ────────────────────────────────────────────────────────────────────────────────────
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_stack_starts_redis_and_reward_then_stops_them_cleanly(tmp_path: Path) -> None:
+    cfg = SparkSettings(run_dir=str(tmp_path / "run"))
+    plan = plan_stack(cfg, workers=1)
+    write_configs(plan)
+    stack = Stack(plan, services=["redis", "reward"], ready_timeout_s=30, grace_s=10)
+    try:
+        stack.start()
+        assert httpx.get(f"{plan.settings.reward.url}/healthz", timeout=5).json()["status"] == "ok"
+        assert redis.Redis.from_url(plan.settings.bus.url).ping()
+        assert stack.poll() is None
+        pids = [proc.pid for proc in stack.procs.values()]
+        assert len(_group_members(stack.procs["reward"].pid)) > 1  # the verifier pool lives in its group
+    finally:
+        stack.shutdown()
+    _assert_gone(pids)
+    # SIGTERM was enough (uvicorn re-raises it after its graceful shutdown): no SIGKILL was needed.
+    assert stack.procs["redis"].returncode == 0
+    assert stack.procs["reward"].returncode in (0, -signal.SIGTERM)
+    assert "verifier pool closed" in (tmp_path / "run" / "logs" / "reward.log").read_text()
+
+
+def _fake_plan(run_dir: Path, services: dict[str, tuple[Role, str]]) -> StackPlan:
+    """A plan whose services are small Python programs, to drive the supervisor through its cases."""
+    specs = []
+    for name, (role, code) in services.items():
+        config = run_dir / "config" / f"{name}.yaml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text("{}\n")
+        command = (sys.executable, "-c", code)
+        specs.append(
+            ServiceSpec(name, role, command, config, SparkSettings(), run_dir / "logs" / f"{name}.log")
+        )
+    settings = SparkSettings(run_dir=str(run_dir), learner={"max_steps": 3})
+    return StackPlan(run_dir, settings, tuple(specs), False)
+
+
+_SLEEP = "import time; time.sleep(60)"
+
+
+def test_learner_exit_ends_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _write_metrics(tmp_path, [_record(3, 0.5)])
+    plan = _fake_plan(
+        tmp_path, {"learner": ("learner", "import time; time.sleep(0.5)"), "w": ("rollout", _SLEEP)}
+    )
+    stack = Stack(plan, grace_s=5)
+    try:
+        stack.start()
+        assert stack.wait(poll_s=0.05) == 0
+    finally:
+        stack.shutdown()
+    _assert_gone([proc.pid for proc in stack.procs.values()])
+    assert stack.procs["w"].returncode == -signal.SIGTERM
+    assert "step 3/3 | reward 0.50" in capsys.readouterr().out
+
+
+def test_dead_worker_is_tolerated_and_a_dead_service_stops_the_stack(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    boom = "import sys; print('boom: out of memory'); sys.exit(3)"
+    # worker-1 ignores SIGTERM and has a child of its own: both must still go (SIGKILL after the grace).
+    stubborn = (
+        "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN);"
+        f"subprocess.Popen([sys.executable, '-c', {_SLEEP!r}]); time.sleep(60)"
+    )
+    services: dict[str, tuple[Role, str]] = {
+        "learner": ("learner", _SLEEP),
+        "worker-0": ("rollout", boom),
+        "worker-1": ("rollout", stubborn),
+        "prompts": ("prompts", "import sys, time; time.sleep(0.8); print('feeder dies'); sys.exit(2)"),
+    }
+    stack = Stack(_fake_plan(tmp_path, services), grace_s=0.5)
+    try:
+        stack.start()
+        assert stack.wait(poll_s=0.05) == 1
+    finally:
+        stack.shutdown()
+    err = capsys.readouterr().err
+    assert "warning: worker-0 exited with code 3" in err and "boom: out of memory" in err
+    assert "error: prompts exited with code 2" in err and "feeder dies" in err
+    assert "worker-1 did not stop within 0.5s: killing it" in err
+    _assert_gone([proc.pid for proc in stack.procs.values()])
+    assert stack.procs["worker-1"].returncode == -signal.SIGKILL
+    assert stack.procs["learner"].returncode == -signal.SIGTERM
+
+
+def test_run_stack_end_to_end_with_a_fake_learner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    learner = (
+        "import json, time\n"
+        "for step in (1, 2, 3):\n"
+        f"    with open({str(metrics)!r}, 'a') as out:\n"
+        "        out.write(json.dumps({'step': step, 'reward_mean': step / 10}) + '\\n')\n"
+        "    time.sleep(0.1)\n"
+    )
+    plan = _fake_plan(tmp_path, {"learner": ("learner", learner), "worker-0": ("rollout", _SLEEP)})
+    monkeypatch.setattr(launcher, "plan_stack", lambda cfg, workers, private_redis: plan)
+
+    assert run_stack(plan.settings, 1, None, "demo") == 0
+    out = capsys.readouterr().out
+    assert "sparkrl up: preset demo" in out and "3 steps" in out
+    assert json.loads((tmp_path / "summary.json").read_text())["reward_mean_last_20pct"] == pytest.approx(0.3)
+    assert load_settings(str(tmp_path / "config" / "learner.yaml")) == plan.services[0].config
