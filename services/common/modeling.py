@@ -1,0 +1,69 @@
+"""Model and tokenizer loading from a local Hugging Face directory, shared by rollout and learner."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """`"bfloat16"` → torch.bfloat16; a torch.dtype passes through."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _local_dir(path: str | Path) -> Path:
+    directory = Path(path)
+    if not (directory / "config.json").is_file():
+        # Fail here with the path, rather than let from_pretrained treat it as a hub id.
+        raise FileNotFoundError(f"{directory} is not a Hugging Face model directory (no config.json)")
+    return directory
+
+
+def load_model(
+    path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu"
+) -> PreTrainedModel:
+    """A causal LM in eval mode on `device`; local files only (never a hub download)."""
+    model = AutoModelForCausalLM.from_pretrained(
+        _local_dir(path), dtype=resolve_dtype(dtype), local_files_only=True
+    )
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The model's tokenizer; local files only. A missing pad token falls back to EOS (batching needs one)."""
+    tokenizer = AutoTokenizer.from_pretrained(_local_dir(path), local_files_only=True)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def apply_chat_template_if_any(
+    tokenizer: PreTrainedTokenizerBase, text_or_messages: str | Sequence[Mapping[str, str]]
+) -> list[int]:
+    """Prompt token ids: through the chat template (with the generation prompt) when the tokenizer has one,
+    else the plain text (messages' contents joined by newlines) with the tokenizer's own special tokens."""
+    if isinstance(text_or_messages, str):
+        messages = [{"role": "user", "content": text_or_messages}]
+    else:
+        messages = [dict(message) for message in text_or_messages]
+    if tokenizer.chat_template:
+        # Render to text, then encode without extra specials: the template already writes BOS and friends.
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    text = (
+        text_or_messages if isinstance(text_or_messages, str) else "\n".join(m["content"] for m in messages)
+    )
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])

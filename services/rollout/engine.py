@@ -1,0 +1,97 @@
+"""The generation engine seam: what a rollout worker needs from vLLM (GPU) or the torch loop (CPU).
+
+Both engines satisfy the same contract, checked by `tests/test_engine_contract.py`:
+
+- `generate` samples `sampling.n` completions per prompt and returns, for every generated token, its id,
+  its log-prob under the temperature-scaled distribution `log_softmax(logits / T)` over the full
+  vocabulary (before any top-p truncation: the distribution the learner recomputes), the top-k
+  (ids, log-probs) of that same distribution sorted descending, and the engine's policy version.
+- `load_weights` replaces weights in place between `generate` calls and sets the policy version.
+- `weights_checksum` is `sparkrl.services.common.weight_sync.weights_checksum` (blake2b-256 over raw
+  tensor bytes in state-dict order), the algorithm of the learner's `WeightAnnouncement.checksum`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from sparkrl.proto import Completion
+from sparkrl.services.common.settings import (
+    EngineSettings,
+    SamplingSettings,
+    TorchEngineSettings,
+    VllmEngineSettings,
+)
+
+
+class Engine(ABC):
+    """A model that samples GRPO groups and swaps its weights between calls."""
+
+    policy_version: int
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The model's tokenizer (prompt encoding, stop strings, text of completions)."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Rows of the output layer: every token id and top-k id is below it."""
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Completion]]:
+        """`sampling.n` completions for each prompt (token ids), in prompt order."""
+
+    @abstractmethod
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy these (Hugging Face-named) tensors into the model in place; tag later tokens `version`."""
+
+    @abstractmethod
+    def weights_checksum(self) -> str:
+        """blake2b-256 hex digest of the weights held, comparable with `WeightAnnouncement.checksum`."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free the model and any device memory or processes; the engine is unusable afterwards."""
+
+
+def make_completion(
+    token_ids: list[int] | np.ndarray,
+    logprobs: np.ndarray,
+    topk_ids: np.ndarray,
+    topk_logprobs: np.ndarray,
+    version: int,
+    text: str,
+    finish_reason: str,
+) -> Completion:
+    """A `Completion` with the wire dtypes; every token tagged with `version`."""
+    token_ids = np.asarray(token_ids, dtype=np.int32)
+    return Completion(
+        token_ids=token_ids,
+        logprobs=np.asarray(logprobs, dtype=np.float32),
+        topk_ids=np.asarray(topk_ids, dtype=np.int32),
+        topk_logprobs=np.asarray(topk_logprobs, dtype=np.float32),
+        policy_versions=np.full(token_ids.shape[0], version, dtype=np.int32),
+        text=text,
+        finish_reason=finish_reason,
+    )
+
+
+def make_engine(model_path: str | Path, settings: EngineSettings) -> Engine:
+    """The engine its settings' type names; vLLM is imported only when asked for."""
+    if isinstance(settings, TorchEngineSettings):
+        from sparkrl.services.rollout.torch_engine import TorchEngine
+
+        return TorchEngine(model_path, settings)
+    if isinstance(settings, VllmEngineSettings):
+        from sparkrl.services.rollout.vllm_engine import VllmEngine
+
+        return VllmEngine(model_path, settings)
+    raise TypeError(f"no engine for settings of type {type(settings).__name__}")

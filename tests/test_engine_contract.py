@@ -1,0 +1,207 @@
+"""The engine contract, checked on every engine: torch (CPU) and vLLM (GPU; skipped without one).
+
+Reference numbers come from the Hugging Face model on CPU, never from the engine under test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _tiny import tiny_model_dir  # noqa: F401  (pytest fixture)
+from transformers import PreTrainedModel
+
+from sparkrl.proto import Completion
+from sparkrl.services.common.modeling import load_model
+from sparkrl.services.common.settings import SamplingSettings, TorchEngineSettings, VllmEngineSettings
+from sparkrl.services.common.weight_sync import weights_checksum
+from sparkrl.services.rollout.engine import Engine, make_engine
+
+
+def _vllm_skip_reason() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM not installed (it lives in its own environment: the `vllm` extra)"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return None
+
+
+ENGINES = [
+    pytest.param("torch", id="torch"),
+    pytest.param(
+        "vllm",
+        id="vllm",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(_vllm_skip_reason() is not None, reason=str(_vllm_skip_reason())),
+        ],
+    ),
+]
+# Same float32 weights; vLLM's GPU kernels round differently from the CPU reference.
+TOLERANCE = {"torch": 1e-4, "vllm": 1e-2}
+PROMPTS = ["Use 3 7 to make 21.\n", "Use 8 2 6 to make 40.\n", "Use 1 9 to make 10.\n"]
+
+
+@pytest.fixture(scope="module", params=ENGINES)
+def engine(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Engine]:  # noqa: F811
+    if request.param == "torch":
+        settings: TorchEngineSettings | VllmEngineSettings = TorchEngineSettings()
+    else:
+        settings = VllmEngineSettings(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3)
+    engine = make_engine(tiny_model_dir, settings)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> PreTrainedModel:  # noqa: F811
+    return load_model(tiny_model_dir, "float32", "cpu")
+
+
+def kind(engine: Engine) -> str:
+    return "torch" if type(engine).__name__ == "TorchEngine" else "vllm"
+
+
+def prompt_ids(engine: Engine) -> list[list[int]]:
+    return [engine.tokenizer(text)["input_ids"] for text in PROMPTS]
+
+
+@torch.no_grad()
+def assert_logprobs_match(
+    model: PreTrainedModel, prompts: list[list[int]], groups: list[list[Completion]], T: float, atol: float
+) -> None:
+    """Each completion's log-probs and top-k equal log_softmax(model(prompt + completion) / T)."""
+    for prompt, group in zip(prompts, groups, strict=True):
+        for c in group:
+            ids = torch.tensor([prompt + c.token_ids.tolist()])
+            logp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / T, dim=-1)
+            sampled = logp.gather(1, torch.from_numpy(c.token_ids).long()[:, None]).squeeze(1)
+            np.testing.assert_allclose(c.logprobs, sampled.numpy(), atol=atol)
+            K = c.topk_ids.shape[1]
+            np.testing.assert_allclose(c.topk_logprobs, logp.topk(K).values.numpy(), atol=atol)
+            at_ids = logp.gather(1, torch.from_numpy(c.topk_ids).long())
+            np.testing.assert_allclose(c.topk_logprobs, at_ids.numpy(), atol=atol)
+
+
+def test_groups_are_well_formed(engine: Engine) -> None:
+    prompts = prompt_ids(engine)
+    groups = engine.generate(prompts, SamplingSettings(n=3, max_new_tokens=10, topk_logprobs=6, seed=0))
+    assert [len(group) for group in groups] == [3] * len(prompts)
+    eos = engine.tokenizer.eos_token_id
+    for group in groups:
+        for c in group:
+            assert isinstance(c, Completion) and 1 <= c.num_tokens <= 10
+            assert c.topk_ids.shape == (c.num_tokens, 6)
+            assert (c.policy_versions == engine.policy_version).all()
+            assert (c.token_ids < engine.vocab_size).all() and (c.topk_ids < engine.vocab_size).all()
+            assert (c.topk_logprobs[:, 0] >= c.logprobs - 1e-5).all()
+            assert c.finish_reason == ("stop" if c.token_ids[-1] == eos else "length")
+            assert c.text == engine.tokenizer.decode(c.token_ids.tolist(), skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_are_the_temperature_distribution(
+    engine: Engine, reference: PreTrainedModel, temperature: float
+) -> None:
+    prompts = prompt_ids(engine)
+    sampling = SamplingSettings(n=2, temperature=temperature, max_new_tokens=12, topk_logprobs=5, seed=1)
+    groups = engine.generate(prompts, sampling)
+    assert_logprobs_match(reference, prompts, groups, temperature, TOLERANCE[kind(engine)])
+
+
+def test_seed_stop_and_length(engine: Engine) -> None:
+    prompts = prompt_ids(engine)
+    seeded = SamplingSettings(n=4, max_new_tokens=8, seed=7)
+    first, second = engine.generate(prompts, seeded), engine.generate(prompts, seeded)
+    assert [[c.token_ids.tolist() for c in g] for g in first] == [
+        [c.token_ids.tolist() for c in g] for g in second
+    ]
+    short = engine.generate(prompts, SamplingSettings(n=4, max_new_tokens=1, seed=7))
+    assert all(c.num_tokens == 1 for g in short for c in g)
+    stops = ["+", "-", "*", "/"]
+    for group in engine.generate(prompts, SamplingSettings(n=4, max_new_tokens=12, stop=stops, seed=7)):
+        for c in group:
+            assert not any(stop in c.text for stop in stops)
+
+
+def test_load_weights_swaps_and_restores(engine: Engine, reference: PreTrainedModel) -> None:
+    prompts = prompt_ids(engine)
+    sampling = SamplingSettings(n=2, max_new_tokens=8, topk_logprobs=4, seed=2)
+    original = {name: t.detach().clone() for name, t in reference.state_dict().items()}
+    generator = torch.Generator().manual_seed(0)
+    noisy = {name: t + 0.3 * torch.randn(t.shape, generator=generator) for name, t in original.items()}
+    noisy_model = load_model(reference.name_or_path, "float32", "cpu")
+    noisy_model.load_state_dict(noisy)
+    version = engine.policy_version
+    atol = TOLERANCE[kind(engine)]
+
+    assert engine.weights_checksum() == weights_checksum(original.items())
+    engine.load_weights(noisy.items(), version=version + 1)
+    assert engine.policy_version == version + 1
+    assert engine.weights_checksum() == weights_checksum(noisy.items())
+    groups = engine.generate(prompts, sampling)
+    assert all((c.policy_versions == version + 1).all() for g in groups for c in g)
+    assert_logprobs_match(noisy_model, prompts, groups, 1.0, atol)  # the new weights really sample
+
+    engine.load_weights(original.items(), version=version + 2)
+    assert engine.weights_checksum() == weights_checksum(original.items())
+    assert_logprobs_match(reference, prompts, engine.generate(prompts, sampling), 1.0, atol)
+
+
+# ── the vLLM engine's host-side logic, on CPU (vLLM itself is not imported) ─────────────────────────────
+
+
+def test_vllm_engine_module_imports_without_vllm() -> None:
+    from sparkrl.services.rollout import vllm_engine
+
+    assert vllm_engine.VllmEngine.__name__ == "VllmEngine"
+    if importlib.util.find_spec("vllm") is None:
+        import sys
+
+        assert "vllm" not in sys.modules
+
+
+def test_vllm_output_conversion_handles_the_extra_sampled_entry() -> None:
+    """vLLM's per-token dict holds the top-k and the sampled token, which may rank below k."""
+    from types import SimpleNamespace
+
+    from sparkrl.services.rollout.vllm_engine import VllmEngine
+
+    def entry(logprob: float, rank: int) -> SimpleNamespace:  # vllm.logprobs.Logprob's fields
+        return SimpleNamespace(logprob=logprob, rank=rank)
+
+    sample = SimpleNamespace(  # vllm.outputs.CompletionOutput's fields
+        token_ids=[7, 2],
+        logprobs=[
+            {4: entry(-0.1, 1), 5: entry(-2.5, 2), 7: entry(-6.0, 9)},  # sampled token outside the top-2
+            {5: entry(-1.2, 2), 2: entry(-0.4, 1)},  # sampled token inside, dict unordered
+        ],
+        text="x",
+        finish_reason="stop",
+    )
+    c = VllmEngine._completion(sample, k=2, version=5)
+    np.testing.assert_allclose(c.logprobs, [-6.0, -0.4])
+    assert c.topk_ids.tolist() == [[4, 5], [2, 5]]
+    np.testing.assert_allclose(c.topk_logprobs, [[-0.1, -2.5], [-0.4, -1.2]])
+    assert c.policy_versions.tolist() == [5, 5] and c.finish_reason == "stop"
+    with pytest.raises(RuntimeError, match="expected 3"):
+        VllmEngine._completion(sample, k=3, version=5)
+
+
+def test_vllm_initial_checksum_is_the_learners(tiny_model_dir: Path, reference: PreTrainedModel) -> None:  # noqa: F811
+    from sparkrl.services.rollout.vllm_engine import _buckets, checkpoint_state_dict
+
+    from_checkpoint = checkpoint_state_dict(tiny_model_dir)
+    assert [name for name, _ in from_checkpoint] == list(reference.state_dict())
+    assert weights_checksum(from_checkpoint) == weights_checksum(reference.state_dict().items())
+    buckets = list(_buckets(from_checkpoint, limit=64 << 10))
+    assert len(buckets) > 1 and [name for b in buckets for name, _ in b] == [n for n, _ in from_checkpoint]
+
+
+def test_make_engine_rejects_unknown_settings(tiny_model_dir: Path) -> None:  # noqa: F811
+    with pytest.raises(TypeError, match="no engine"):
+        make_engine(tiny_model_dir, SamplingSettings())  # type: ignore[arg-type]
