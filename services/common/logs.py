@@ -1,0 +1,22 @@
+"""Logging set-up shared by every service: one line per record, service name and time first."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+
+def setup_logging(service: str, level: str | None = None) -> logging.Logger:
+    """Configure the root logger once for this process; `SPARKRL_LOG_LEVEL` overrides the level."""
+    level = level or os.environ.get("SPARKRL_LOG_LEVEL", "INFO")
+    logging.basicConfig(
+        level=level.upper(),
+        format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+    # httpx logs every request at INFO: far too chatty for a worker that scores every few seconds.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    return logging.getLogger(f"sparkrl.{service}")
