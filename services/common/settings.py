@@ -276,6 +276,9 @@ class LearnerSettings(_Section):
     checkpoint_every: int = Field(50, ge=1, description="Checkpoint every N steps (and on stop).")
     keep_checkpoints: int = Field(2, ge=1, description="Older checkpoints are deleted.")
     seed: int = Field(0, description="Seed of the learner's randomness (Clip-Cov's choice).")
+    dist_port: int = Field(
+        0, ge=0, le=65535, description="Port of the learner ranks' own process group (0: any free port)."
+    )
     sync: WeightSyncSettings = Field(default_factory=WeightSyncSettings)
 
 

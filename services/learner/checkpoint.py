@@ -1,0 +1,95 @@
+"""Checkpoints: Hugging Face safetensors (what `from_pretrained` and vLLM load), DeepSpeed's own state
+(optimizer moments, ZeRO partitions), and the trainer state (step, policy version, data counters).
+
+Layout: RUN_DIR/checkpoints/step-000040/{hf/, deepspeed/, trainer_state.json}, and `latest` naming the
+newest complete one (written last, so a crash mid-save leaves the previous checkpoint as latest).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import deepspeed
+import torch
+from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger("sparkrl.learner.checkpoint")
+
+DEEPSPEED_TAG = "state"
+
+
+@dataclass
+class TrainState:
+    """What `--resume` restores besides the weights and optimizer."""
+
+    step: int = 0
+    policy_version: int = 0
+    groups_trained: int = 0
+    groups_dropped_stale: int = 0
+    started_at: float = 0.0
+    trained_group_ids: list[str] = field(default_factory=list)  # of the last step, for inspection
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def save_checkpoint(
+    engine: deepspeed.DeepSpeedEngine,
+    tokenizer: PreTrainedTokenizerBase,
+    run_dir: Path,
+    state: TrainState,
+    keep: int,
+) -> Path:
+    """Write a complete checkpoint, then point `latest` at it, then prune the oldest beyond `keep`."""
+    root = checkpoint_root(run_dir)
+    path = root / f"step-{state.step:06d}"
+    if path.exists():
+        shutil.rmtree(path)
+    engine.save_checkpoint(str(path / "deepspeed"), tag=DEEPSPEED_TAG)
+    save_hf_weights(engine, tokenizer, path / "hf")
+    (path / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
+    (root / "latest").write_text(path.name)
+    for old in sorted(root.glob("step-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    log.info("checkpoint %s (policy version %d)", path, state.policy_version)
+    return path
+
+
+def save_hf_weights(engine: deepspeed.DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
+    """Full weights in Hugging Face format; under ZeRO-3 the partitions are gathered first."""
+    module = engine.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        module.save_pretrained(str(out), safe_serialization=True)
+    tokenizer.save_pretrained(str(out))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    marker = checkpoint_root(run_dir) / "latest"
+    if not marker.is_file():
+        return None
+    path = checkpoint_root(run_dir) / marker.read_text().strip()
+    return path if (path / "trainer_state.json").is_file() else None
+
+
+def load_checkpoint(engine: deepspeed.DeepSpeedEngine, path: Path) -> TrainState:
+    """Restore weights, optimizer and trainer state from `path` (a `step-*` folder)."""
+    loaded, _ = engine.load_checkpoint(str(path / "deepspeed"), tag=DEEPSPEED_TAG)
+    if loaded is None:
+        raise FileNotFoundError(f"no DeepSpeed state under {path / 'deepspeed'}")
+    state = TrainState(**json.loads((path / "trainer_state.json").read_text()))
+    log.info("resumed from %s: step %d, policy version %d", path, state.step, state.policy_version)
+    return state
+
+
+@torch.no_grad()
+def cpu_weights(engine: deepspeed.DeepSpeedEngine) -> dict[str, torch.Tensor]:
+    """A CPU copy of the full weights to publish (gathered under ZeRO-3); the copy lets training go on
+    while the publisher thread sends it."""
+    module = engine.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        return {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict().items()}
