@@ -108,12 +108,15 @@ def up(
     private_redis: Annotated[
         bool | None, typer.Option(help="Start a private redis-server (default: when bus.url is not set).")
     ] = None,
+    resume: Annotated[
+        bool, typer.Option(help="The learner continues from RUN_DIR/checkpoints/latest.")
+    ] = False,
 ) -> None:
     """The whole stack as separate processes, until the learner finishes; Ctrl-C stops it cleanly."""
     cfg = _settings(preset, [*(overrides or []), *([f"run_dir={run_dir}"] if run_dir else [])])
     from sparkrl.launcher import run_stack
 
-    raise typer.Exit(run_stack(cfg, workers, private_redis, preset))
+    raise typer.Exit(run_stack(cfg, workers, private_redis, preset, resume))
 
 
 @app.command("build-tiny-model")

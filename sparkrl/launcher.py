@@ -112,10 +112,13 @@ def _service(run_dir: Path, name: str, role: Role, config: SparkSettings | str, 
     return ServiceSpec(name, role, command, config_path, config, run_dir / "logs" / f"{name}.log")
 
 
-def plan_stack(cfg: SparkSettings, workers: int, private_redis: bool | None = None) -> StackPlan:
+def plan_stack(
+    cfg: SparkSettings, workers: int, private_redis: bool | None = None, resume: bool = False
+) -> StackPlan:
     """Decide ports and each service's resolved settings; touches no file.
 
-    `private_redis=None` starts a private `redis-server` exactly when no Redis URL was given.
+    `private_redis=None` starts a private `redis-server` exactly when no Redis URL was given; `resume`
+    starts the learner from `RUN_DIR/checkpoints/latest`.
     """
     if workers < 1:
         raise ValueError(f"workers must be at least 1, not {workers}: the learner trains on their groups")
@@ -127,7 +130,7 @@ def plan_stack(cfg: SparkSettings, workers: int, private_redis: bool | None = No
     if private_redis:
         services.append(_service(run_dir, "redis", "redis", _redis_conf(root.bus.url, run_dir / "redis")))
     services.append(_service(run_dir, "reward", "reward", root))
-    services.append(_service(run_dir, "learner", "learner", root))
+    services.append(_service(run_dir, "learner", "learner", root, *(["--resume"] if resume else [])))
     for index in range(workers):
         worker = root.model_copy(deep=True)
         worker.rollout.worker_id = f"worker-{index}"
@@ -381,12 +384,18 @@ def _signals_interrupt() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-def run_stack(cfg: SparkSettings, workers: int, private_redis: bool | None, preset_name: str | None) -> int:
+def run_stack(
+    cfg: SparkSettings,
+    workers: int,
+    private_redis: bool | None,
+    preset_name: str | None,
+    resume: bool = False,
+) -> int:
     """Plan, write, spawn, supervise until the learner ends, shut down, summarize; the exit code.
 
     Main thread only: it turns SIGTERM/SIGHUP into KeyboardInterrupt for the duration.
     """
-    plan = plan_stack(cfg, workers, private_redis)
+    plan = plan_stack(cfg, workers, private_redis, resume)
     write_configs(plan)
     s = plan.settings
     print(

@@ -293,7 +293,7 @@ def test_run_stack_end_to_end_with_a_fake_learner(
         "    time.sleep(0.1)\n"
     )
     plan = _fake_plan(tmp_path, {"learner": ("learner", learner), "worker-0": ("rollout", _SLEEP)})
-    monkeypatch.setattr(launcher, "plan_stack", lambda cfg, workers, private_redis: plan)
+    monkeypatch.setattr(launcher, "plan_stack", lambda cfg, workers, private_redis, resume: plan)
 
     assert run_stack(plan.settings, 1, None, "demo") == 0
     out = capsys.readouterr().out

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from deepspeed import DeepSpeedEngine
+from transformers import PreTrainedTokenizerBase
 
 from sparkrl.proto import LearnerStatus, TrajectoryGroup, decode_group
 from sparkrl.services.common.bus import Entry, RedisBus
@@ -165,28 +166,57 @@ def stop_on_signals() -> threading.Event:
     return stop
 
 
-def main(cfg: SparkSettings, resume: bool = False) -> None:
-    """Build model, DeepSpeed engine, bus and publisher; train until max_steps or a signal."""
-    lc, run_dir = cfg.learner, Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+class RunLog:
+    """`metrics.jsonl` (one row per step) and `trained_groups.jsonl` (the audit trail of "each group is
+    trained once": the group ids of every step), both appended and flushed per step."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.metrics = (run_dir / "metrics.jsonl").open("a")
+        self.trained = (run_dir / "trained_groups.jsonl").open("a")
+
+    def write(self, row: dict[str, object], state: TrainState) -> None:
+        self.metrics.write(json.dumps(row) + "\n")
+        self.metrics.flush()
+        self.trained.write(json.dumps({"step": state.step, "group_ids": state.trained_group_ids}) + "\n")
+        self.trained.flush()
+        log.info("step %d: reward %.3f loss %.4f", state.step, row["reward_mean"], row["loss"])
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.trained.close()
+
+
+Setup = tuple[DeepSpeedEngine, PreTrainedTokenizerBase, TrainState, bool]
+
+
+def setup_engine(cfg: SparkSettings, resume: bool) -> Setup:
+    """Model → DeepSpeed engine, restored from the latest checkpoint when resuming; (…, resumed)."""
+    lc = cfg.learner
     torch.manual_seed(lc.seed)
-    stop = stop_on_signals()
     init_distributed(lc)
     tokenizer = load_tokenizer(cfg.model)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     engine = build_engine(load_model(cfg.model, lc.dtype, "cpu" if lc.device == "cpu" else "cuda"), lc)
-    state = TrainState(started_at=time.time())
-    checkpoint = latest_checkpoint(run_dir) if resume else None
+    checkpoint = latest_checkpoint(Path(cfg.run_dir)) if resume else None
     if resume and checkpoint is None:
-        log.warning("--resume: no checkpoint under %s; starting fresh", run_dir)
-    if checkpoint is not None:
-        state = load_checkpoint(engine, checkpoint)
+        log.warning("--resume: no checkpoint under %s; starting fresh", cfg.run_dir)
+    if checkpoint is None:
+        return engine, tokenizer, TrainState(started_at=time.time()), False
+    return engine, tokenizer, load_checkpoint(engine, checkpoint), True
+
+
+def main(cfg: SparkSettings, resume: bool = False) -> None:
+    """Build engine, bus and publisher; train until max_steps or a signal; checkpoint on the way out."""
+    lc, run_dir = cfg.learner, Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stop = stop_on_signals()
+    engine, tokenizer, state, resumed = setup_engine(cfg, resume)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     bus = RedisBus(cfg.bus)
     publisher = WeightPublisher(bus, lc.sync, run_dir / "snapshots")
     publisher.start()
     # A fresh run's version 0 is the model every worker loaded already; a resumed one must be sent.
-    publisher.submit(state.policy_version, cpu_weights(engine), broadcast=checkpoint is not None)
-    metrics_file = (run_dir / "metrics.jsonl").open("a")
+    publisher.submit(state.policy_version, cpu_weights(engine), broadcast=resumed)
+    run_log, saved_step = RunLog(run_dir), state.step
     log.info("learner up: loss %s, %s, step %d", lc.loss.name, cfg.model, state.step)
     try:
         while not stop.is_set() and (lc.max_steps is None or state.step < lc.max_steps):
@@ -200,24 +230,17 @@ def main(cfg: SparkSettings, resume: bool = False) -> None:
             state.policy_version += 1
             finish_step(bus, batch, state)
             publisher.submit(state.policy_version, cpu_weights(engine))
-            row = step_metrics(batch, stats, state, publisher, time.monotonic() - started, bus)
-            metrics_file.write(json.dumps(row) + "\n")
-            metrics_file.flush()
-            log.info(
-                "step %d: reward %.3f loss %.4f entropy %.3f",
-                state.step,
-                row["reward_mean"],
-                row["loss"],
-                row["entropy"],
-            )
+            seconds = time.monotonic() - started
+            run_log.write(step_metrics(batch, stats, state, publisher, seconds, bus), state)
             if state.step % lc.checkpoint_every == 0:
                 save_checkpoint(engine, tokenizer, run_dir, state, lc.keep_checkpoints)
+                saved_step = state.step
     finally:
         report_status(bus, state, publisher, "checkpointing", None)
-        if state.step > 0:
+        if state.step > saved_step:
             save_checkpoint(engine, tokenizer, run_dir, state, lc.keep_checkpoints)
         publisher.close()
         report_status(bus, state, publisher, "stopped", None)
-        metrics_file.close()
+        run_log.close()
         bus.close()
         log.info("learner stopped at step %d (policy version %d)", state.step, state.policy_version)

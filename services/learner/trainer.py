@@ -107,6 +107,16 @@ def old_policy(model: torch.nn.Module, mb: MicroBatch, cfg: LearnerSettings) -> 
     return OldPolicy(old_logp, proxy, is_weights, inexact)
 
 
+def step_and_grad_norm(engine: deepspeed.DeepSpeedEngine) -> float:
+    """Optimizer step; the pre-clip gradient norm. ZeRO's optimizers record it; without ZeRO, DeepSpeed
+    clips the torch optimizer's gradients and drops the norm, so it is measured here first."""
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    norm = float(torch.nn.utils.get_total_norm(grads)) if grads else None
+    engine.step()
+    zero_norm = engine.get_global_grad_norm()
+    return float(zero_norm) if zero_norm is not None else (norm if norm is not None else float("nan"))
+
+
 def train_step(
     engine: deepspeed.DeepSpeedEngine, batches: list[MicroBatch], olds: list[OldPolicy], cfg: LearnerSettings
 ) -> dict[str, float]:
@@ -130,15 +140,13 @@ def train_step(
         loss, stats = policy_loss(cfg.loss.name, inputs, **hparams)
         share = mb.num_tokens / total_tokens
         engine.backward(loss * share, scale_wrt_gas=False)
-        sums["loss"] += float(loss) * share
+        sums["loss"] += float(loss.detach()) * share
         sums["entropy"] += float((entropy.detach() * mb.mask).sum()) / total_tokens
         sums["proxy_inexact"] += old.proxy_inexact
         for key, value in stats.items():
             # Counts add up over micro-batches; rates are averaged by token share.
             additive = key in ("reg_tokens", "reg_tokens_pos")
             sums[key] += float(value) * (1.0 if additive else share)
-    engine.step()
-    grad_norm = engine.get_global_grad_norm()
-    sums["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+    sums["grad_norm"] = step_and_grad_norm(engine)
     sums["tokens"] = float(total_tokens)
     return dict(sums)
