@@ -9,7 +9,7 @@ EXTRAS := learner,rollout,reward,dev
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install redis test lint bench schema clean
+.PHONY: install redis test lint bench schema demo clean
 
 install: $(VENV)/.installed redis
 
@@ -30,6 +30,11 @@ lint: install
 
 bench: install
 	$(PY) bench/loss_bench.py
+
+# The tiny model is built once and cached in .cache/ (~30 s); the run ends by itself and prints a summary.
+demo: install
+	$(VENV)/bin/sparkrl build-tiny-model --out .cache
+	$(VENV)/bin/sparkrl up --preset demo --run-dir runs/demo
 
 schema: install
 	$(PY) -m sparkrl.proto.schema

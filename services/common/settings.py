@@ -92,6 +92,9 @@ class TorchEngineSettings(_Section):
     device: str = Field("cpu", description="torch device, e.g. `cpu` or `cuda:0`.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype.")
     max_batch_sequences: int = Field(64, ge=1, description="Most sequences decoded together in one batch.")
+    threads: int | None = Field(
+        None, ge=1, description="torch CPU threads of this worker; None: torch's default (all cores)."
+    )
 
 
 class VllmEngineSettings(_Section):
@@ -267,6 +270,12 @@ class LearnerSettings(_Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Training dtype (bf16 on GPU).")
     device: str = Field("cpu", description="`cpu` or `cuda` (DeepSpeed's accelerator).")
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch CPU threads of the learner; None: torch's default. Several services on one "
+        "small machine should split the cores: oversubscribed threads slow every one of them.",
+    )
     prompts_per_step: int = Field(256, ge=1, description="Groups per optimizer step.")
     micro_batch_tokens: int = Field(8192, ge=16, description="Token budget of one forward/backward.")
     max_staleness: int = Field(

@@ -193,6 +193,8 @@ def setup_engine(cfg: SparkSettings, resume: bool) -> Setup:
     """Model → DeepSpeed engine, restored from the latest checkpoint when resuming; (…, resumed)."""
     lc = cfg.learner
     torch.manual_seed(lc.seed)
+    if lc.threads is not None:
+        torch.set_num_threads(lc.threads)
     init_distributed(lc)
     tokenizer = load_tokenizer(cfg.model)
     engine = build_engine(load_model(cfg.model, lc.dtype, "cpu" if lc.device == "cpu" else "cuda"), lc)
@@ -230,6 +232,10 @@ def main(cfg: SparkSettings, resume: bool = False) -> None:
             state.policy_version += 1
             finish_step(bus, batch, state)
             publisher.submit(state.policy_version, cpu_weights(engine))
+            if state.step == lc.max_steps:
+                # The last row should show where the fleet ends up, not where it was mid-broadcast.
+                publisher.flush(lc.sync.timeout_s)
+                time.sleep(0.2)  # workers heartbeat right after loading; give that write a moment
             seconds = time.monotonic() - started
             run_log.write(step_metrics(batch, stats, state, publisher, seconds, bus), state)
             if state.step % lc.checkpoint_every == 0:

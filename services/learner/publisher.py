@@ -84,6 +84,7 @@ class WeightPublisher(threading.Thread):
         self.last_sync: SyncRecord | None = None
         self._pending: tuple[int, dict[str, torch.Tensor], bool] | None = None
         self._wake = threading.Condition()
+        self._busy = False
         self._closing = False
 
     def submit(self, version: int, tensors: dict[str, torch.Tensor], broadcast: bool = True) -> None:
@@ -91,12 +92,23 @@ class WeightPublisher(threading.Thread):
         `broadcast=False` only announces it (and snapshots it): for weights the fleet already holds."""
         with self._wake:
             self._pending = (version, tensors, broadcast)
-            self._wake.notify()
+            self._wake.notify_all()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until every submitted version has been published (or failed); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._wake:
+            while self._pending is not None or self._busy:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._wake.wait(remaining)
+        return True
 
     def close(self, timeout_s: float | None = None) -> None:
         with self._wake:
             self._closing = True
-            self._wake.notify()
+            self._wake.notify_all()
         self.join(timeout_s if timeout_s is not None else self.cfg.timeout_s * 3)
         self.sender.close()
 
@@ -108,12 +120,16 @@ class WeightPublisher(threading.Thread):
                 if self._pending is None:
                     return
                 version, tensors, broadcast = self._pending
-                self._pending = None
+                self._pending, self._busy = None, True
             try:
                 self.publish(version, tensors, broadcast)
             except Exception:  # the learner must outlive any publishing failure; the next version retries
                 log.exception("publishing version %d failed", version)
                 self.needs_new_epoch = True
+            finally:
+                with self._wake:
+                    self._busy = False
+                    self._wake.notify_all()
 
     def choose_members(self) -> tuple[str, ...]:
         now = time.monotonic()

@@ -89,6 +89,8 @@ class TorchEngine(Engine):
     def __init__(self, model_path: str | Path, settings: TorchEngineSettings) -> None:
         self.settings = settings
         self.device = torch.device(settings.device)
+        if settings.threads is not None:
+            torch.set_num_threads(settings.threads)
         self.model = load_model(model_path, settings.dtype, settings.device)
         self._tokenizer = load_tokenizer(model_path)
         self.policy_version = 0

@@ -28,7 +28,7 @@ from sparkrl.proto import (
     encode_group,
     group_id_for,
 )
-from sparkrl.services.common.bus import Entry, RedisBus
+from sparkrl.services.common.bus import BusBackpressureTimeout, Entry, RedisBus
 from sparkrl.services.common.modeling import apply_chat_template_if_any
 from sparkrl.services.common.reward_client import RewardClient, RewardServiceError
 from sparkrl.services.common.settings import RolloutSettings, SparkSettings
@@ -127,12 +127,28 @@ def score_groups(reward: RewardClient, groups: list[TrajectoryGroup]) -> list[Tr
     return scored
 
 
-def publish_groups(bus: RedisBus, groups: list[TrajectoryGroup], entries: list[Entry]) -> int:
-    """Publish each group, then ack its prompt; returns the number new (a replay is dropped, yet acked)."""
+def publish_groups(
+    bus: RedisBus, groups: list[TrajectoryGroup], entries: list[Entry], stop: threading.Event
+) -> int:
+    """Publish each group, then ack its prompt; returns the number new (a replay is dropped, yet acked).
+
+    While the trajectory stream is full (the learner sets the pace) this waits, in short slices so that a
+    stop request is honoured; groups left unpublished keep their prompts unacked, to be reclaimed.
+    """
     new = 0
     for group, entry in zip(groups, entries, strict=True):
         group = group.model_copy(update={"published_at": time.time()})
-        new += bus.publish_group(group.group_id, encode_group(group))
+        payload, deadline = encode_group(group), time.monotonic() + bus.settings.publish_timeout_s
+        while True:
+            try:
+                new += bus.publish_group(group.group_id, payload, timeout_s=1.0)
+                break
+            except BusBackpressureTimeout:
+                if stop.is_set() or time.monotonic() > deadline:
+                    log.warning(
+                        "trajectory stream full; leaving %d prompts to be reclaimed", len(groups) - new
+                    )
+                    return new
         bus.ack("prompts", [entry.entry_id])
     return new
 
@@ -197,13 +213,14 @@ def load_snapshot(engine: Engine, path: str) -> int | None:
     return version
 
 
-def sync_weights(bus: RedisBus, receiver: WeightReceiver, engine: Engine, state: WorkerState) -> None:
+def sync_weights(bus: RedisBus, receiver: WeightReceiver, engine: Engine, state: WorkerState) -> bool:
     """Between generation steps: take the announced version if we are in its group, else catch up from the
-    snapshot. A failed sync only costs this version: the learner re-forms the group for the next one."""
+    snapshot; True when the weights changed. A failed sync only costs this version: the learner re-forms
+    the group for the next one."""
     announcement = latest_announcement(bus)
     # `!=`, not `>`: a learner resumed from an older checkpoint is followed back too.
     if announcement is None or announcement.version == engine.policy_version:
-        return
+        return False
     start = time.monotonic()
     state.state = "syncing"
     try:
@@ -223,6 +240,7 @@ def sync_weights(bus: RedisBus, receiver: WeightReceiver, engine: Engine, state:
     state.weights_checksum = engine.weights_checksum()  # of what the engine holds, not what was sent
     state.last_sync_seconds = time.monotonic() - start
     log.info("now on policy version %d (%.2fs)", engine.policy_version, state.last_sync_seconds)
+    return True
 
 
 def stop_on_signals() -> threading.Event:
@@ -239,7 +257,12 @@ def stop_on_signals() -> threading.Event:
 
 
 def run_step(
-    bus: RedisBus, engine: Engine, reward: RewardClient, cfg: RolloutSettings, state: WorkerState
+    bus: RedisBus,
+    engine: Engine,
+    reward: RewardClient,
+    cfg: RolloutSettings,
+    state: WorkerState,
+    stop: threading.Event,
 ) -> bool:
     """One pass of the loop; False when there was nothing to do."""
     batch = pull_prompts(bus, engine, state.worker_id, cfg.prompts_per_batch)
@@ -265,7 +288,7 @@ def run_step(
         log.error("scoring failed, leaving %d prompts to be retried: %s", len(groups), exc)
         state.in_flight = []
         return True
-    state.groups_published += publish_groups(bus, groups, batch.entries)
+    state.groups_published += publish_groups(bus, groups, batch.entries, stop)
     state.in_flight = []
     return True
 
@@ -287,8 +310,9 @@ def main(cfg: SparkSettings) -> None:
     log.info("worker %s up: model %s, engine %s", worker_id, cfg.model, cfg.rollout.engine.kind)
     try:
         while not stop.is_set():
-            sync_weights(bus, receiver, engine, state)
-            run_step(bus, engine, reward, cfg.rollout, state)
+            if sync_weights(bus, receiver, engine, state):
+                heartbeat.beat()  # the learner and the monitor see the new version now, not a period later
+            run_step(bus, engine, reward, cfg.rollout, state, stop)
     finally:
         state.state = "stopping"
         heartbeat.stopped.set()
