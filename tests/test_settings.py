@@ -48,6 +48,13 @@ def test_sources_stack_defaults_preset_env_overrides(monkeypatch: pytest.MonkeyP
     assert load_settings("smoke", ["rollout.sampling.n=3"]).rollout.sampling.n == 3  # --set beats all
 
 
+def test_switching_variant_drops_the_old_variants_fields() -> None:
+    # The demo preset sets lp_reg's rho and beta; a baseline chosen on the command line must still load.
+    settings = load_settings("demo", ["learner.loss.name=ppo_clip", "learner.loss.clip_high=0.3"])
+    assert settings.learner.loss.name == "ppo_clip"
+    assert settings.learner.loss.clip_high == 0.3
+
+
 def test_variants_are_chosen_by_name() -> None:
     settings = load_settings(overrides=["learner.loss.name=clip_higher", "rollout.engine.kind=vllm"])
     assert settings.learner.loss.clip_high == 0.28

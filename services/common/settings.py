@@ -320,6 +320,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), yaml.safe_load(raw)
 
 
+DISCRIMINATORS = ("name", "kind")  # `learner.loss.name`, `rollout.engine.kind`
+
+
 def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node = tree
     for part in path[:-1]:
@@ -327,6 +330,9 @@ def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
         if not isinstance(child, dict):
             raise ValueError(f"override {'.'.join(path)}: {part} is not a section")
         node = child
+    if path[-1] in DISCRIMINATORS and node.get(path[-1], value) != value:
+        # Switching variant (e.g. lp_reg → clip_higher): the old variant's fields do not apply to the new.
+        node.clear()
     node[path[-1]] = value
 
 
