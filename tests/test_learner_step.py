@@ -12,9 +12,10 @@ from _tiny import tiny_model_dir  # noqa: F401  (fixture)
 
 from sparkrl.proto import TrajectoryGroup
 from sparkrl.proto.testing import random_group
-from sparkrl.services.common.modeling import load_model
+from sparkrl.services.common.modeling import load_model, load_tokenizer
 from sparkrl.services.common.settings import load_settings
 from sparkrl.services.learner.batch import micro_batches, samples_from_groups
+from sparkrl.services.learner.checkpoint import TrainState, cpu_weights, save_checkpoint
 from sparkrl.services.learner.losses import POLICY_LOSSES
 from sparkrl.services.learner.trainer import build_engine, init_distributed, old_policy, train_step
 
@@ -73,3 +74,21 @@ def test_two_steps_change_every_parameter(loss_name: str, tiny_model_dir: Path) 
         assert np.isfinite(stats["loss"]) and np.isfinite(stats["grad_norm"]) and stats["grad_norm"] > 0
     unchanged = [name for name, p in engine.module.named_parameters() if torch.equal(p, before[name])]
     assert not unchanged, f"{loss_name}: parameters not updated: {unchanged}"
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_zero_stages_train_and_checkpoint(zero_stage: int, tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    cfg = load_settings("smoke", [f"learner.zero_stage={zero_stage}", "learner.lr=1e-3"]).learner
+    init_distributed(cfg)
+    engine = build_engine(load_model(tiny_model_dir), cfg)
+    before = cpu_weights(engine)
+    batches = micro_batches(samples_from_groups(_groups(20)), cfg.micro_batch_tokens, pad_id=0)
+    stats = train_step(engine, batches, [old_policy(engine.module, mb, cfg) for mb in batches], cfg)
+    assert np.isfinite(stats["loss"])
+    after = cpu_weights(engine)
+    assert after.keys() == before.keys()
+    assert any(not torch.equal(after[name], before[name]) for name in after)
+    state = TrainState(step=1, policy_version=1)
+    path = save_checkpoint(engine, load_tokenizer(tiny_model_dir), tmp_path, state, keep=1)
+    reloaded = load_model(path / "hf")
+    torch.testing.assert_close(dict(reloaded.state_dict())["model.norm.weight"], after["model.norm.weight"])
