@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 
 
 def setup_logging(service: str, level: str | None = None) -> logging.Logger:
@@ -20,3 +22,17 @@ def setup_logging(service: str, level: str | None = None) -> logging.Logger:
     # httpx logs every request at INFO: far too chatty for a worker that scores every few seconds.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     return logging.getLogger(f"sparkrl.{service}")
+
+
+def stop_on_signals(log: logging.Logger, what: str) -> threading.Event:
+    """SIGTERM/SIGINT set the returned event; a service loop checks it between steps, so it finishes `what`
+    (the step in hand) and shuts down cleanly instead of dying mid-write."""
+    stop = threading.Event()
+
+    def handler(signum: int, _frame: object) -> None:
+        log.info("signal %d: finishing %s, then stopping", signum, what)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop

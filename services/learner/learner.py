@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from sparkrl.proto import LearnerStatus, TrajectoryGroup, decode_group
 from sparkrl.services.common.bus import Entry, RedisBus
+from sparkrl.services.common.logs import stop_on_signals
 from sparkrl.services.common.modeling import load_model, load_tokenizer
 from sparkrl.services.common.settings import LearnerSettings, SparkSettings
 from sparkrl.services.learner.batch import micro_batches, samples_from_groups
@@ -154,18 +154,6 @@ def report_status(
     bus.put_status("learner", "learner", status.model_dump_json(), ttl_s=60.0)
 
 
-def stop_on_signals() -> threading.Event:
-    stop = threading.Event()
-
-    def handler(signum: int, _frame: object) -> None:
-        log.info("signal %d: stopping after the current step", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return stop
-
-
 class RunLog:
     """`metrics.jsonl` (one row per step) and `trained_groups.jsonl` (the audit trail of "each group is
     trained once": the group ids of every step), both appended and flushed per step."""
@@ -210,7 +198,7 @@ def main(cfg: SparkSettings, resume: bool = False) -> None:
     """Build engine, bus and publisher; train until max_steps or a signal; checkpoint on the way out."""
     lc, run_dir = cfg.learner, Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    stop = stop_on_signals()
+    stop = stop_on_signals(log, "the current step")
     engine, tokenizer, state, resumed = setup_engine(cfg, resume)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     bus = RedisBus(cfg.bus)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import threading
 import time
@@ -29,6 +28,7 @@ from sparkrl.proto import (
     group_id_for,
 )
 from sparkrl.services.common.bus import BusBackpressureTimeout, Entry, RedisBus
+from sparkrl.services.common.logs import stop_on_signals
 from sparkrl.services.common.modeling import apply_chat_template_if_any
 from sparkrl.services.common.reward_client import RewardClient, RewardServiceError
 from sparkrl.services.common.settings import RolloutSettings, SparkSettings
@@ -243,19 +243,6 @@ def sync_weights(bus: RedisBus, receiver: WeightReceiver, engine: Engine, state:
     return True
 
 
-def stop_on_signals() -> threading.Event:
-    """SIGTERM/SIGINT set the event; the loop exits after the batch in hand."""
-    stop = threading.Event()
-
-    def handler(signum: int, _frame: object) -> None:
-        log.info("signal %d: finishing the batch in hand, then stopping", signum)
-        stop.set()
-
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
-    return stop
-
-
 def run_step(
     bus: RedisBus,
     engine: Engine,
@@ -296,7 +283,7 @@ def run_step(
 def main(cfg: SparkSettings) -> None:
     """Build the engine, bus and reward client from the settings, then loop until signalled."""
     worker_id = cfg.rollout.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    stop = stop_on_signals()
+    stop = stop_on_signals(log, "the batch in hand")
     engine = make_engine(cfg.model, cfg.rollout.engine)
     bus = RedisBus(cfg.bus)
     reward = RewardClient(cfg.reward.url, cfg.rollout.reward_timeout_s, cfg.rollout.reward_retries)
