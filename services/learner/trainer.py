@@ -39,6 +39,13 @@ def init_distributed(cfg: LearnerSettings) -> None:
         os.environ.setdefault(name, value)
     os.environ.setdefault("MASTER_PORT", str(cfg.dist_port or free_port()))
     deepspeed.init_distributed(dist_backend="gloo" if cfg.device == "cpu" else "nccl")
+    world_size = torch.distributed.get_world_size()
+    if world_size != 1:
+        # Each rank would read the trajectory stream as the same consumer and publish weights on its own.
+        raise RuntimeError(
+            f"the learner runs as one DeepSpeed rank for now (launched with {world_size}); "
+            "start it without torchrun/deepspeed --num_gpus, or with one process"
+        )
 
 
 def deepspeed_config(cfg: LearnerSettings) -> dict[str, Any]:
