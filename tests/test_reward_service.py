@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -124,11 +125,9 @@ def _wait_healthy(client: httpx.Client, process: subprocess.Popen[bytes], log_pa
     while time.monotonic() < deadline:
         if process.poll() is not None:
             pytest.fail(f"reward service exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
+        with contextlib.suppress(httpx.TransportError):  # not listening yet
             if client.get("/healthz", timeout=1.0).status_code == 200:
                 return
-        except httpx.TransportError:
-            pass
         time.sleep(0.2)
     pytest.fail(f"reward service not healthy after 60 s:\n{log_path.read_text()}")
 

@@ -131,7 +131,7 @@ def format_prompt(problem: CountdownProblem) -> str:
 
 
 class _ParseError(ValueError):
-    pass
+    """The completion's first line is not an arithmetic expression over integers."""
 
 
 class _Parser:
