@@ -188,7 +188,7 @@ def test_corrupted_payload_raises_only_codec_error(data: st.DataObject) -> None:
 
 
 def test_rejects_wrong_magic_and_json() -> None:
-    assert "not a sparkrl trajectory group" in str(decode_error(b"XXXXXXXX" + VALID[8:]))
+    assert "not a sparkrl trajectory group" in str(decode_error(b"NOTMAGIC" + VALID[8:]))
     assert "use decode_message" in str(decode_error(encode_message(small_group())))
     assert decode_error(b"SPR").path == ""
 
