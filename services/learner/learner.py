@@ -154,6 +154,18 @@ def report_status(
     bus.put_status("learner", "learner", status.model_dump_json(), ttl_s=60.0)
 
 
+def wait_for_fleet(bus: RedisBus, members: tuple[str, ...], version: int, timeout_s: float) -> bool:
+    """Until every member's heartbeat reports `version` (workers beat right after loading weights, but
+    after acknowledging them, so the status can trail the broadcast by a moment); False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        held = {w: s.policy_version for w, s in live_workers(bus).items()}
+        if all(held.get(member) == version for member in members):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 class RunLog:
     """`metrics.jsonl` (one row per step) and `trained_groups.jsonl` (the audit trail of "each group is
     trained once": the group ids of every step), both appended and flushed per step."""
@@ -223,7 +235,7 @@ def main(cfg: SparkSettings, resume: bool = False) -> None:
             if state.step == lc.max_steps:
                 # The last row should show where the fleet ends up, not where it was mid-broadcast.
                 publisher.flush(lc.sync.timeout_s)
-                time.sleep(0.2)  # workers heartbeat right after loading; give that write a moment
+                wait_for_fleet(bus, publisher.members, state.policy_version, timeout_s=5.0)
             seconds = time.monotonic() - started
             run_log.write(step_metrics(batch, stats, state, publisher, seconds, bus), state)
             if state.step % lc.checkpoint_every == 0:
