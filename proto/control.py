@@ -8,7 +8,7 @@ unknown command fails validation with the list of known ones.
 
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from sparkrl.proto.base import WireModel
 
@@ -78,6 +78,67 @@ ControlBody = Annotated[
     PauseCommand | ResumeCommand | StopCommand | CheckpointCommand | SetHparamsCommand,
     Field(discriminator="command"),
 ]
+
+
+class HyperparameterPatch(WireModel):
+    """Body of `PATCH /api/v1/hyperparameters`: the values to change, every field optional (at least one).
+
+    Writer: an operator (REST, `sparkrl set`). Reader: control service, which checks each value against the
+    settings models' bounds (422 naming the field and the bound) and sends the set to the learner (its keys)
+    and the rollout workers (`temperature`, `top_p`) as one `set_hparams` command. A loss parameter must
+    belong to the loss the learner runs.
+    """
+
+    lr: float | None = Field(default=None, description="Learning rate (learner.lr).")
+    max_staleness: int | None = Field(
+        default=None, description="Versions a group may lag before it is dropped (learner.max_staleness)."
+    )
+    kappa: float | None = Field(
+        default=None, description="Min-p κ of the Lp-Reg proxy (learner.proxy_kappa)."
+    )
+    beta: float | None = Field(default=None, description="Lp-Reg: weight of the pull toward the proxy.")
+    rho: float | None = Field(default=None, description="Lp-Reg: fraction of A<0 tokens considered.")
+    rho_pos: float | None = Field(default=None, description="Lp-Reg: fraction of A>0 tokens considered.")
+    clip_low: float | None = Field(default=None, description="ε_low of the active clipped loss.")
+    clip_high: float | None = Field(default=None, description="ε_high of the active clipped loss.")
+    entropy_coef: float | None = Field(default=None, description="entropy_bonus: weight of −entropy.")
+    top_frac: float | None = Field(default=None, description="eighty_twenty: fraction of tokens trained.")
+    kl_cov_ratio: float | None = Field(default=None, description="kl_cov: fraction of tokens penalized.")
+    ppo_kl_coef: float | None = Field(default=None, description="kl_cov: weight of the penalty.")
+    clip_cov_ratio: float | None = Field(default=None, description="clip_cov: fraction detached.")
+    clip_cov_lb: float | None = Field(default=None, description="clip_cov: lower covariance bound.")
+    clip_cov_ub: float | None = Field(default=None, description="clip_cov: upper covariance bound.")
+    temperature: float | None = Field(default=None, description="Rollout sampling temperature (workers).")
+    top_p: float | None = Field(default=None, description="Rollout nucleus mass (workers).")
+
+    @model_validator(mode="after")
+    def _not_empty(self) -> "HyperparameterPatch":
+        if not self.values():
+            raise ValueError(f"give at least one of: {', '.join(type(self).model_fields)}")
+        return self
+
+    def values(self) -> dict[str, HparamValue]:
+        """The fields that were given, by name."""
+        return {name: value for name, value in self.model_dump(exclude_none=True).items()}
+
+
+class ControlState(WireModel):
+    """The fleet's desired state, which a service (re)starting adopts before its first step: paused or not,
+    and the live sampling values. Writer: control service, with every pause / resume / set_hparams it
+    issues. Readers: learner and rollout workers, at start (live changes come as commands)."""
+
+    schema_version: Literal[1] = Field(
+        default=CONTROL_SCHEMA_VERSION, description="Wire version; readers reject others."
+    )
+    paused: bool = Field(default=False, description="Whether the fleet is paused. Writer: control service.")
+    sampling: dict[Annotated[str, Field(min_length=1, max_length=64)], float] = Field(
+        default_factory=dict,
+        description="Rollout sampling values changed live (`temperature`, `top_p`); empty: as configured. "
+        "Writer: control service. Readers: rollout workers.",
+    )
+    updated_at: float = Field(
+        ge=0, description="Unix time (s) of the last change. Writer: control service. Readers: logs."
+    )
 
 
 class ControlCommand(WireModel):

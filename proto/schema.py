@@ -13,10 +13,11 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from sparkrl.proto.control import ControlCommand
+from sparkrl.proto.control import ControlCommand, ControlState
 from sparkrl.proto.group import TrajectoryGroup
 from sparkrl.proto.reward import RewardRequest, RewardResponse
 from sparkrl.proto.status import LearnerStatus, WorkerStatus
+from sparkrl.proto.telemetry import CommandResult, StateEvent, StepMetrics, SyncEvent
 from sparkrl.proto.trajectory import Completion, Prompt
 from sparkrl.proto.weights import WeightAnnouncement
 
@@ -32,8 +33,13 @@ MESSAGES: tuple[type[BaseModel], ...] = (
     RewardResponse,
     WeightAnnouncement,
     ControlCommand,
+    ControlState,
     WorkerStatus,
     LearnerStatus,
+    StepMetrics,
+    SyncEvent,
+    CommandResult,
+    StateEvent,
 )
 
 

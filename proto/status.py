@@ -10,6 +10,7 @@ from typing import Literal
 from pydantic import Field
 
 from sparkrl.proto.base import WireModel
+from sparkrl.proto.control import HparamValue
 
 STATUS_SCHEMA_VERSION = 1
 
@@ -72,6 +73,58 @@ class WorkerStatus(WireModel):
         description="Wall time of its last weight sync (announcement seen → weights loaded), seconds. "
         "Writer: rollout worker. Reader: sync monitor. None before the first sync.",
     )
+    last_sync_bytes: int | None = Field(
+        default=None,
+        ge=0,
+        description="Bytes of its last weight sync (broadcast or snapshot). Writer: rollout worker. Reader: "
+        "sync monitor. None before the first sync.",
+    )
+    sync_failures: int = Field(
+        default=0,
+        ge=0,
+        description="Weight syncs that failed since start. Writer: rollout worker. Readers: sync monitor, "
+        "Prometheus.",
+    )
+    timings: dict[str, float] = Field(
+        default_factory=dict,
+        description="Seconds of each part of its last batch: `sync` (waiting for and loading weights), "
+        "`generate`, `score`, `publish`. Writer: rollout worker. Reader: learner (the step row's "
+        "`time/worker_*_s`).",
+    )
+    started_at: float | None = Field(
+        default=None,
+        ge=0,
+        description="Unix time (s) this worker process started: a restart under the same id (a container "
+        "restarted in place) is a new incarnation. Writer: rollout worker. Reader: learner (admits a new "
+        "incarnation at once instead of keeping it out for the old one's failure). None when not reported.",
+    )
+    in_hand_version: int | None = Field(
+        default=None,
+        ge=0,
+        description="Oldest policy version of the groups this worker has made but not yet published (they "
+        "wait on a full trajectory stream while it follows newer weights). Writer: rollout worker. Reader: "
+        "learner (waits for them rather than stepping past their reach). None when nothing is in hand.",
+    )
+    progress_at: float | None = Field(
+        default=None,
+        ge=0,
+        description="Unix time (s) the worker's loop last made progress (a batch, a sync, an idle poll); "
+        "a live heartbeat with an old `progress_at` is a hung loop. Writer: rollout worker. Reader: "
+        "learner (leaves it out of broadcasts). None when not reported.",
+    )
+    temperature: float | None = Field(
+        default=None,
+        gt=0,
+        description="Sampling temperature in force (changed live by `set_hparams`). Writer: rollout worker. "
+        "Reader: controller. None when not reported.",
+    )
+    top_p: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="Nucleus mass in force. Writer: rollout worker. Reader: controller. None when not "
+        "reported.",
+    )
     heartbeat_at: float = Field(
         ge=0,
         description="Unix time (s) of this report. Writer: rollout worker. Reader: controller (liveness).",
@@ -110,6 +163,45 @@ class LearnerStatus(WireModel):
         ge=0,
         description="Wall time of the last weight broadcast (announce → all ranks done), seconds. Writer: "
         "learner. Reader: sync monitor. None before the first broadcast.",
+    )
+    last_reward: float | None = Field(
+        default=None,
+        description="Mean reward of the last step's groups. Writer: learner. Reader: controller. None "
+        "before the first step.",
+    )
+    last_entropy: float | None = Field(
+        default=None,
+        description="Token entropy of the last step (learner's forward). Writer: learner. Reader: "
+        "controller. None before the first step.",
+    )
+    tokens_per_s: float | None = Field(
+        default=None,
+        ge=0,
+        description="Tokens trained per second in the last step. Writer: learner. Readers: controller, "
+        "Prometheus. None before the first step.",
+    )
+    groups_dropped_stale: int = Field(
+        default=0,
+        ge=0,
+        description="Groups dropped as older than `max_staleness` since start. Writer: learner. Reader: "
+        "controller.",
+    )
+    max_steps: int | None = Field(
+        default=None,
+        ge=1,
+        description="Where the run ends (learner.max_steps). Writer: learner. Reader: page (progress). "
+        "None: it runs until stopped.",
+    )
+    last_checkpoint: str | None = Field(
+        default=None,
+        max_length=4096,
+        description="Path of the newest checkpoint written. Writer: learner. Reader: controller. None "
+        "before the first.",
+    )
+    hyperparameters: dict[str, HparamValue] = Field(
+        default_factory=dict,
+        description="Hyperparameters in force (`lr`, `max_staleness`, `kappa`, `loss` and the loss's own, "
+        "...). Writer: learner. Readers: controller (validates live changes against `loss`), page.",
     )
     group_epoch: int = Field(
         ge=0,

@@ -7,6 +7,7 @@ The broadcast sends `num_buckets` flat byte buffers in bucket order; tensor `i` 
 """
 
 import hashlib
+import hmac
 import math
 from collections.abc import Iterable
 from typing import Literal
@@ -159,10 +160,32 @@ class WeightAnnouncement(WireModel):
         "safetensors shards). Writer: learner. Reader: rollout worker. None when no snapshot was written "
         "yet.",
     )
+    files_url: str | None = Field(
+        default=None,
+        description="Base URL of the learner's weight files (`/snapshot`, `/model`): how a worker that "
+        "cannot see the learner's disk (a container, a pod, another host) catches up and gets the model; "
+        "`/snapshot` holds this version when `snapshot_path` is set. "
+        "Writer: learner. Reader: rollout worker (verifies what it downloads against `checksum` and "
+        "`model_sha256`). None when the learner serves none.",
+    )
+    model_sha256: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="sha256 of the learner's model-directory listing (file → bytes, sha256; canonical "
+        "JSON) at `files_url`/model. Writer: learner. Reader: a worker fetching the model.",
+    )
     created_at: float = Field(
         ge=0,
         description="Unix time (s) of the announcement. Writer: learner. Readers: rollout worker, monitor "
         "(sync latency).",
+    )
+    signature: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="HMAC-SHA256 (hex) of every other field's JSON under the run's shared secret "
+        "(`sync.secret`), so that what a worker follows (the store address, the snapshot path, the "
+        "checksum) comes from the learner. Writer: learner. Reader: rollout worker (refuses a bad one). "
+        "None when no secret is configured.",
     )
 
     def bucket_sizes(self) -> list[int]:
@@ -209,3 +232,20 @@ class WeightAnnouncement(WireModel):
             raise FieldError(
                 "bucket_bytes", f"bucket {bucket} holds {len(members)} tensors and ends at byte {end}"
             )
+
+
+def _mac(announcement: WeightAnnouncement, secret: str) -> str:
+    payload = announcement.model_dump_json(exclude={"signature"}).encode()
+    return hmac.new(secret.encode(), payload, hashlib.sha256).hexdigest()
+
+
+def sign_announcement(announcement: WeightAnnouncement, secret: str) -> WeightAnnouncement:
+    """The announcement with its `signature` (learner side)."""
+    return announcement.model_copy(update={"signature": _mac(announcement, secret)})
+
+
+def announcement_verifies(announcement: WeightAnnouncement, secret: str) -> bool:
+    """Whether `signature` is the secret's MAC of the rest (worker side; constant-time compare)."""
+    return announcement.signature is not None and hmac.compare_digest(
+        announcement.signature, _mac(announcement, secret)
+    )
