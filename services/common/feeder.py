@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from sparkrl.proto import Prompt, encode_message
+from sparkrl.proto import Prompt, encode_message, group_id_for
 from sparkrl.services.common.bus import RedisBus
+from sparkrl.services.common.recovery import TRAINED_PREFIX, incarnation
 
 log = logging.getLogger("sparkrl.feeder")
 
@@ -23,14 +25,25 @@ class FeedReport:
 
 
 def feed_prompts(
-    bus: RedisBus, prompts: Iterable[Prompt], epoch: int = 0, log_every: int = 1000
+    bus: RedisBus,
+    prompts: Iterable[Prompt],
+    epoch: int = 0,
+    log_every: int = 1000,
+    skip_trained: bool = False,
+    stop: threading.Event | None = None,
 ) -> FeedReport:
-    """Publish each prompt once. `epoch` > 0 re-feeds the same data as new prompts (`id@epoch`)."""
+    """Publish each prompt once. `epoch` > 0 re-feeds the same data as new prompts (`id@epoch`);
+    `skip_trained` leaves out prompts whose group the learner has trained (after a Redis wipe)."""
     start = time.monotonic()
     published = duplicates = 0
     for prompt in prompts:
+        if stop is not None and stop.is_set():
+            break
         if epoch:
             prompt = prompt.model_copy(update={"prompt_id": f"{prompt.prompt_id}@{epoch}"})
+        if skip_trained and bus.get_value(TRAINED_PREFIX + group_id_for(prompt.prompt_id)) is not None:
+            duplicates += 1
+            continue
         # Blocks while the stream is full (bus.prompt_maxlen): the fleet sets the pace.
         if bus.publish_prompt(prompt.prompt_id, encode_message(prompt)):
             published += 1
@@ -39,3 +52,19 @@ def feed_prompts(
         if (published + duplicates) % log_every == 0:
             log.info("fed %d prompts (%d already fed)", published, duplicates)
     return FeedReport(published, duplicates, time.monotonic() - start)
+
+
+def watch_and_refeed(
+    bus: RedisBus, feed_all: Callable[[], FeedReport], stop: threading.Event, known: str, poll_s: float = 2.0
+) -> None:
+    """After feeding: until stopped, feed again whenever the learner reports a new incarnation of the bus
+    (it lost its data and the learner rebuilt the trained marks), leaving out what was trained. `known`
+    is the incarnation taken (`ensure_incarnation`) before the first feed, so a wipe during it counts."""
+    while not stop.wait(poll_s):
+        now = incarnation(bus)
+        if now is None or now == known:
+            continue  # unchanged, or wiped and the learner has not rebuilt its marks yet
+        log.warning("the bus lost its data (new incarnation %s): feeding again what was not trained", now)
+        known = now
+        report = feed_all()
+        log.info("fed %d prompts again (%d trained or present)", report.published, report.duplicates)

@@ -24,10 +24,11 @@ def setup_logging(service: str, level: str | None = None) -> logging.Logger:
     return logging.getLogger(f"sparkrl.{service}")
 
 
-def stop_on_signals(log: logging.Logger, what: str) -> threading.Event:
-    """SIGTERM/SIGINT set the returned event; a service loop checks it between steps, so it finishes `what`
-    (the step in hand) and shuts down cleanly instead of dying mid-write."""
-    stop = threading.Event()
+def stop_on_signals(log: logging.Logger, what: str, stop: threading.Event | None = None) -> threading.Event:
+    """SIGTERM/SIGINT set the returned event (`stop`, or a new one); a service loop checks it between steps,
+    so it finishes `what` (the step in hand) and shuts down cleanly instead of dying mid-write. Only the
+    CLI calls this: signals reach the main thread alone, and a Ray actor is stopped by its driver."""
+    stop = stop if stop is not None else threading.Event()
 
     def handler(signum: int, _frame: object) -> None:
         log.info("signal %d: finishing %s, then stopping", signum, what)

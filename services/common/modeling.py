@@ -33,11 +33,13 @@ def _local_dir(path: str | Path) -> Path:
 
 
 def load_model(
-    path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu"
+    path: str | Path, dtype: str | torch.dtype = "float32", device: str = "cpu", attention: str | None = None
 ) -> PreTrainedModel:
-    """A causal LM in eval mode on `device`; local files only (never a hub download)."""
+    """A causal LM in eval mode on `device`; local files only (never a hub download). `attention`: the
+    attention kernel (transformers' attn_implementation), None for the model's default."""
+    extra = {"attn_implementation": attention} if attention else {}
     model = AutoModelForCausalLM.from_pretrained(
-        _local_dir(path), dtype=resolve_dtype(dtype), local_files_only=True
+        _local_dir(path), dtype=resolve_dtype(dtype), local_files_only=True, **extra
     )
     return model.to(device).eval()
 

@@ -7,21 +7,58 @@ Variants (engine, loss) are discriminated unions, so a typo fails when the confi
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from sparkrl.services.common.engine_settings import (
+    EngineSettings,
+    SamplingSettings,
+    TorchEngineSettings,
+    VllmEngineSettings,
+)
+from sparkrl.services.common.loss_settings import (
+    ClipCovLoss,
+    ClipHigherLoss,
+    EightyTwentyLoss,
+    EntropyBonusLoss,
+    GspoLoss,
+    KlCovLoss,
+    LossSettings,
+    LpRegLoss,
+    PpoClipLoss,
+)
+from sparkrl.services.common.ray_settings import RaySettings
+from sparkrl.services.common.settings_section import Section
+from sparkrl.services.common.sync_settings import WeightSyncSettings
+
+# The loss, sampling/engine, sync and ray sections live in their own files; they are re-exported here,
+# the tree's one import point.
+__all__ = [
+    "ClipCovLoss",
+    "ClipHigherLoss",
+    "EightyTwentyLoss",
+    "EntropyBonusLoss",
+    "GspoLoss",
+    "KlCovLoss",
+    "LossSettings",
+    "LpRegLoss",
+    "PpoClipLoss",
+    "RaySettings",
+    "SamplingSettings",
+    "TorchEngineSettings",
+    "VllmEngineSettings",
+    "WeightSyncSettings",
+]
 
 CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class BusSettings(_Section):
+class BusSettings(Section):
     """Redis Streams that carry prompts, trajectory groups and dead letters."""
 
     url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL shared by every service.")
@@ -35,6 +72,12 @@ class BusSettings(_Section):
         512, ge=4, description="Cap on unread trajectory groups; rollout workers wait when the learner lags."
     )
     dead_letter_maxlen: int = Field(10_000, ge=16, description="Dead-letter stream length (oldest trimmed).")
+    telemetry_maxlen: int = Field(
+        20_000,
+        ge=100,
+        description="Entries kept in each telemetry stream (step rows, sync history, events, control "
+        "commands); the oldest are trimmed.",
+    )
     block_ms: int = Field(1000, ge=10, le=60_000, description="Longest a blocking read waits, milliseconds.")
     claim_idle_ms: int = Field(
         30_000, ge=100, description="A delivered entry idle this long is reclaimed from its (dead) consumer."
@@ -48,17 +91,34 @@ class BusSettings(_Section):
     dedup_ttl_s: float = Field(
         7 * 24 * 3600.0, gt=0, description="How long a published prompt/group id is remembered, seconds."
     )
+    aof_fsync: Literal["always", "everysec"] = Field(
+        "always",
+        description="The private Redis of `sparkrl up`: when its append-only file is fsynced. `always`: "
+        "nothing acknowledged is ever lost, a killed Redis or a power loss; `everysec`: an fsync a "
+        "second (Redis may hold writes back up to 2 s while the disk is slow, which a crash then loses). "
+        "Measured on the demo: no difference in speed.",
+    )
     socket_timeout_s: float = Field(10.0, gt=0, description="Timeout of every Redis call, seconds.")
     reconnect_max_s: float = Field(60.0, gt=0, description="Give up reconnecting after this long, seconds.")
 
 
-class RewardSettings(_Section):
+class RewardSettings(Section):
     """The reward service (server side) and how clients reach it."""
 
     host: str = Field("127.0.0.1", description="Interface the service binds.")
     port: int = Field(8100, ge=0, le=65535, description="Port the service binds (0: any free port).")
     url: str = Field("http://127.0.0.1:8100", description="Base URL clients (rollout workers) call.")
     item_timeout_s: float = Field(5.0, gt=0, le=600, description="Default per-item verification time limit.")
+    max_item_timeout_s: float = Field(
+        30.0, gt=0, le=600, description="Cap on the per-item limit a client may ask for (`timeout_s`)."
+    )
+    max_request_seconds: float = Field(
+        120.0,
+        gt=0,
+        le=3600,
+        description="Budget of one request: items not finished within it score 0 with `timeout`, so no "
+        "request holds the pool longer.",
+    )
     verifier_processes: int = Field(2, ge=1, le=64, description="Processes in the verification pool.")
     max_request_bytes: int = Field(16 << 20, ge=1024, description="Larger request bodies get 413.")
     custom_verifiers: list[str] = Field(
@@ -67,53 +127,42 @@ class RewardSettings(_Section):
     )
 
 
-class SamplingSettings(_Section):
-    """How a worker samples each GRPO group."""
+class MetricsEndpoint(Section):
+    """A service's own HTTP endpoint for `GET /metrics` (Prometheus) and `GET /healthz`."""
 
-    n: int = Field(8, ge=1, le=1024, description="Completions per prompt (the GRPO group size).")
-    temperature: float = Field(
-        1.0, gt=0, le=10, description="Sampling temperature; log-probs are taken at it."
-    )
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1.0: off).")
-    max_new_tokens: int = Field(256, ge=1, le=131_072, description="Longest completion, tokens.")
-    stop: list[str] = Field(
-        default_factory=list, description="Stop strings (kept out of the completion text)."
-    )
-    topk_logprobs: int = Field(
-        20, ge=1, le=1024, description="Top-k (ids, log-probs) recorded per generated token over the vocab."
-    )
-    seed: int | None = Field(None, description="Sampling seed; None draws one per worker.")
-
-
-class TorchEngineSettings(_Section):
-    """The embedded engine: any Hugging Face causal LM, a hand-written KV-cache loop."""
-
-    kind: Literal["torch"] = "torch"
-    device: str = Field("cpu", description="torch device, e.g. `cpu` or `cuda:0`.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Weights' dtype.")
-    max_batch_sequences: int = Field(64, ge=1, description="Most sequences decoded together in one batch.")
-    threads: int | None = Field(
-        None, ge=1, description="torch CPU threads of this worker; None: torch's default (all cores)."
+    host: str = Field("127.0.0.1", description="Interface it binds.")
+    port: int = Field(
+        0, ge=0, le=65535, description="Port it binds; 0: off (`sparkrl up` picks a free one for each)."
     )
 
 
-class VllmEngineSettings(_Section):
-    """vLLM on GPU (install the `vllm` extra in its own environment)."""
+class ControlSettings(Section):
+    """The control service: REST API, live page, the fleet's Prometheus view; and how clients reach it."""
 
-    kind: Literal["vllm"] = "vllm"
-    gpu_memory_utilization: float = Field(
-        0.85, gt=0, le=1, description="Fraction of GPU memory vLLM may take."
+    host: str = Field("127.0.0.1", description="Interface the service binds.")
+    port: int = Field(8200, ge=0, le=65535, description="Port the service binds.")
+    url: str = Field("http://127.0.0.1:8200", description="Base URL clients (CLI, scripts) call.")
+    token: SecretStr | None = Field(
+        None,
+        description="Bearer token of the mutating routes (env SPARKRL_CONTROL__TOKEN); None: read from "
+        "`token_file`. The service refuses to start with neither.",
     )
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine.")
-    max_model_len: int | None = Field(None, ge=16, description="Context length; None: the model's.")
-    enforce_eager: bool = Field(False, description="Disable CUDA graphs (slower, starts faster).")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="Weights' dtype.")
+    token_file: str | None = Field(
+        None, description="File holding the token (`sparkrl up` writes RUN_DIR/control-token, mode 0600)."
+    )
+    protect_reads: bool = Field(False, description="Require the token on the read routes and the page too.")
+    command_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="How long a command waits for every target's outcome before it answers 504, seconds.",
+    )
+    heartbeat_s: float = Field(
+        1.0, gt=0, le=60, description="How often the server-sent event stream polls Redis, seconds."
+    )
 
 
-EngineSettings = Annotated[TorchEngineSettings | VllmEngineSettings, Field(discriminator="kind")]
-
-
-class RolloutSettings(_Section):
+class RolloutSettings(Section):
     """A rollout worker: engine, sampling, and its calls to the reward service."""
 
     worker_id: str | None = Field(None, description="Stable id (consumer name); None: hostname-pid.")
@@ -122,14 +171,31 @@ class RolloutSettings(_Section):
     prompts_per_batch: int = Field(
         4, ge=1, le=1024, description="Prompts pulled and generated together (each yields one group)."
     )
+    lockstep_groups: int | None = Field(
+        None,
+        ge=1,
+        description="Lockstep: after this many groups made with one policy version, wait for the next one "
+        "(with learner.max_staleness 0: exactly on-policy; set it to learner.prompts_per_step / workers). "
+        "None: asynchronous, workers run ahead within max_staleness.",
+    )
+    lockstep_wait_s: float = Field(
+        60.0, gt=0, description="Lockstep: the longest wait for the next version before making more."
+    )
     reward_timeout_s: float = Field(60.0, gt=0, description="HTTP timeout of one scoring call, seconds.")
     reward_retries: int = Field(
         5, ge=0, le=100, description="Retries (exponential backoff) of a failed call."
     )
     heartbeat_s: float = Field(2.0, gt=0, le=60, description="Status heartbeat period, seconds.")
+    model_wait_s: float = Field(
+        600.0,
+        gt=0,
+        description="When the `model` directory is not there, how long to wait for the learner to announce "
+        "its weight files (the model is fetched from it), seconds.",
+    )
+    metrics: MetricsEndpoint = Field(default_factory=MetricsEndpoint, description="/metrics and /healthz.")
 
 
-class PromptSettings(_Section):
+class PromptSettings(Section):
     """What `sparkrl prompts` feeds into the prompt stream."""
 
     task: Literal["countdown", "math"] = Field(
@@ -148,110 +214,8 @@ class PromptSettings(_Section):
     )
 
 
-class LpRegLoss(_Section):
-    """Lp-Reg (arXiv 2510.03222): PPO-clip plus a pull toward the min-p proxy on the lowest-prob tokens."""
-
-    name: Literal["lp_reg"] = "lp_reg"
-    rho: float = Field(0.01, ge=0, le=1, description="Fraction of A<0 tokens considered (lowest logp first).")
-    rho_pos: float = Field(0.0, ge=0, le=1, description="The same for A>0 tokens (0: off).")
-    beta: float = Field(1.0, ge=0, description="Weight of the kl3 pull toward the proxy.")
-    clip_low: float = Field(1.0, ge=0, le=1, description="ε_low: ratio clipped below at 1 − ε_low.")
-    clip_high: float = Field(9.0, ge=0, description="ε_high: ratio clipped above at 1 + ε_high.")
-
-
-class PpoClipLoss(_Section):
-    """PPO/GRPO clipped surrogate."""
-
-    name: Literal["ppo_clip", "grpo"] = "ppo_clip"
-    clip_low: float = Field(0.2, ge=0, le=1, description="ε_low.")
-    clip_high: float = Field(0.2, ge=0, description="ε_high.")
-
-
-class ClipHigherLoss(_Section):
-    """DAPO's Clip-Higher: asymmetric clip."""
-
-    name: Literal["clip_higher"] = "clip_higher"
-    clip_low: float = Field(0.2, ge=0, le=1, description="ε_low.")
-    clip_high: float = Field(0.28, ge=0, description="ε_high.")
-
-
-class EntropyBonusLoss(_Section):
-    """GRPO + entropy loss."""
-
-    name: Literal["entropy_bonus"] = "entropy_bonus"
-    clip_low: float = Field(0.2, ge=0, le=1, description="ε_low.")
-    clip_high: float = Field(0.2, ge=0, description="ε_high.")
-    entropy_coef: float = Field(0.001, ge=0, description="Weight of −entropy in the loss.")
-
-
-class EightyTwentyLoss(_Section):
-    """80/20: only the highest-entropy tokens get policy gradient."""
-
-    name: Literal["eighty_twenty"] = "eighty_twenty"
-    top_frac: float = Field(
-        0.2, gt=0, le=1, description="Fraction of valid tokens (highest entropy) trained."
-    )
-    clip_low: float = Field(0.2, ge=0, le=1, description="ε_low.")
-    clip_high: float = Field(0.28, ge=0, description="ε_high.")
-
-
-class KlCovLoss(_Section):
-    """KL-Cov: a KL penalty on the tokens of highest covariance between logp and advantage."""
-
-    name: Literal["kl_cov"] = "kl_cov"
-    kl_cov_ratio: float = Field(2e-4, ge=0, le=1, description="Fraction of tokens penalized.")
-    ppo_kl_coef: float = Field(1.0, ge=0, description="Weight of |logp − old_logp| on them.")
-
-
-class ClipCovLoss(_Section):
-    """Clip-Cov: detach a random few tokens whose covariance lies in [lb, ub]."""
-
-    name: Literal["clip_cov"] = "clip_cov"
-    clip_low: float = Field(0.2, ge=0, le=1, description="ε_low.")
-    clip_high: float = Field(0.2, ge=0, description="ε_high.")
-    clip_cov_ratio: float = Field(2e-4, ge=0, le=1, description="Fraction of tokens detached.")
-    clip_cov_lb: float = Field(1.0, description="Lower covariance bound.")
-    clip_cov_ub: float = Field(5.0, description="Upper covariance bound.")
-
-
-class GspoLoss(_Section):
-    """GSPO: sequence-level importance ratio."""
-
-    name: Literal["gspo"] = "gspo"
-    clip_low: float = Field(3e-4, ge=0, le=1, description="ε_low on the sequence ratio.")
-    clip_high: float = Field(4e-4, ge=0, description="ε_high on the sequence ratio.")
-
-
-LossSettings = Annotated[
-    LpRegLoss
-    | PpoClipLoss
-    | ClipHigherLoss
-    | EntropyBonusLoss
-    | EightyTwentyLoss
-    | KlCovLoss
-    | ClipCovLoss
-    | GspoLoss,
-    Field(discriminator="name"),
-]
-
-
-class WeightSyncSettings(_Section):
-    """The learner's own process group that carries new weights to the fleet."""
-
-    backend: Literal["gloo", "nccl"] = Field("gloo", description="gloo on CPU, nccl on GPU.")
-    host: str = Field("127.0.0.1", description="Address workers reach the learner's TCPStore at.")
-    port: int = Field(29600, ge=1, le=65535, description="TCPStore port the learner hosts.")
-    bucket_mb: int = Field(64, ge=1, le=4096, description="Tensors travel packed in buckets of this size.")
-    timeout_s: float = Field(
-        60.0, gt=0, description="A member that does not join or finish within this is dropped from the group."
-    )
-    snapshot_every: int = Field(
-        1, ge=1, description="Write the weights a late joiner loads every N policy versions."
-    )
-
-
-class LearnerSettings(_Section):
-    """The DeepSpeed learner: batches, loss, optimizer, staleness, checkpoints, weight sync."""
+class LearnerSettings(Section):
+    """The DeepSpeed learner: batches, loss, optimizer, staleness, checkpoints."""
 
     loss: LossSettings = Field(default_factory=LpRegLoss, description="Policy loss, chosen by `name`.")
     proxy_source: Literal["topk", "logits"] = Field(
@@ -270,11 +234,28 @@ class LearnerSettings(_Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Training dtype (bf16 on GPU).")
     device: str = Field("cpu", description="`cpu` or `cuda` (DeepSpeed's accelerator).")
+    autocast: Literal["off", "bfloat16", "auto"] = Field(
+        "off",
+        description="Forward/backward under torch.autocast in bf16: weights, gradients and optimizer stay "
+        "float32 (on a CPU with AVX512-BF16 a quarter faster; log-probs a little noisier). `auto`: bf16 "
+        "where the hardware runs it natively (oneDNN's bf16 on a CPU, a bf16-capable GPU), else off.",
+    )
+    attention: Literal["sdpa", "eager"] | None = Field(
+        None,
+        description="The model's attention kernel (transformers' attn_implementation); None: its default. "
+        "`eager` is faster for tiny models on a CPU, and the one bf16 autocast runs fast with there.",
+    )
     threads: int | None = Field(
         None,
         ge=1,
         description="torch CPU threads of the learner; None: torch's default. Several services on one "
         "small machine should split the cores: oversubscribed threads slow every one of them.",
+    )
+    startup_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="A start (model load, DeepSpeed's first op build) taking longer ends with an error "
+        "naming what it waits on.",
     )
     prompts_per_step: int = Field(256, ge=1, description="Groups per optimizer step.")
     micro_batch_tokens: int = Field(8192, ge=16, description="Token budget of one forward/backward.")
@@ -285,10 +266,7 @@ class LearnerSettings(_Section):
     checkpoint_every: int = Field(50, ge=1, description="Checkpoint every N steps (and on stop).")
     keep_checkpoints: int = Field(2, ge=1, description="Older checkpoints are deleted.")
     seed: int = Field(0, description="Seed of the learner's randomness (Clip-Cov's choice).")
-    dist_port: int = Field(
-        0, ge=0, le=65535, description="Port of the learner ranks' own process group (0: any free port)."
-    )
-    sync: WeightSyncSettings = Field(default_factory=WeightSyncSettings)
+    metrics: MetricsEndpoint = Field(default_factory=MetricsEndpoint, description="/metrics and /healthz.")
 
 
 class SparkSettings(BaseSettings):
@@ -305,11 +283,21 @@ class SparkSettings(BaseSettings):
     run_dir: str = Field(
         "runs/default", description="Where logs, metrics, resolved configs and checkpoints go."
     )
+    workers: int = Field(
+        2,
+        ge=1,
+        le=1024,
+        description="How many rollout workers `sparkrl up` starts (`--workers` overrides); on a small "
+        "machine each one takes a core from the learner.",
+    )
     bus: BusSettings = Field(default_factory=BusSettings)
     reward: RewardSettings = Field(default_factory=RewardSettings)
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     prompts: PromptSettings = Field(default_factory=PromptSettings)
     learner: LearnerSettings = Field(default_factory=LearnerSettings)
+    sync: WeightSyncSettings = Field(default_factory=WeightSyncSettings)
+    control: ControlSettings = Field(default_factory=ControlSettings)
+    ray: RaySettings = Field(default_factory=RaySettings, description="`sparkrl up --ray` only.")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -374,7 +362,16 @@ def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> None:
 
 
 def write_resolved(settings: SparkSettings, path: Path) -> Path:
-    """Write the fully resolved tree as YAML: that file alone reproduces a service (`--config FILE`)."""
+    """Write the fully resolved tree as YAML: that file alone reproduces a service (`--config FILE`).
+
+    Refuses a tree holding the control token: a secret belongs in a 0600 file (`control.token_file`), and
+    pydantic would write it masked anyway, breaking the service that reads it back."""
+    if settings.control.token is not None:
+        raise ValueError("refusing to write control.token into a config file: use control.token_file")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False))
+    # Owner-only: a resolved tree may hold the Redis password and the weight-sync secret.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False))
+    os.chmod(path, 0o600)
     return path

@@ -114,15 +114,22 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     return wrapped
 
 
-def _build_model(tokenizer: PreTrainedTokenizerFast, seed: int) -> Qwen2ForCausalLM:
+SHAPE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "max_position_embeddings",
+)
+
+
+def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, shape: dict[str, int]) -> Qwen2ForCausalLM:
+    """A randomly initialised (seeded) Qwen2 of `shape` (the SHAPE_KEYS) for `tokenizer`, sampling with
+    the full distribution by default."""
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=RECIPE["hidden_size"],
-        intermediate_size=RECIPE["intermediate_size"],
-        num_hidden_layers=RECIPE["num_hidden_layers"],
-        num_attention_heads=RECIPE["num_attention_heads"],
-        num_key_value_heads=RECIPE["num_key_value_heads"],
-        max_position_embeddings=RECIPE["max_position_embeddings"],
+        **{key: shape[key] for key in SHAPE_KEYS},
         # Untied: the learner, both engines and vLLM's loader then see every weight under its own name.
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
@@ -255,7 +262,7 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     started = time.perf_counter()
     tokenizer = build_tokenizer()
     with _torch_threads(min(4, os.cpu_count() or 1)):
-        model = _build_model(tokenizer, seed)
+        model = build_model(tokenizer, seed, RECIPE)
         warm = _warm_up(model, tokenizer, seed)
         final_problems = [
             generate_problem(random.Random(f"final-{seed}-{i}")) for i in range(RECIPE["final_eval_problems"])

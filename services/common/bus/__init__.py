@@ -13,6 +13,7 @@ knows nothing of `sparkrl.proto`. Guarantees:
 - Every Redis call has a timeout; connection failures are retried with backoff, then `BusUnavailable`.
 """
 
+from sparkrl.services.common.bus.logs import LogStreams, Record
 from sparkrl.services.common.bus.records import (
     GROUPS,
     BusBackpressureTimeout,
@@ -32,7 +33,9 @@ __all__ = [
     "BusUnavailable",
     "DeadLetter",
     "Entry",
+    "LogStreams",
     "QueueDepth",
+    "Record",
     "RedisBus",
     "StreamKind",
 ]

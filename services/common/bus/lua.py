@@ -20,3 +20,15 @@ redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'stream', KEYS[1], 'ent
 redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
 """
+
+# A dead letter back into the stream it came from, as a new entry with its id and payload (not through the
+# dedup check: its id was published before). Returns the new entry id, or false when the record is gone.
+REQUEUE_LUA = """
+local rows = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[1])
+if #rows == 0 then return false end
+local fields, values = rows[1][2], {}
+for i = 1, #fields, 2 do values[fields[i]] = fields[i + 1] end
+local id = redis.call('XADD', values['stream'], '*', 'id', values['id'], 'payload', values['payload'])
+redis.call('XDEL', KEYS[1], ARGV[1])
+return id
+"""

@@ -43,9 +43,10 @@ class DeadLetter:
     payload: bytes
     time_ms: int  # wall-clock milliseconds when it was dead-lettered
     deliveries: int
+    record_id: str = ""  # its own id in `{ns}:dead` (what `requeue_dead_letter` takes)
 
     @classmethod
-    def from_fields(cls, fields: dict[bytes, bytes]) -> DeadLetter:
+    def from_fields(cls, fields: dict[bytes, bytes], record_id: str = "") -> DeadLetter:
         """From a `{ns}:dead` stream entry as Redis returns it."""
 
         def text(name: bytes) -> str:
@@ -59,6 +60,7 @@ class DeadLetter:
             payload=fields[b"payload"],
             time_ms=int(fields[b"time_ms"]),
             deliveries=int(fields[b"deliveries"]),
+            record_id=record_id,
         )
 
 

@@ -7,7 +7,6 @@ import random
 import time
 from collections.abc import Callable
 from typing import TypeVar
-from urllib.parse import urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -17,7 +16,9 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from sparkrl.services.common.bus.lua import DEAD_LETTER_LUA, PUBLISH_LUA
+from sparkrl.services.common.bus._text import is_missing_group, mask_password, text
+from sparkrl.services.common.bus.logs import LogStreams
+from sparkrl.services.common.bus.lua import DEAD_LETTER_LUA, PUBLISH_LUA, REQUEUE_LUA
 from sparkrl.services.common.bus.records import (
     GROUPS,
     BusBackpressureTimeout,
@@ -27,6 +28,8 @@ from sparkrl.services.common.bus.records import (
     QueueDepth,
     StreamKind,
 )
+from sparkrl.services.common.bus.statuses import Statuses
+from sparkrl.services.common.bus.values import NamedValues
 from sparkrl.services.common.settings import BusSettings
 
 log = logging.getLogger("sparkrl.bus")
@@ -36,7 +39,7 @@ _Row = tuple[bytes, dict[bytes, bytes], int]  # (entry id, fields, deliveries in
 
 _BACKOFF_BASE_S = 0.05
 _BACKOFF_CAP_S = 2.0
-_POLL_MAX_S = 0.25  # longest sleep between back-pressure checks
+_POLL_MAX_S = 0.02  # longest sleep between back-pressure checks
 
 
 class RedisBus:
@@ -45,10 +48,14 @@ class RedisBus:
     settings: BusSettings
     url: str  # the URL with any password masked, for messages
     dedup_ttl_s: float  # how long a published id is remembered
+    logs: LogStreams  # capped logs: telemetry and the control stream
+    status_board: Statuses  # members' heartbeats
+    values: NamedValues  # named values: announcement, control state, marks
     _redis: redis.Redis
     _groups_ready: set[str]
     _publish_script: Script
     _dead_letter_script: Script
+    _requeue_script: Script
 
     def __init__(self, settings: BusSettings) -> None:
         if settings.block_ms >= settings.socket_timeout_s * 1000:
@@ -57,7 +64,7 @@ class RedisBus:
                 f"({settings.socket_timeout_s} s), or every idle blocking read would time out"
             )
         self.settings = settings
-        self.url = _mask_password(settings.url)
+        self.url = mask_password(settings.url)
         self.dedup_ttl_s = settings.dedup_ttl_s
         # redis-py's own retries are off: `_run` owns retrying, so its backoff and deadline are the only ones.
         self._redis = redis.Redis.from_url(
@@ -69,6 +76,10 @@ class RedisBus:
         self._groups_ready = set()
         self._publish_script = self._redis.register_script(PUBLISH_LUA)
         self._dead_letter_script = self._redis.register_script(DEAD_LETTER_LUA)
+        self._requeue_script = self._redis.register_script(REQUEUE_LUA)
+        self.logs = LogStreams(self._redis, self._run, settings.namespace, settings.telemetry_maxlen)
+        self.status_board = Statuses(self._redis, self._run, settings.namespace)
+        self.values = NamedValues(self._redis, self._run, settings.namespace)
 
     def close(self) -> None:
         self._redis.close()
@@ -86,12 +97,6 @@ class RedisBus:
 
     def _published_key(self, kind: StreamKind, item_id: str) -> str:
         return f"{self.settings.namespace}:published:{kind}:{item_id}"
-
-    def _status_key(self, kind: str, member_id: str) -> str:
-        return f"{self.settings.namespace}:status:{kind}:{member_id}"
-
-    def _value_key(self, name: str) -> str:
-        return f"{self.settings.namespace}:value:{name}"
 
     def _maxlen(self, kind: StreamKind) -> int:
         return self.settings.prompt_maxlen if kind == "prompts" else self.settings.trajectory_maxlen
@@ -217,7 +222,27 @@ class RedisBus:
     def dead_letters(self, count: int = 100) -> list[DeadLetter]:
         """The newest `count` dead letters, newest first."""
         rows = self._run(lambda: self._redis.xrevrange(self.stream_key("dead"), count=count))
-        return [DeadLetter.from_fields(fields) for _, fields in rows]
+        return [DeadLetter.from_fields(fields, text(record_id)) for record_id, fields in rows]
+
+    def requeue_dead_letter(self, record_id: str) -> str | None:
+        """Put a dead letter back into its stream (a new entry, delivered afresh); its new entry id, or None
+        when no dead letter has that id."""
+        keys, args = [self.stream_key("dead")], [record_id]
+        new_id = self._run(lambda: self._requeue_script(keys=keys, args=args))
+        return text(new_id) if new_id else None
+
+    def persistence(self) -> str | None:
+        """`aof`, `snapshots only`, `nothing`; None when Redis will not say (CONFIG is often locked down)."""
+        try:
+            config = self._run(lambda: self._redis.config_get("appendonly") | self._redis.config_get("save"))
+        except ResponseError:
+            return None
+        if text(config.get("appendonly", "")) == "yes":
+            return "aof"
+        return "snapshots only" if text(config.get("save", "")).strip() else "nothing"
+
+    def dead_letter_count(self) -> int:
+        return int(self._run(lambda: self._redis.xlen(self.stream_key("dead"))))
 
     def pending_info(self, kind: StreamKind) -> QueueDepth:
         """(lag, pending) of the stream's consumer group."""
@@ -228,7 +253,7 @@ class RedisBus:
             pipe.xinfo_groups(key)
             pipe.xlen(key)
             groups, length = pipe.execute()
-            info = next((g for g in groups if _text(g["name"]) == group), None)
+            info = next((g for g in groups if text(g["name"]) == group), None)
             if info is None:
                 return QueueDepth(lag=int(length), pending=0)
             pending = int(info["pending"])
@@ -252,7 +277,7 @@ class RedisBus:
             )
             cursor = reply[0]
             claimed.extend((entry_id, fields) for entry_id, fields in reply[1] if fields is not None)
-            if _text(cursor) == "0-0":
+            if text(cursor) == "0-0":
                 break
         if not claimed:
             return []
@@ -278,8 +303,8 @@ class RedisBus:
         entries = []
         for entry_id, fields, deliveries in rows:
             entry = Entry(
-                entry_id=_text(entry_id),
-                item_id=_text(fields.get(b"id", b"")),
+                entry_id=text(entry_id),
+                item_id=text(fields.get(b"id", b"")),
                 payload=fields.get(b"payload", b""),
                 deliveries=deliveries,
             )
@@ -294,32 +319,29 @@ class RedisBus:
     # ── status, presence, announcements ───────────────────────────────────────────────────────────────
     def put_status(self, kind: str, member_id: str, payload_json: str, ttl_s: float) -> None:
         """Publish a member's status; it vanishes ttl_s after the last put, so a dead member disappears."""
-        if ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
-        key = self._status_key(kind, member_id)
-        self._run(lambda: self._redis.set(key, payload_json, px=max(1, int(ttl_s * 1000))))
+        self.status_board.put(kind, member_id, payload_json, ttl_s)
 
     def statuses(self, kind: str) -> dict[str, str]:
-        """member id → status JSON of every live member of `kind` (SCAN, so it never blocks Redis)."""
-        prefix = self._status_key(kind, "")
+        """member id → status JSON of every live member of `kind` (one round trip)."""
+        return self.status_board.live(kind)
 
-        def query() -> dict[str, str]:
-            keys = list(self._redis.scan_iter(match=_glob_escape(prefix) + "*", count=1000))
-            values = self._redis.mget(keys) if keys else []
-            # A key may expire between SCAN and MGET: its value comes back nil and it is skipped.
-            return {
-                _text(k)[len(prefix) :]: _text(v) for k, v in zip(keys, values, strict=True) if v is not None
-            }
+    def status(self, kind: str, member_id: str) -> str | None:
+        """One member's status JSON, None when it is not live."""
+        return self.status_board.get(kind, member_id)
 
-        return self._run(query)
+    def set_value(
+        self, name: str, payload: str | bytes, ttl_s: float | None = None, only_if_absent: bool = False
+    ) -> bool:
+        """A named value (weight-sync announcement, control state); ttl_s None keeps it. With
+        `only_if_absent` an existing value wins; returns whether this one was written."""
+        return self.values.set(name, payload, ttl_s, only_if_absent)
 
-    def set_value(self, name: str, payload: str | bytes, ttl_s: float | None = None) -> None:
-        """A named value (weight-sync announcement, control state); ttl_s None keeps it."""
-        px = None if ttl_s is None else max(1, int(ttl_s * 1000))
-        self._run(lambda: self._redis.set(self._value_key(name), payload, px=px))
+    def set_values(self, values: dict[str, str], ttl_s: float | None = None) -> None:
+        """Many named values in one pipelined round trip per thousand."""
+        self.values.set_many(values, ttl_s)
 
     def get_value(self, name: str) -> bytes | None:
-        return self._run(lambda: self._redis.get(self._value_key(name)))
+        return self.values.get(name)
 
     # ── plumbing ──────────────────────────────────────────────────────────────────────────────────────
     def _block_ms(self, block_ms: int | None) -> int:
@@ -350,7 +372,7 @@ class RedisBus:
                 result = call()
             except ResponseError as exc:
                 # A Redis that restarted without persistence, or was flushed, lost the group: recreate it.
-                if kind is None or regrouped or not _is_missing_group(exc):
+                if kind is None or regrouped or not is_missing_group(exc):
                     raise
                 log.warning("consumer group %r vanished from %s; recreating it", GROUPS[kind], self.url)
                 self._groups_ready.discard(kind)
@@ -374,25 +396,3 @@ class RedisBus:
             if failing_since is not None:
                 log.info("reconnected to %s after %.1f s", self.url, time.monotonic() - failing_since)
             return result
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode(errors="replace") if isinstance(value, bytes) else value
-
-
-def _is_missing_group(exc: ResponseError) -> bool:
-    message = str(exc)
-    return "NOGROUP" in message or "no such key" in message
-
-
-def _glob_escape(text: str) -> str:
-    """Escape SCAN MATCH metacharacters, so a namespace like `run[1]` matches only itself."""
-    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
-
-
-def _mask_password(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.replace(f":{parts.password}@", ":***@", 1)
-    return urlunsplit(parts._replace(netloc=netloc))

@@ -7,6 +7,7 @@ so any change of membership, and any failure, moves to a new epoch.
 """
 
 import os
+import socket
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -76,9 +77,33 @@ def ack_key(epoch: int, version: int, member: str) -> str:
     return f"epoch/{epoch}/ack/{version}/{member}"
 
 
-def connect_store(host: str, port: int, timeout: timedelta, *, is_master: bool) -> dist.TCPStore:
-    """The learner hosts (port 0 picks a free one); workers connect. `timeout` bounds every store wait."""
-    return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False, timeout=timeout)
+def connect_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """A worker's connection to the learner's store (`host_store`). `timeout` bounds every store wait."""
+    return dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
+
+
+def host_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """The learner's store, listening on `host` only (port 0: a free one). TCPStore alone would listen on
+    every interface; handed a socket already bound, it listens on that one."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(128)
+    bound = listener.getsockname()[1]
+    # The store takes the descriptor over (and closes it with itself): Python must let go of it, or its
+    # socket object would close the number again later, when it may belong to another connection.
+    fd = listener.detach()
+    return dist.TCPStore(
+        host, bound, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=fd
+    )
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """This machine's address on the route to `host` (no packet sent): where its gloo device listens."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return probe.getsockname()[0]
 
 
 def missing_keys(store: dist.Store, keys: dict[str, str], timeout: timedelta) -> list[str]:
@@ -109,11 +134,15 @@ def _env(name: str, value: str) -> Iterator[None]:
 
 
 def _new_backend(
-    store: dist.Store, rank: int, size: int, backend: Backend, timeout: timedelta
+    store: dist.Store, rank: int, size: int, backend: Backend, timeout: timedelta, address: str
 ) -> C10dBackend:
     if backend == "gloo":
+        # Bound to `address`: by default gloo listens on whatever the hostname resolves to.
+        options = dist.ProcessGroupGloo._Options()
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
+        options._timeout = timeout
         # Blocks until all `size` ranks connected, or raises after `timeout`.
-        return dist.ProcessGroupGloo(store, rank, size, timeout)
+        return dist.ProcessGroupGloo(store, rank, size, options)
     from torch.distributed import ProcessGroupNCCL  # present only in CUDA builds of torch
 
     options = ProcessGroupNCCL.Options(is_high_priority_stream=False)
@@ -136,8 +165,16 @@ class EpochGroup:
     _pg: C10dBackend
 
     def __init__(
-        self, store: dist.Store, epoch: int, rank: int, size: int, backend: Backend, timeout: timedelta
+        self,
+        store: dist.Store,
+        epoch: int,
+        rank: int,
+        size: int,
+        backend: Backend,
+        timeout: timedelta,
+        address: str = "",
     ) -> None:
+        """`address`: the interface this rank's connections listen on (gloo); "" lets gloo choose."""
         self.epoch = epoch
         self.rank = rank
         self.size = size
@@ -145,7 +182,7 @@ class EpochGroup:
         self.device = bucket_device(backend)
         self.timeout = timeout
         self._pg = _new_backend(
-            dist.PrefixStore(f"epoch/{epoch}/group/", store), rank, size, backend, timeout
+            dist.PrefixStore(f"epoch/{epoch}/group/", store), rank, size, backend, timeout, address
         )
 
     def broadcast(self, bucket: Tensor) -> dist.Work:

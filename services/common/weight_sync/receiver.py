@@ -19,6 +19,7 @@ from sparkrl.services.common.weight_sync.group import (
     ack_key,
     connect_store,
     joined_key,
+    local_address_towards,
     start_key,
 )
 from sparkrl.services.common.weight_sync.manifest import raw_bytes, tensor_view, unpack
@@ -41,6 +42,7 @@ class WeightReceiver:
     _address: tuple[str, int] | None
     _group: EpochGroup | None
     _buckets: list[Tensor]  # kept between receives only with reuse_buffers
+    failed_epoch: int | None  # the last epoch a receive failed in: dead, the learner forms a new one
 
     def __init__(
         self,
@@ -62,6 +64,12 @@ class WeightReceiver:
         self._address = None
         self._group = None
         self._buckets = []
+        self.failed_epoch = None
+
+    @property
+    def held_epoch(self) -> int | None:
+        """The epoch whose group this receiver holds (it received a version in it), or None."""
+        return self._group.epoch if self._group is not None else None
 
     def receive(self, announcement: WeightAnnouncement) -> dict[str, Tensor]:
         """The announced weights, in manifest order, checksum verified.
@@ -88,16 +96,16 @@ class WeightReceiver:
             ack = ACK_OK if verified else f"bad {checksum}".encode()
             store.set(ack_key(epoch, announcement.version, self.worker_id), ack)
         except SyncFailed:
-            self.close()
+            self._fail(epoch)
             raise
         except RuntimeError as exc:  # gloo/NCCL errors and timeouts, store errors
-            self.close()
+            self._fail(epoch)
             raise SyncFailed(str(exc), epoch=epoch, phase="transfer") from exc
         except BaseException:  # a group left with receives posted must never be reused
-            self.close()
+            self._fail(epoch)
             raise
         if not verified:
-            self.close()
+            self._fail(epoch)
             raise SyncFailed(f"checksum mismatch: got {checksum}", epoch=epoch, phase="verify")
         return tensors
 
@@ -108,6 +116,10 @@ class WeightReceiver:
         self._group = None
         self._store = None
         self._address = None
+
+    def _fail(self, epoch: int) -> None:
+        self.failed_epoch = epoch
+        self.close()
 
     def __enter__(self) -> "WeightReceiver":
         return self
@@ -127,7 +139,7 @@ class WeightReceiver:
                 return store, group
         self.close()
         try:
-            store = connect_store(*address, self.timeout, is_master=False)
+            store = connect_store(*address, self.timeout)
         except RuntimeError as exc:
             raise SyncFailed(f"cannot reach the learner's store: {exc}", epoch=epoch, phase="join") from exc
         self._store, self._address = store, address
@@ -142,7 +154,10 @@ class WeightReceiver:
         if store.get(start_key(epoch)) != START_GO:
             raise SyncFailed("the learner aborted the epoch: members were missing", epoch=epoch, phase="join")
         try:
-            self._group = EpochGroup(store, epoch, rank, announcement.world_size, self.backend, self.timeout)
+            address = local_address_towards(*self._address)  # listen where the learner reaches us, only
+            self._group = EpochGroup(
+                store, epoch, rank, announcement.world_size, self.backend, self.timeout, address=address
+            )
         except RuntimeError as exc:
             raise SyncFailed(f"forming the group failed: {exc}", epoch=epoch, phase="connect") from exc
         return store, self._group

@@ -1,8 +1,10 @@
 """The learner's side: host the rendezvous store, announce a version, broadcast it in buckets."""
 
+import logging
+import threading
 import time
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -19,7 +21,7 @@ from sparkrl.services.common.weight_sync.group import (
     EpochGroup,
     SyncFailed,
     ack_key,
-    connect_store,
+    host_store,
     joined_key,
     missing_keys,
     start_key,
@@ -33,6 +35,12 @@ from sparkrl.services.common.weight_sync.manifest import (
     zero_copy_bucket,
 )
 
+_ACK_POLL_S = 0.01  # how often the learner looks for the members' acknowledgements
+_GONE_POLL_S = 0.5  # how often the learner asks whether a member it waits for is gone
+CLOSE_WAIT_S = 3.0  # how long close() waits for dead epochs to be torn down
+
+log = logging.getLogger("sparkrl.weight_sync")
+
 
 @dataclass(frozen=True)
 class SyncReport:
@@ -44,7 +52,7 @@ class SyncReport:
     bytes: int
     num_buckets: int
     group_seconds: float  # join + forming the process group; about 0 when the epoch's group was reused
-    transfer_seconds: float  # first bucket sent → last bucket delivered
+    transfer_seconds: float  # first bucket sent → every member acknowledged and every send complete
     seconds: float  # whole call: group + transfer + waiting for every member's checksum acknowledgement
 
     @property
@@ -69,8 +77,10 @@ class WeightSender:
     backend: Backend
     timeout: timedelta
     bucket_bytes: int
+    straggler_s: float
     _store: dist.TCPStore
     _group: EpochGroup | None
+    _aborting: list[threading.Thread]  # dead epochs being torn down (see _drop_group)
     _members: tuple[str, ...]
     _epoch: int
     _staging: list[Tensor]
@@ -83,16 +93,23 @@ class WeightSender:
         backend: Backend = "gloo",
         timeout_s: float = 60.0,
         bucket_bytes: int = 64 << 20,
+        straggler_s: float = 5.0,
     ) -> None:
-        """`host` is the address workers reach the store at; port 0 picks a free one (see `port`)."""
+        """`host` is the address workers reach the store at; port 0 picks a free one (see `port`).
+        `straggler_s`: once a member has acknowledged, how much longer the others get."""
         self.host = host
+        self.straggler_s = straggler_s
+        # Members known to be gone (the caller's liveness view, e.g. expired heartbeats): a dead member is
+        # cut as soon as that is known, not after `timeout`, and the live ones are not blamed with it.
+        self.gone: Callable[[Sequence[str]], set[str]] = lambda members: set()
         self.backend = backend
         self.timeout = timedelta(seconds=timeout_s)
         self.bucket_bytes = bucket_bytes
-        self._store = connect_store(host, port, self.timeout, is_master=True)
+        self._store = host_store(host, port, self.timeout)
         self.port = self._store.port
         self._group = None
         self._members = ()
+        self._aborting = []
         self._epoch = -1
         self._staging = []
 
@@ -139,20 +156,28 @@ class WeightSender:
         self._check(named_tensors, announcement, members)
         epoch = announcement.group_epoch
         started = time.perf_counter()
+        in_flight: deque[dist.Work] = deque()
+        group: EpochGroup | None = None
         try:
             group = self._group_for(epoch, members)
             group_done = time.perf_counter()
-            self._send(group, named_tensors, announcement)
-            transfer_done = time.perf_counter()
+            in_flight.extend(self._send(group, named_tensors, announcement))
+            # Acknowledgements first: a member that stopped reading must not hold up the healthy ones.
             self._await_acks(epoch, announcement.version, members)
+            for work in in_flight:
+                group.wait(work)
+            transfer_done = time.perf_counter()
         except SyncFailed:
-            self._drop_group()
+            group = None  # the traceback keeps this frame: it must not hold the group (see _drop_group)
+            self._drop_group(in_flight)
             raise
         except RuntimeError as exc:  # gloo/NCCL errors and timeouts, store errors
-            self._drop_group()
+            group = None
+            self._drop_group(in_flight)
             raise SyncFailed(str(exc), epoch=epoch, phase="transfer") from exc
         except BaseException:  # a group left mid-broadcast must never be reused
-            self._drop_group()
+            group = None
+            self._drop_group(in_flight)
             raise
         return SyncReport(
             version=announcement.version,
@@ -165,9 +190,18 @@ class WeightSender:
             seconds=time.perf_counter() - started,
         )
 
-    def close(self) -> None:
-        """Aborts the current group. The store lives as long as this object (workers may still read it)."""
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> None:
+        """Aborts the current group and waits a little (`wait_s`) for earlier epochs' aborts. A dead
+        epoch with a member that stopped reading (SIGSTOP) waits out the whole timeout in gloo's
+        destructor: that teardown is left to the process exit rather than held up for. The store lives as
+        long as this object."""
         self._drop_group()
+        deadline = time.monotonic() + min(wait_s, self.timeout.total_seconds())
+        for thread in self._aborting:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._aborting = [t for t in self._aborting if t.is_alive()]
+        if self._aborting:
+            log.info("leaving %d dead weight-sync epochs to be torn down at exit", len(self._aborting))
 
     def __enter__(self) -> "WeightSender":
         return self
@@ -206,7 +240,9 @@ class WeightSender:
             raise SyncFailed("members did not join in time", epoch=epoch, phase="join", missing=missing)
         self._store.set(start_key(epoch), START_GO)
         try:
-            self._group = EpochGroup(self._store, epoch, 0, len(members) + 1, self.backend, self.timeout)
+            self._group = EpochGroup(
+                self._store, epoch, 0, len(members) + 1, self.backend, self.timeout, address=self.host
+            )
         except RuntimeError as exc:
             raise SyncFailed(f"forming the group failed: {exc}", epoch=epoch, phase="connect") from exc
         self._members = members
@@ -214,25 +250,32 @@ class WeightSender:
 
     def _send(
         self, group: EpochGroup, named_tensors: Mapping[str, Tensor], announcement: WeightAnnouncement
-    ) -> None:
-        """Two buckets in flight: packing the next overlaps sending the current one."""
+    ) -> deque[dist.Work]:
+        """Post the buckets; returns the works still in flight.
+
+        gloo: every bucket at once (each packed into its own buffer), so a member that stops reading holds
+        up nobody else: the healthy members receive everything and acknowledge while its sends wait.
+        NCCL: two in flight, packing the next while the current one goes out (a collective moves at the
+        pace of its slowest rank anyway).
+        """
         in_flight: deque[dist.Work] = deque()
         staged = 0
+        all_at_once = self.backend == "gloo"
         for specs, size in zip(
             specs_by_bucket(announcement.manifest), announcement.bucket_sizes(), strict=True
         ):
             if size == 0:
                 continue  # only empty tensors; receivers skip it too
-            if len(in_flight) == 2:
+            if len(in_flight) == 2 and not all_at_once:
                 # The oldest send must finish before its staging buffer can be packed again.
                 group.wait(in_flight.popleft())
             bucket = zero_copy_bucket(specs, named_tensors, group.device)
             if bucket is None:
-                bucket = pack_into(self._staging_buffer(staged % 2, size, group.device), specs, named_tensors)
+                slot = staged if all_at_once else staged % 2
+                bucket = pack_into(self._staging_buffer(slot, size, group.device), specs, named_tensors)
                 staged += 1
             in_flight.append(group.broadcast(bucket))
-        for work in in_flight:
-            group.wait(work)
+        return in_flight
 
     def _staging_buffer(self, slot: int, size: int, device: torch.device) -> Tensor:
         while len(self._staging) <= slot:
@@ -242,10 +285,32 @@ class WeightSender:
         return self._staging[slot]
 
     def _await_acks(self, epoch: int, version: int, members: tuple[str, ...]) -> None:
+        """Every member's checksum acknowledgement, within `timeout`; and once some have answered, the
+        rest get `straggler_s` more: a member that hangs is named and dropped in seconds, not minutes."""
         keys = {member: ack_key(epoch, version, member) for member in members}
-        missing = missing_keys(self._store, keys, self.timeout)
-        if missing:
-            raise SyncFailed("no acknowledgement in time", epoch=epoch, phase="verify", missing=missing)
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        cut: float | None = None  # set when the first acknowledgement arrives
+        waiting = dict(keys)
+        look = time.monotonic() + _GONE_POLL_S
+        while waiting:
+            answered = [m for m, key in waiting.items() if self._store.check([key])]
+            for member in answered:
+                del waiting[member]
+            now = time.monotonic()
+            if waiting and now >= look:
+                look = now + _GONE_POLL_S
+                dead = sorted(self.gone(tuple(waiting)) & set(waiting))
+                if dead:
+                    why = "gone (its heartbeat expired)"
+                    raise SyncFailed(why, epoch=epoch, phase="verify", missing=dead)
+            if answered and cut is None:
+                cut = now + self.straggler_s
+            if waiting and now >= min(deadline, cut if cut is not None else deadline):
+                missing = sorted(waiting)
+                why = "no acknowledgement in time" if len(missing) == len(members) else "stragglers cut off"
+                raise SyncFailed(why, epoch=epoch, phase="verify", missing=missing)
+            if waiting:
+                time.sleep(_ACK_POLL_S)
         values = self._store.multi_get(list(keys.values()))
         for key in keys.values():
             self._store.delete_key(key)  # one key per member and version: do not let the store grow
@@ -253,8 +318,26 @@ class WeightSender:
         if bad:
             raise SyncFailed("checksum mismatch", epoch=epoch, phase="verify", missing=bad)
 
-    def _drop_group(self) -> None:
-        if self._group is not None:
-            self._group.abort()
-        self._group = None
-        self._members = ()
+    def _drop_group(self, in_flight: deque[dist.Work] | None = None) -> None:
+        """Abort the epoch's group off this thread. gloo's abort, and the destructors of the group and of a
+        send still queued to a member that stopped reading, wait out the timeout: the thread must own the
+        last references (no local here holds the group; the caller's deque is emptied, its local cleared),
+        so they wait there and the next epoch starts now."""
+        if self._group is None and not in_flight:
+            return
+        held = [self._group, list(in_flight or ())]
+        self._group, self._members = None, ()
+        if in_flight is not None:
+            in_flight.clear()
+        thread = threading.Thread(target=_abort, args=(held,), name="abort-epoch", daemon=True)
+        thread.start()
+        self._aborting = [t for t in self._aborting if t.is_alive()] + [thread]
+
+
+def _abort(held: list) -> None:  # type: ignore[type-arg]
+    """Runs on its own thread with the only references to a dead epoch's group and works."""
+    group, works = held.pop(0), held.pop(0)
+    if group is not None:
+        group.abort()
+    works.clear()
+    del group  # the group's destructor (which may wait out the timeout) runs here, not on the caller's

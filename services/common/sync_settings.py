@@ -1,0 +1,54 @@
+"""The `sync` section of the settings: how new weights reach the fleet. The learner and every rollout
+worker read it (the one section the two sides share); re-exported by `settings.py`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from sparkrl.services.common.settings_section import Section
+
+
+class WeightSyncSettings(Section):
+    """How new weights reach the fleet: the learner's own process group, and its weight files over HTTP
+    for a worker that cannot see its disk. Both the learner and the workers read this section."""
+
+    backend: Literal["gloo", "nccl"] = Field("gloo", description="gloo on CPU, nccl on GPU.")
+    host: str = Field(
+        "127.0.0.1", description="Address workers reach the learner at (its TCPStore and weight files)."
+    )
+    port: int = Field(29600, ge=1, le=65535, description="TCPStore port the learner hosts.")
+    http_port: int = Field(
+        29601,
+        ge=0,
+        le=65535,
+        description="Port of the learner's weight files (snapshot, model directory) for workers that "
+        "cannot see its disk; 0: any free one.",
+    )
+    bucket_mb: int = Field(64, ge=1, le=4096, description="Tensors travel packed in buckets of this size.")
+    timeout_s: float = Field(
+        60.0, gt=0, description="A member that does not join or finish within this is dropped from the group."
+    )
+    straggler_s: float = Field(
+        5.0,
+        gt=0,
+        description="Once a member has acknowledged a version, how long the others get before they are "
+        "named and dropped (a hung member costs seconds, not `timeout_s`).",
+    )
+    progress_timeout_s: float = Field(
+        300.0,
+        gt=0,
+        description="A worker whose loop made no progress for this long (heartbeat alive, generation hung) "
+        "is left out of broadcasts; longer than its slowest batch.",
+    )
+    snapshot_every: int = Field(
+        1, ge=1, description="Write the weights a late joiner loads every N policy versions."
+    )
+    secret: str | None = Field(
+        None,
+        repr=False,
+        min_length=16,
+        description="Shared secret of the learner and the workers: announcements are HMAC-signed with it and "
+        "workers refuse any that does not verify. None: unauthenticated (`sparkrl up` generates one).",
+    )

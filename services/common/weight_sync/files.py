@@ -1,0 +1,210 @@
+"""Weights over HTTP for a worker that cannot see the learner's disk (a container, a pod, another host).
+
+The learner serves, on `sync.host`:`sync.http_port`:
+
+- `GET /snapshot` — the latest weight snapshot (safetensors, the file the announcement names);
+- `GET /model` — the listing of its model directory (config, tokenizer, weights: name → bytes, sha256);
+- `GET /model/NAME` — one of those files; `GET /healthz`.
+
+What a worker trusts comes from the signed announcement, not from this server: a snapshot must match the
+announcement's weights checksum, and the model listing the announcement's `model_sha256`, each file its
+listed sha256. With a shared secret every request carries a bearer token derived from it (weights are
+not for anyone who reaches the port). Files are streamed, never read whole into the server's memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("sparkrl.weight_sync")
+
+CHUNK = 1 << 20
+
+
+def files_token(secret: str | None) -> str | None:
+    """The bearer token of the weight-file routes: derived from the run's secret, never the secret."""
+    if secret is None:
+        return None
+    return hmac.new(secret.encode(), b"sparkrl weight files", hashlib.sha256).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        while chunk := file.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def model_listing(model_dir: Path) -> dict[str, dict[str, Any]]:
+    """name → {bytes, sha256} of every regular, non-hidden file in the model directory (one level)."""
+    return {
+        p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+        for p in sorted(model_dir.iterdir())
+        if p.is_file() and not p.name.startswith(".")
+    }
+
+
+def listing_sha256(listing: dict[str, dict[str, Any]]) -> str:
+    """The digest the announcement carries for the listing (canonical JSON)."""
+    return hashlib.sha256(json.dumps(listing, sort_keys=True).encode()).hexdigest()
+
+
+class WeightFileServer:
+    """`start()` binds host:port (port 0: any free one; `url` once bound); `close()` stops it."""
+
+    def __init__(self, host: str, port: int, model_dir: Path, snapshot: Path, secret: str | None) -> None:
+        self.host, self.requested_port = host, port
+        self.model_dir, self.snapshot = model_dir, snapshot
+        # Hashing a real model's files takes a while: on a thread; announced once known (None before).
+        self.listing: dict[str, dict[str, Any]] | None = None
+        self.model_sha256: str | None = None
+        self._listed = threading.Event()
+        self._token = files_token(secret)
+        self._server: ThreadingHTTPServer | None = None
+        self.port: int | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> None:
+        self._server = ThreadingHTTPServer((self.host, self.requested_port), _handler_for(self))
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, name="weight-files", daemon=True).start()
+        threading.Thread(target=self._list_model, name="model-listing", daemon=True).start()
+        log.info("weight files for late joiners on %s (/snapshot, /model)", self.url)
+
+    def _list_model(self) -> None:
+        try:
+            listing = model_listing(self.model_dir)  # the model directory does not change during a run
+            self.listing, self.model_sha256 = listing, listing_sha256(listing)
+        finally:
+            self._listed.set()
+
+    def wait_listed(self, timeout_s: float | None = None) -> bool:
+        """Until the model listing is known (so the first announcement carries its digest)."""
+        return self._listed.wait(timeout_s)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def authorized(self, header: str | None) -> bool:
+        if self._token is None:
+            return True
+        return header is not None and hmac.compare_digest(header, f"Bearer {self._token}")
+
+
+def _handler_for(server: WeightFileServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            path = self.path.split("?", 1)[0]
+            if path == "/healthz":
+                return self._json(200, {"status": "ok"})
+            if not server.authorized(self.headers.get("Authorization")):
+                return self._json(401, {"detail": "missing or wrong bearer token (derived from sync.secret)"})
+            if path == "/snapshot":
+                return self._file(server.snapshot, "no snapshot written yet")
+            listing = server.listing
+            if path.startswith("/model") and listing is None:
+                return self._json(503, {"detail": "still hashing the model directory; try again shortly"})
+            if path == "/model":
+                return self._json(200, {"files": listing, "sha256": server.model_sha256})
+            name = path.removeprefix("/model/")
+            if path.startswith("/model/") and listing is not None and name in listing:
+                return self._file(server.model_dir / name, f"{name} is gone from the model directory")
+            self._json(404, {"detail": "not found: try /snapshot, /model, /model/NAME or /healthz"})
+
+        def _file(self, path: Path, missing: str) -> None:
+            try:
+                file = path.open("rb")  # a snapshot replaced meanwhile (os.replace) is read whole as it was
+            except FileNotFoundError:
+                return self._json(404, {"detail": missing})
+            with file:
+                size = os.fstat(file.fileno()).st_size  # of the file opened, not of a newer one
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(size))
+                self.end_headers()
+                shutil.copyfileobj(file, self.wfile, CHUNK)
+
+        def _json(self, code: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            log.debug("%s " + format, self.address_string(), *args)
+
+    return Handler
+
+
+# ── the worker's side ─────────────────────────────────────────────────────────────────────────────────
+
+
+class FetchFailed(OSError):
+    """A download from the learner failed or did not verify; the message says which and why."""
+
+
+def _get(url: str, secret: str | None, timeout_s: float) -> Any:
+    request = urllib.request.Request(url)
+    token = files_token(secret)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        return urllib.request.urlopen(request, timeout=timeout_s)
+    except urllib.error.HTTPError as exc:
+        raise FetchFailed(f"GET {url}: HTTP {exc.code} {exc.read()[:200].decode(errors='replace')}") from exc
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:
+        raise FetchFailed(f"GET {url}: {exc}") from exc
+
+
+def fetch_bytes(url: str, secret: str | None, timeout_s: float = 600.0) -> bytes:
+    with _get(url, secret, timeout_s) as response:
+        return response.read()
+
+
+def fetch_model(base_url: str, expected_sha256: str, dest: Path, secret: str | None) -> Path:
+    """Download the learner's model directory into `dest` (kept when already complete and verified);
+    every file is checked against the listing, the listing against the announcement's digest."""
+    with _get(f"{base_url}/model", secret, 60.0) as response:
+        body = json.loads(response.read())
+    listing = body.get("files", {})
+    if listing_sha256(listing) != expected_sha256:
+        raise FetchFailed(f"{base_url}/model: the listing does not match the announcement's model_sha256")
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, meta in listing.items():
+        if "/" in name or name.startswith("."):
+            raise FetchFailed(f"{base_url}/model lists an unsafe file name {name!r}")
+        target = dest / name
+        if target.is_file() and file_sha256(target) == meta["sha256"]:
+            continue
+        with tempfile.NamedTemporaryFile(dir=dest, prefix=f".{name}.", delete=False) as tmp:
+            with _get(f"{base_url}/model/{name}", secret, 600.0) as response:
+                shutil.copyfileobj(response, tmp, CHUNK)
+        got = file_sha256(Path(tmp.name))
+        if got != meta["sha256"]:
+            Path(tmp.name).unlink(missing_ok=True)
+            raise FetchFailed(f"{base_url}/model/{name}: sha256 {got} is not the listed {meta['sha256']}")
+        Path(tmp.name).replace(target)
+        log.info("fetched %s (%d bytes) from the learner", name, meta["bytes"])
+    return dest
