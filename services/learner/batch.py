@@ -74,31 +74,49 @@ def samples_from_groups(groups: list[TrajectoryGroup], eps: float = 1e-6) -> lis
 
 
 def collate(samples: list[Sample], pad_id: int) -> MicroBatch:
-    """Right-pad `samples` into one micro-batch."""
+    """Right-pad `samples` into one micro-batch. The per-target tensors are scattered in one indexed copy
+    each (not row by row: a step collates hundreds of rows)."""
     B, L = len(samples), max(len(s.input_ids) for s in samples)
-    K = samples[0].topk_ids.shape[-1]
+    # Groups may carry different top-k widths (workers configured apart): pad to the widest, the padding
+    # far below any real log-prob, so it is never in a kept set.
+    K = max(s.topk_ids.shape[-1] for s in samples)
+    lengths = torch.tensor([len(s.input_ids) for s in samples])
     input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(B, L, dtype=torch.long)
+    input_ids[torch.arange(L) < lengths[:, None]] = torch.cat([s.input_ids for s in samples])
+    attention_mask = (torch.arange(L) < lengths[:, None]).long()
+    # Generated token i of a row sits at position P+i and is predicted from position P+i-1.
+    counts = torch.tensor([len(s.rollout_logp) for s in samples])
+    rows = torch.repeat_interleave(torch.arange(B), counts)
+    starts = torch.tensor([s.prompt_len - 1 for s in samples])
+    cols = torch.repeat_interleave(starts, counts) + _ranks_within(counts)
     mask = torch.zeros(B, L - 1, dtype=torch.bool)
+    mask[rows, cols] = True
     rollout_logp = torch.zeros(B, L - 1)
+    rollout_logp[rows, cols] = torch.cat([s.rollout_logp for s in samples])
     topk_ids = torch.zeros(B, L - 1, K, dtype=torch.long)
     topk_logp = torch.full((B, L - 1, K), -1e4)  # far below any real log-prob: never in a kept set
+    widths = {s.topk_ids.shape[-1] for s in samples}
+    if widths == {K}:
+        topk_ids[rows, cols] = torch.cat([s.topk_ids for s in samples])
+        topk_logp[rows, cols] = torch.cat([s.topk_logp for s in samples])
+    else:  # mixed widths: each width's rows in turn
+        for k in widths:
+            chosen = [i for i, s in enumerate(samples) if s.topk_ids.shape[-1] == k]
+            at = torch.isin(rows, torch.tensor(chosen))
+            topk_ids[rows[at], cols[at], :k] = torch.cat([samples[i].topk_ids for i in chosen])
+            topk_logp[rows[at], cols[at], :k] = torch.cat([samples[i].topk_logp for i in chosen])
     advantages = torch.zeros(B, L - 1)
-    for row, s in enumerate(samples):
-        n, P = len(s.input_ids), s.prompt_len
-        input_ids[row, :n] = s.input_ids
-        attention_mask[row, :n] = 1
-        # Generated token i sits at position P+i and is predicted from position P+i-1.
-        targets = slice(P - 1, n - 1)
-        mask[row, targets] = True
-        rollout_logp[row, targets] = s.rollout_logp
-        topk_ids[row, targets] = s.topk_ids
-        topk_logp[row, targets] = s.topk_logp
-        advantages[row, targets] = s.advantage
+    advantages[rows, cols] = torch.repeat_interleave(torch.tensor([s.advantage for s in samples]), counts)
     temperature = torch.tensor([s.temperature for s in samples]).view(B, 1, 1)
     return MicroBatch(
         input_ids, attention_mask, mask, rollout_logp, topk_ids, topk_logp, advantages, temperature
     )
+
+
+def _ranks_within(counts: torch.Tensor) -> torch.Tensor:
+    """0, 1, …, counts[0]-1, 0, 1, …, counts[1]-1, …"""
+    offsets = torch.cumsum(counts, 0) - counts
+    return torch.arange(int(counts.sum())) - torch.repeat_interleave(offsets, counts)
 
 
 def micro_batches(samples: list[Sample], token_budget: int, pad_id: int) -> list[MicroBatch]:

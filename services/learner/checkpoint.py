@@ -32,6 +32,10 @@ class TrainState:
     groups_dropped_stale: int = 0
     started_at: float = 0.0
     trained_group_ids: list[str] = field(default_factory=list)  # of the last step, for inspection
+    hparam_overrides: dict[str, bool | int | float | str] = field(default_factory=dict)  # live changes
+    # Policy versions a lossy resume discarded ([lo, hi], inclusive): never produced again, and a group
+    # sampled by one of them is refused (its weights no longer exist).
+    void_versions: list[list[int]] = field(default_factory=list)
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -44,10 +48,12 @@ def save_checkpoint(
     run_dir: Path,
     state: TrainState,
     keep: int,
+    name: str | None = None,
 ) -> Path:
-    """Write a complete checkpoint, then point `latest` at it, then prune the oldest beyond `keep`."""
+    """Write a complete checkpoint, then point `latest` at it, then prune the oldest `step-*` beyond
+    `keep`. `name` (a control command's tag) names the folder instead of the step; those are kept."""
     root = checkpoint_root(run_dir)
-    path = root / f"step-{state.step:06d}"
+    path = root / (name or f"step-{state.step:06d}")
     if path.exists():
         shutil.rmtree(path)
     engine.save_checkpoint(str(path / "deepspeed"), tag=DEEPSPEED_TAG)

@@ -1,252 +1,299 @@
-"""The learner: one process, one loop — pull_batch → compute old policy → train_step → publish_weights.
+"""The learner: one process, one loop — control boundary → collect batch → train step → publish weights.
 
 Groups are acknowledged only after the step that used them; each trained group id is also recorded in
 Redis before the ack, so a crash between the two never trains a group twice. Groups sampled more than
 `max_staleness` versions ago are dropped (acknowledged, counted). Weights go out through a publisher
-thread, so a slow or dead worker never stalls training.
+thread, so a slow or dead worker never stalls training. Control commands (pause, resume, checkpoint,
+stop, hyperparameters) are applied between steps; a pause keeps the groups in hand and reads no more.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from deepspeed import DeepSpeedEngine
 from transformers import PreTrainedTokenizerBase
 
-from sparkrl.proto import LearnerStatus, TrajectoryGroup, decode_group
+from sparkrl.proto import ControlCommand, StepMetrics, TrajectoryGroup, decode_group
 from sparkrl.services.common.bus import Entry, RedisBus
-from sparkrl.services.common.logs import stop_on_signals
-from sparkrl.services.common.modeling import load_model, load_tokenizer
-from sparkrl.services.common.settings import LearnerSettings, SparkSettings
+from sparkrl.services.common.recovery import TRAINED_PREFIX, WipeWatch
+from sparkrl.services.common.settings import LearnerSettings, WeightSyncSettings
+from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.learner.batch import micro_batches, samples_from_groups
 from sparkrl.services.learner.checkpoint import (
     TrainState,
     cpu_weights,
-    latest_checkpoint,
-    load_checkpoint,
     save_checkpoint,
 )
-from sparkrl.services.learner.publisher import WeightPublisher, live_workers
-from sparkrl.services.learner.trainer import build_engine, init_distributed, old_policy, train_step
+from sparkrl.services.learner.collect import Batch, BatchCollector
+from sparkrl.services.learner.control import LearnerControl, hparams_in_force
+from sparkrl.services.learner.exploration import exploration_stats
+from sparkrl.services.learner.journal import Journal
+from sparkrl.services.learner.metrics import LearnerMetrics
+from sparkrl.services.learner.publisher import WeightPublisher
+from sparkrl.services.learner.reporting import Reporter, RunLog, fleet_timings, step_row
+from sparkrl.services.learner.trainer import (
+    old_policy,
+    token_logp_and_entropy,
+    train_step,
+)
+from sparkrl.services.learner.validate import ModelLimits
 
 log = logging.getLogger("sparkrl.learner")
 
-CONSUMER = "learner"
-TRAINED_PREFIX = "trained:"  # bus value per trained group id: the step that used it
-
-
-@dataclass
-class Batch:
-    """The groups of one optimizer step and the stream entries to acknowledge after it."""
-
-    groups: list[TrajectoryGroup]
-    entries: list[Entry]
-    dropped_stale: int
-    staleness_mean: float
-
-
-def pull_batch(bus: RedisBus, cfg: LearnerSettings, version: int, stop: threading.Event) -> Batch | None:
-    """Read until `prompts_per_step` fresh, untrained groups are in hand (None if stopped first)."""
-    groups: list[TrajectoryGroup] = []
-    entries: list[Entry] = []
-    seen: set[str] = set()
-    dropped, staleness = 0, []
-    while len(groups) < cfg.prompts_per_step:
-        if stop.is_set():
-            return None
-        # Entries held across reads would otherwise be reclaimed (and re-delivered to us) when idle.
-        bus.touch("trajectories", CONSUMER, [e.entry_id for e in entries])
-        need = cfg.prompts_per_step - len(groups)
-        for entry, group in bus.read_decoded("trajectories", CONSUMER, need, decode_group):
-            lag = version - group.oldest_policy_version
-            if group.group_id in seen:
-                continue
-            if bus.get_value(TRAINED_PREFIX + group.group_id) is not None or lag > cfg.max_staleness:
-                dropped += lag > cfg.max_staleness
-                bus.ack("trajectories", [entry.entry_id])
-                continue
-            seen.add(group.group_id)
-            groups.append(group)
-            entries.append(entry)
-            staleness.append(lag)
-    return Batch(groups, entries, dropped, sum(staleness) / len(staleness))
+PAUSED_POLL_S = 0.2  # how often a paused learner looks at the control stream
 
 
 def compute_update(
-    engine: DeepSpeedEngine, batch: Batch, cfg: LearnerSettings, pad_id: int
+    engine: DeepSpeedEngine,
+    batch: Batch,
+    cfg: LearnerSettings,
+    pad_id: int,
+    timings: dict[str, float] | None = None,
 ) -> dict[str, float]:
-    """old policy for every micro-batch (before any update), then one optimizer step."""
+    """old policy for every micro-batch (before any update), then one optimizer step; `timings` gets
+    the seconds of `collate`, `old_policy`, `forward_backward` and `optimizer`."""
+    timings = timings if timings is not None else {}
+    started = time.perf_counter()
     device = engine.device
     batches = [
         mb.to(device)
         for mb in micro_batches(samples_from_groups(batch.groups), cfg.micro_batch_tokens, pad_id)
     ]
+    collated = time.perf_counter()
     engine.eval()
     olds = [old_policy(engine.module, mb, cfg) for mb in batches]
     engine.train()
-    return train_step(engine, batches, olds, cfg)
+    timings["collate"], timings["old_policy"] = collated - started, time.perf_counter() - collated
+    return train_step(engine, batches, olds, cfg, timings)
 
 
-def finish_step(bus: RedisBus, batch: Batch, state: TrainState) -> None:
-    """Record the trained ids, then acknowledge (and delete) their entries."""
-    for group in batch.groups:
-        bus.set_value(TRAINED_PREFIX + group.group_id, str(state.step), ttl_s=bus.settings.dedup_ttl_s)
-    bus.ack("trajectories", [e.entry_id for e in batch.entries])
+@torch.no_grad()
+def probe_group(
+    engine: DeepSpeedEngine, group: TrajectoryGroup, cfg: LearnerSettings, pad_id: int
+) -> str | None:
+    """Forward one group alone (what a step does first); the error it raises, or None."""
+    try:
+        for mb in micro_batches(samples_from_groups([group]), cfg.micro_batch_tokens, pad_id):
+            mb = mb.to(engine.device)
+            old_policy(engine.module, mb, cfg)
+            token_logp_and_entropy(engine.module, mb)
+    except Exception as exc:  # whatever broke the step, for this group alone
+        return f"{type(exc).__name__}: {exc}"[:1500]
+    return None
+
+
+def finish_step(bus: RedisBus, batch: Batch, state: TrainState) -> int:
+    """Record the trained ids, then acknowledge (and delete) their entries; returns how many were acked."""
+    marks = {TRAINED_PREFIX + group.group_id: str(state.step) for group in batch.groups}
+    bus.set_values(marks, ttl_s=bus.settings.dedup_ttl_s)  # one round trip for the step
+    acked = bus.ack("trajectories", [e.entry_id for e in batch.entries])
     state.groups_trained += len(batch.groups)
     state.groups_dropped_stale += batch.dropped_stale
     state.trained_group_ids = [g.group_id for g in batch.groups]
-
-
-def step_metrics(
-    batch: Batch,
-    stats: dict[str, float],
-    state: TrainState,
-    publisher: WeightPublisher,
-    seconds: float,
-    bus: RedisBus,
-) -> dict[str, object]:
-    rewards = [r for g in batch.groups for r in g.rewards]
-    sync = publisher.last_sync
-    return {
-        "step": state.step,
-        "policy_version": state.policy_version,
-        "reward_mean": sum(rewards) / max(len(rewards), 1),
-        "entropy": stats.get("entropy", float("nan")),
-        "loss": stats.get("loss", float("nan")),
-        "reg_tokens": stats.get("reg_tokens", 0.0),
-        "staleness_mean": batch.staleness_mean,
-        "dropped_stale": batch.dropped_stale,
-        "sync_seconds": sync.seconds if sync else None,
-        "synced_version": sync.version if sync else None,
-        "worker_versions": {w: s.policy_version for w, s in live_workers(bus).items()},
-        "groups": len(batch.groups),
-        "tokens": stats.get("tokens", 0.0),
-        "clip_frac": stats.get("clip_frac", 0.0),
-        "ratio_kl": stats.get("ratio_kl", 0.0),
-        "grad_norm": stats.get("grad_norm", float("nan")),
-        "proxy_inexact": stats.get("proxy_inexact", 0.0),
-        "step_seconds": seconds,
-        "time": time.time(),
-    }
-
-
-def report_status(
-    bus: RedisBus, state: TrainState, publisher: WeightPublisher, phase: str, loss: float | None
-) -> None:
-    sync = publisher.last_sync
-    status = LearnerStatus(
-        step=state.step,
-        policy_version=state.policy_version,
-        state=phase,
-        groups_trained=state.groups_trained,
-        last_loss=loss,
-        last_sync_seconds=sync.seconds if sync else None,
-        group_epoch=publisher.epoch,
-        members=list(publisher.members),
-        heartbeat_at=time.time(),
-    )
-    bus.put_status("learner", "learner", status.model_dump_json(), ttl_s=60.0)
-
-
-def wait_for_fleet(bus: RedisBus, members: tuple[str, ...], version: int, timeout_s: float) -> bool:
-    """Until every member's heartbeat reports `version` (workers beat right after loading weights, but
-    after acknowledging them, so the status can trail the broadcast by a moment); False on timeout."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        held = {w: s.policy_version for w, s in live_workers(bus).items()}
-        if all(held.get(member) == version for member in members):
-            return True
-        time.sleep(0.05)
-    return False
-
-
-class RunLog:
-    """`metrics.jsonl` (one row per step) and `trained_groups.jsonl` (the audit trail of "each group is
-    trained once": the group ids of every step), both appended and flushed per step."""
-
-    def __init__(self, run_dir: Path) -> None:
-        self.metrics = (run_dir / "metrics.jsonl").open("a")
-        self.trained = (run_dir / "trained_groups.jsonl").open("a")
-
-    def write(self, row: dict[str, object], state: TrainState) -> None:
-        self.metrics.write(json.dumps(row) + "\n")
-        self.metrics.flush()
-        self.trained.write(json.dumps({"step": state.step, "group_ids": state.trained_group_ids}) + "\n")
-        self.trained.flush()
-        log.info("step %d: reward %.3f loss %.4f", state.step, row["reward_mean"], row["loss"])
-
-    def close(self) -> None:
-        self.metrics.close()
-        self.trained.close()
+    return acked
 
 
 Setup = tuple[DeepSpeedEngine, PreTrainedTokenizerBase, TrainState, bool]
 
 
-def setup_engine(cfg: SparkSettings, resume: bool) -> Setup:
-    """Model → DeepSpeed engine, restored from the latest checkpoint when resuming; (…, resumed)."""
-    lc = cfg.learner
-    torch.manual_seed(lc.seed)
-    if lc.threads is not None:
-        torch.set_num_threads(lc.threads)
-    init_distributed(lc)
-    tokenizer = load_tokenizer(cfg.model)
-    engine = build_engine(load_model(cfg.model, lc.dtype, "cpu" if lc.device == "cpu" else "cuda"), lc)
-    checkpoint = latest_checkpoint(Path(cfg.run_dir)) if resume else None
-    if resume and checkpoint is None:
-        log.warning("--resume: no checkpoint under %s; starting fresh", cfg.run_dir)
-    if checkpoint is None:
-        return engine, tokenizer, TrainState(started_at=time.time()), False
-    return engine, tokenizer, load_checkpoint(engine, checkpoint), True
+@dataclass
+class Learner:
+    """The training loop's parts, built once by `main`; `run` is the loop itself."""
 
+    engine: DeepSpeedEngine
+    tokenizer: PreTrainedTokenizerBase
+    bus: RedisBus
+    telemetry: Telemetry
+    cfg: LearnerSettings  # live: control commands change it between steps
+    sync: WeightSyncSettings
+    run_dir: Path
+    pad_id: int
+    state: TrainState
+    publisher: WeightPublisher
+    control: LearnerControl
+    reporter: Reporter
+    metrics: LearnerMetrics
+    run_log: RunLog
+    stop: threading.Event
+    journal: Journal
+    wipes: WipeWatch  # a Redis that lost its data is noticed at the next boundary, and rebuilt
+    collector: BatchCollector = field(init=False)
+    saved_step: int = field(init=False)  # the step of the newest checkpoint
+    stop_command: ControlCommand | None = field(default=None, init=False)  # the one that ended the run
+    waited_data: float = field(default=0.0, init=False)  # seconds in `fill` since the last step
+    waited_fleet: float = field(default=0.0, init=False)  # seconds in `fleet_in_reach` since the last step
+    failures: dict[str, int] = field(default_factory=dict)  # group id → failed steps it was in
 
-def main(cfg: SparkSettings, resume: bool = False) -> None:
-    """Build engine, bus and publisher; train until max_steps or a signal; checkpoint on the way out."""
-    lc, run_dir = cfg.learner, Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    stop = stop_on_signals(log, "the current step")
-    engine, tokenizer, state, resumed = setup_engine(cfg, resume)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    bus = RedisBus(cfg.bus)
-    publisher = WeightPublisher(bus, lc.sync, run_dir / "snapshots")
-    publisher.start()
-    # A fresh run's version 0 is the model every worker loaded already; a resumed one must be sent.
-    publisher.submit(state.policy_version, cpu_weights(engine), broadcast=resumed)
-    run_log, saved_step = RunLog(run_dir), state.step
-    log.info("learner up: loss %s, %s, step %d", lc.loss.name, cfg.model, state.step)
-    try:
-        while not stop.is_set() and (lc.max_steps is None or state.step < lc.max_steps):
-            report_status(bus, state, publisher, "training", None)
-            batch = pull_batch(bus, lc, state.policy_version, stop)
-            if batch is None:
-                break
-            started = time.monotonic()
-            stats = compute_update(engine, batch, lc, pad_id)
-            state.step += 1
-            state.policy_version += 1
-            finish_step(bus, batch, state)
-            publisher.submit(state.policy_version, cpu_weights(engine))
-            if state.step == lc.max_steps:
-                # The last row should show where the fleet ends up, not where it was mid-broadcast.
-                publisher.flush(lc.sync.timeout_s)
-                wait_for_fleet(bus, publisher.members, state.policy_version, timeout_s=5.0)
-            seconds = time.monotonic() - started
-            run_log.write(step_metrics(batch, stats, state, publisher, seconds, bus), state)
-            if state.step % lc.checkpoint_every == 0:
-                save_checkpoint(engine, tokenizer, run_dir, state, lc.keep_checkpoints)
-                saved_step = state.step
-    finally:
-        report_status(bus, state, publisher, "checkpointing", None)
-        if state.step > saved_step:
-            save_checkpoint(engine, tokenizer, run_dir, state, lc.keep_checkpoints)
-        publisher.close()
-        report_status(bus, state, publisher, "stopped", None)
-        run_log.close()
-        bus.close()
-        log.info("learner stopped at step %d (policy version %d)", state.step, state.policy_version)
+    def __post_init__(self) -> None:
+        self.collector = BatchCollector(self.bus, self.cfg, ModelLimits.of(self.engine.module, self.cfg))
+        self.saved_step = self.state.step
+
+    def turn(self) -> bool:
+        """One pass of the loop: the control boundary, then a step (or a paused wait). False once the run
+        is over: max_steps, `stop`, or a stop command (kept in `stop_command`, answered at close)."""
+        cfg, state = self.cfg, self.state
+        if self.stop.is_set() or self.stop_command is not None:
+            return False
+        if cfg.max_steps is not None and state.step >= cfg.max_steps:
+            return False
+        todo = self.control.boundary(state.step)
+        for command in todo.checkpoints:
+            path = self.checkpoint(command.body.tag)  # type: ignore[union-attr]
+            self.control.answer(command, "applied", f"checkpoint {path}", state.step)
+        if todo.stop is not None:
+            self.stop_command = todo.stop
+            return False
+        self.reporter.update(
+            phase="paused" if self.control.paused else "training",
+            hparams=hparams_in_force(self.engine, cfg),
+        )
+        self.metrics.paused.set(float(self.control.paused))
+        if self.control.paused:
+            self.wipes.check()
+            self.collector.keep_alive()
+            self.stop.wait(PAUSED_POLL_S)
+            return True
+        mark = time.perf_counter()
+        in_reach = self.fleet_in_reach()
+        self.waited_fleet += time.perf_counter() - mark
+        if not in_reach:
+            return True  # a command came in: to the boundary first
+        mark = time.perf_counter()
+        batch = self.collector.fill(state.policy_version, self.interrupted)
+        self.waited_data += time.perf_counter() - mark
+        if batch is not None:
+            self.train(batch)
+        return True
+
+    def fleet_in_reach(self) -> bool:
+        """A slow broadcast costs time, not data: before a step after which the fleet's groups would be too
+        stale to train on, wait (at most `sync.timeout_s`) until every live member holds a version within
+        reach, and has published the older groups it had in hand (reading them ahead meanwhile, so a full
+        stream cannot keep them out). A member the publisher dropped (hung, straggling) is not waited for,
+        nor is anyone once the collector holds all it could train in time. False: interrupted."""
+        version, cfg = self.state.policy_version, self.cfg
+        floor = min(version, version + 1 - cfg.max_staleness)
+        deadline = time.monotonic() + self.sync.timeout_s
+        while True:
+            excluded = set(self.publisher.excluded)
+            held, oldest = self.telemetry.worker_versions(), self.telemetry.worker_oldest_versions()
+            behind = {w: v for w, v in held.items() if w not in excluded and (v or 0) < floor}
+            in_hand = {w: v for w, v in oldest.items() if w not in excluded and (v or 0) < floor}
+            # Groups in hand need room in the stream: read ahead, unless the collector is already full.
+            if not behind and (not in_hand or not self.collector.read_ahead(version)):
+                return True
+            if self.interrupted():
+                return False
+            if time.monotonic() > deadline:
+                log.warning(
+                    "workers %s are still behind version %d after %.0fs; training on",
+                    behind or in_hand,
+                    floor,
+                    self.sync.timeout_s,
+                )
+                return True
+            time.sleep(0.05)
+
+    def failed_step(self, batch: Batch, error: Exception) -> None:
+        """A step raised: the process stays up, its groups go back. A group that fails its own probe (a
+        forward pass of it alone), or a second step, is dead-lettered by itself with the error."""
+        log.exception("step %d failed on %d groups; probing each", self.state.step + 1, len(batch.groups))
+        self.metrics.step_failures.inc()
+        self.engine.zero_grad()  # a half-accumulated gradient must not leak into the next step
+        reason = f"{type(error).__name__}: {error}"[:1500]
+        back: tuple[list[TrajectoryGroup], list[Entry]] = ([], [])
+        for group, entry in zip(batch.groups, batch.entries, strict=True):
+            self.failures[group.group_id] = self.failures.get(group.group_id, 0) + 1
+            probe = probe_group(self.engine, group, self.cfg, self.pad_id)
+            if probe is not None or self.failures[group.group_id] >= 2:
+                why = f"fails alone: {probe}" if probe else f"failed two training steps, last: {reason}"
+                self.metrics.dead_lettered.inc(self.bus.dead_letter("trajectories", entry, why))
+                continue
+            back[0].append(group)
+            back[1].append(entry)
+        self.collector.give_back(*back)
+
+    def replay(self) -> int:
+        """Redo the steps the journal holds after the checkpoint, in order, as the same steps: their
+        groups were acknowledged, so only this makes the resumed model reflect them. Returns how many."""
+        steps = self.journal.replayable(self.state.step)
+        for step in steps:
+            entries = self.journal.read(step)
+            batch = Batch([decode_group(e.payload) for e in entries], entries, 0, 0.0)
+            log.info("replaying step %d from the journal (%d groups)", step, len(entries))
+            if self.train(batch, journaled=True) is None:
+                raise RuntimeError(f"replaying step {step} from {self.journal.path(step)} failed; see above")
+        if steps:
+            log.info("replayed %d steps from the journal: the model reflects them again", len(steps))
+        return len(steps)
+
+    def interrupted(self) -> bool:
+        self.wipes.check()  # between reads: before the next group's trained mark is looked up
+        return self.stop.is_set() or self.control.pending()
+
+    def train(self, batch: Batch, journaled: bool = False) -> StepMetrics | None:
+        """One optimizer step on `batch`: update, journal, acknowledge, publish, report, maybe checkpoint.
+        `journaled`: a replay, whose entries are in the journal already."""
+        cfg, state = self.cfg, self.state
+        started = time.monotonic()
+        timings = {"wait_data": self.waited_data, "wait_fleet": self.waited_fleet}
+        self.waited_data = self.waited_fleet = 0.0
+        try:
+            stats = compute_update(self.engine, batch, cfg, self.pad_id, timings)
+        except Exception as exc:  # a bad batch must cost its step, not the process (and every restart)
+            self.failed_step(batch, exc)
+            return None
+        state.step += 1
+        state.policy_version += 1
+        if not journaled:
+            self.journal.write(state.step, batch.entries)  # durable before the bus hears it was used
+        mark = time.perf_counter()
+        acked = finish_step(self.bus, batch, state) + self.collector.acked
+        self.collector.acked = 0
+        timings["bookkeeping"], mark = time.perf_counter() - mark, time.perf_counter()
+        self.publisher.submit(state.policy_version, cpu_weights(self.engine))
+        timings["publish"] = time.perf_counter() - mark  # the CPU copy; the broadcast runs on its thread
+        if state.step == cfg.max_steps:
+            # The last row should show where the fleet ends up, not where it was mid-broadcast.
+            self.publisher.flush(self.sync.timeout_s)
+            self.telemetry.wait_for_fleet(self.publisher.members, state.policy_version, timeout_s=5.0)
+        depth = (self.bus.pending_info("trajectories"), self.bus.pending_info("prompts"))
+        fleet = self.telemetry.live_workers()
+        row = step_row(
+            batch,
+            stats,
+            state,
+            time.monotonic() - started,
+            self.publisher.last_sync,
+            {w: s.policy_version for w, s in fleet.items()},
+            depth,
+            hparams_in_force(self.engine, cfg),
+            timings | fleet_timings(fleet.values()),
+            exploration_stats(batch.groups, cfg.proxy_kappa),
+        )
+        self.run_log.write_step(row, state)
+        self.telemetry.append(row)
+        self.metrics.observe_step(row, len(batch.groups), acked)
+        self.reporter.update(row=row)
+        if state.step % cfg.checkpoint_every == 0:
+            self.checkpoint(None)
+        return row
+
+    def checkpoint(self, tag: str | None) -> Path:
+        previous = self.reporter.report.phase
+        self.reporter.update(phase="checkpointing")
+        self.state.hparam_overrides = dict(self.control.overrides)
+        path = save_checkpoint(
+            self.engine, self.tokenizer, self.run_dir, self.state, self.cfg.keep_checkpoints, tag
+        )
+        self.journal.trim(self.state.step)  # the checkpoint holds those steps now
+        self.saved_step = self.state.step
+        self.metrics.checkpoints.inc()
+        self.reporter.update(phase=previous, last_checkpoint=str(path))
+        return path

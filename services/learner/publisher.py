@@ -4,7 +4,8 @@ A thread, so training never waits on the fleet: it always sends the newest versi
 (versions produced while a broadcast runs are skipped, not queued). Membership is decided per broadcast:
 the workers with a live heartbeat, minus those that recently failed to join. Any change, or any failed
 broadcast, forms a new group epoch; the weight-sync layer's timeouts mean a dead or hung worker costs at
-most `sync.timeout_s` and never hangs the learner.
+most `sync.timeout_s` and never hangs the learner. Every broadcast becomes a `SyncEvent` (members, who
+acknowledged, who was dropped and why), handed to `on_sync` for the telemetry channel.
 """
 
 from __future__ import annotations
@@ -13,47 +14,36 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from sparkrl.proto import WorkerStatus
-from sparkrl.services.common.bus import RedisBus
+from sparkrl.proto import SyncEvent, WeightAnnouncement, WorkerStatus, sign_announcement
 from sparkrl.services.common.settings import WeightSyncSettings
+from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.common.weight_sync import SyncFailed, WeightSender
+from sparkrl.services.common.weight_sync.files import WeightFileServer
 
 log = logging.getLogger("sparkrl.learner.publisher")
 
 ANNOUNCEMENT_KEY = "weights"  # bus value holding the latest WeightAnnouncement (JSON)
-WORKER_STATUS_KIND = "worker"
 SNAPSHOT_NAME = "latest.safetensors"
 
 
-@dataclass(frozen=True)
-class SyncRecord:
-    """The last broadcast that went through."""
-
-    version: int
-    epoch: int
-    members: tuple[str, ...]
-    seconds: float
-    bytes: int
-
-
-def live_workers(bus: RedisBus) -> dict[str, WorkerStatus]:
-    """Workers whose heartbeat has not expired and that are not shutting down."""
-    workers = {}
-    for worker_id, raw in bus.statuses(WORKER_STATUS_KIND).items():
-        try:
-            status = WorkerStatus.model_validate_json(raw)
-        except ValueError:
-            log.warning("ignoring malformed status of %s", worker_id)
-            continue
-        if status.state != "stopping":
-            workers[worker_id] = status
-    return workers
+def _drop_reason(failure: SyncFailed, timeout_s: float) -> str:
+    if failure.phase == "join":
+        return f"did not join epoch {failure.epoch} within {timeout_s:g}s"
+    if failure.reason == "checksum mismatch":
+        return "checksum mismatch"
+    if failure.reason.startswith("gone"):
+        return "its heartbeat expired mid-broadcast (the process is gone)"
+    if failure.reason == "stragglers cut off":
+        return "no checksum acknowledgement while the others had theirs (sync.straggler_s)"
+    if failure.phase == "verify":
+        return f"no checksum acknowledgement within {timeout_s:g}s"
+    return f"{failure.phase} failed: {failure}"
 
 
 def write_snapshot(tensors: dict[str, torch.Tensor], version: int, directory: Path) -> Path:
@@ -71,17 +61,35 @@ def write_snapshot(tensors: dict[str, torch.Tensor], version: int, directory: Pa
 class WeightPublisher(threading.Thread):
     """`submit(version, tensors)` from the training loop; the thread announces and broadcasts."""
 
-    def __init__(self, bus: RedisBus, cfg: WeightSyncSettings, snapshot_dir: Path) -> None:
+    def __init__(
+        self,
+        telemetry: Telemetry,
+        cfg: WeightSyncSettings,
+        snapshot_dir: Path,
+        on_sync: Callable[[SyncEvent], None] = lambda event: None,
+        files: WeightFileServer | None = None,
+    ) -> None:
+        """`files`: the learner's weight-file server, announced so that a worker that cannot see
+        `snapshot_dir` catches up over HTTP."""
         super().__init__(name="weight-publisher", daemon=True)
-        self.bus, self.cfg, self.snapshot_dir = bus, cfg, snapshot_dir
+        self.telemetry, self.bus, self.cfg, self.snapshot_dir = telemetry, telemetry.bus, cfg, snapshot_dir
+        self.on_sync, self.files = on_sync, files
         self.sender = WeightSender(
-            cfg.host, cfg.port, backend=cfg.backend, timeout_s=cfg.timeout_s, bucket_bytes=cfg.bucket_mb << 20
+            cfg.host,
+            cfg.port,
+            backend=cfg.backend,
+            timeout_s=cfg.timeout_s,
+            bucket_bytes=cfg.bucket_mb << 20,
+            straggler_s=cfg.straggler_s,
         )
+        self.sender.gone = lambda members: set(members) - set(self.telemetry.workers())
         self.epoch = 0
         self.members: tuple[str, ...] = ()
         self.needs_new_epoch = True
-        self.excluded: dict[str, float] = {}  # worker → until when (monotonic) it is left out
-        self.last_sync: SyncRecord | None = None
+        self.excluded: dict[str, tuple[float, str]] = {}  # worker → (until when, monotonic; why) left out
+        self._excluded_incarnation: dict[str, float | None] = {}  # worker → its started_at when left out
+        self._seen_incarnation: dict[str, float | None] = {}  # worker → the started_at it last reported
+        self.last_sync: SyncEvent | None = None  # the newest broadcast every member acknowledged
         self._pending: tuple[int, dict[str, torch.Tensor], bool] | None = None
         self._wake = threading.Condition()
         self._busy = False
@@ -131,35 +139,125 @@ class WeightPublisher(threading.Thread):
                     self._busy = False
                     self._wake.notify_all()
 
-    def choose_members(self) -> tuple[str, ...]:
+    def _exclude(self, worker: str, until: float, why: str, fleet: dict[str, WorkerStatus]) -> None:
+        """Leave `worker` out until `until` (monotonic), or until a new incarnation of it heartbeats."""
+        self.excluded[worker] = (until, why)
+        seen = fleet[worker].started_at if worker in fleet else self._seen_incarnation.get(worker)
+        self._excluded_incarnation[worker] = seen
+
+    def choose_members(self) -> tuple[tuple[str, ...], dict[str, str]]:
+        """(the members of the next broadcast, why each previous member is not among them)."""
         now = time.monotonic()
-        self.excluded = {w: until for w, until in self.excluded.items() if until > now}
-        return tuple(sorted(w for w in live_workers(self.bus) if w not in self.excluded))
+        self.excluded = {w: (until, why) for w, (until, why) in self.excluded.items() if until > now}
+        fleet = self.telemetry.workers()
+        self._seen_incarnation |= {w: s.started_at for w, s in fleet.items()}
+        for worker in list(self.excluded):
+            started, left_out = self._seen_incarnation.get(worker), self._excluded_incarnation.get(worker)
+            if started is not None and left_out is not None and started != left_out:
+                log.info("%s restarted (a new process under the same id): admitting it again", worker)
+                del self.excluded[worker]
+        stuck = {
+            w
+            for w, s in fleet.items()
+            if s.progress_at is not None and time.time() - s.progress_at > self.cfg.progress_timeout_s
+        }
+        for worker in stuck - set(self.excluded):
+            log.warning(
+                "%s made no progress for over %.0fs: leaving it out", worker, self.cfg.progress_timeout_s
+            )
+            self._exclude(
+                worker, now + self.cfg.timeout_s, "no progress in its loop (hung generation?)", fleet
+            )
+        members = tuple(w for w, s in fleet.items() if s.state != "stopping" and w not in self.excluded)
+        dropped = {}
+        for worker in set(self.members) - set(members):
+            if worker in self.excluded:
+                dropped[worker] = f"left out until it recovers: {self.excluded[worker][1]}"
+            elif worker in fleet:
+                dropped[worker] = "stopping"
+            else:
+                dropped[worker] = "heartbeat expired"
+        return members, dropped
 
     def publish(self, version: int, tensors: dict[str, torch.Tensor], broadcast: bool = True) -> None:
         snapshot = None
         if version % self.cfg.snapshot_every == 0 or not broadcast:
             snapshot = str(write_snapshot(tensors, version, self.snapshot_dir))
-        members = self.choose_members() if broadcast else ()
+        members, dropped = self.choose_members() if broadcast else ((), {})
         if members != self.members or self.needs_new_epoch:
             self.epoch += 1
             self.members, self.needs_new_epoch = members, False
         announcement = self.sender.announce(
             tensors, version=version, epoch=self.epoch, members=list(members), snapshot_path=snapshot
         )
+        if self.files is not None:
+            update = {"files_url": self.files.url, "model_sha256": self.files.model_sha256}
+            announcement = announcement.model_copy(update=update)
+        if self.cfg.secret is not None:
+            announcement = sign_announcement(announcement, self.cfg.secret)
         # Announce first: workers learn of the version (and of the snapshot) before the collective starts.
         self.bus.set_value(ANNOUNCEMENT_KEY, announcement.model_dump_json())
+        if not broadcast:
+            return
         if not members:
+            self._record(announcement, "no_members", dropped=dropped)
             return
         try:
             report = self.sender.broadcast(tensors, announcement)
         except SyncFailed as exc:
             self.needs_new_epoch = True
+            reason = _drop_reason(exc, self.cfg.timeout_s)
+            fleet = self.telemetry.workers()
             for worker in exc.missing:
-                self.excluded[worker] = time.monotonic() + 2 * self.cfg.timeout_s
+                self._exclude(worker, time.monotonic() + 2 * self.cfg.timeout_s, reason, fleet)
+            cut = exc.phase == "verify" and not exc.reason.startswith("gone")  # the rest had acknowledged
+            acknowledged = [m for m in members if m not in exc.missing] if cut else []
+            dropped |= {worker: reason for worker in exc.missing}
+            self._record(announcement, "failed", dropped, acknowledged, phase=exc.phase, error=str(exc))
             log.warning("broadcast of version %d failed (%s); dropping %s", version, exc, exc.missing or "-")
             return
-        self.last_sync = SyncRecord(version, self.epoch, members, report.seconds, report.bytes)
+        event = self._record(
+            announcement,
+            "ok",
+            dropped,
+            list(members),
+            seconds=report.seconds,
+            transfer=report.transfer_seconds,
+        )
+        self.last_sync = event
         log.info(
             "version %d → %d workers in %.2fs (%.2f GB/s)", version, len(members), report.seconds, report.gbps
         )
+
+    def _record(
+        self,
+        announcement: WeightAnnouncement,
+        outcome: str,
+        dropped: dict[str, str],
+        acknowledged: list[str] | None = None,
+        *,
+        phase: str | None = None,
+        error: str | None = None,
+        seconds: float | None = None,
+        transfer: float | None = None,
+    ) -> SyncEvent:
+        event = SyncEvent(
+            version=announcement.version,
+            epoch=announcement.group_epoch,
+            announced_at=announcement.created_at,
+            outcome=outcome,
+            phase=phase,
+            error=error[:2000] if error else None,
+            bytes=announcement.total_bytes,
+            buckets=announcement.num_buckets,
+            seconds=seconds,
+            transfer_seconds=transfer,
+            members=list(announcement.members),
+            acknowledged=acknowledged or [],
+            dropped=dropped,
+        )
+        try:
+            self.on_sync(event)
+        except Exception:  # reporting must never stop the broadcasts
+            log.exception("recording the sync of version %d failed", announcement.version)
+        return event

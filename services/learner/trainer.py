@@ -5,40 +5,53 @@ The loss is chosen once by name from the registry (`policy_loss`); nothing here 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
-import socket
+import sys
+import tempfile
+import time
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import deepspeed
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner.advantages import truncated_is_weights
 from sparkrl.services.learner.batch import MicroBatch
-from sparkrl.services.learner.losses import LossInputs, policy_loss
+from sparkrl.services.learner.losses import LossInputs, entropy_has_gradient, policy_loss
 from sparkrl.services.learner.proxy import proxy_logp_from_logits, proxy_logp_from_topk
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+def init_distributed(cfg: LearnerSettings, sync_host: str = "127.0.0.1") -> None:
+    """One learner process needs no launcher: a file rendezvous (so the default group opens no TCP
+    listener at all), gloo's own connections on the weight-sync host's interface (loopback by default)."""
+    if torch.distributed.is_initialized():
+        _refuse_several_ranks()
+        return
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        deepspeed.init_distributed(dist_backend="gloo" if cfg.device == "cpu" else "nccl")
+        _refuse_several_ranks()
+    if sys.platform == "linux" and sync_host in ("127.0.0.1", "localhost", "::1"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        os.environ.setdefault(name, value)  # what DeepSpeed's engine reads, as a launcher would set them
+    store = Path(tempfile.mkdtemp(prefix="sparkrl-dist-")) / "store"
+    deepspeed.init_distributed(
+        dist_backend="gloo" if cfg.device == "cpu" else "nccl",
+        auto_mpi_discovery=False,  # one process: nothing to discover
+        init_method=f"file://{store}",
+        rank=0,
+        world_size=1,
+    )
 
 
-def init_distributed(cfg: LearnerSettings) -> None:
-    """One learner process needs no launcher: fill the env DeepSpeed reads, then init (gloo on CPU)."""
-    for name, value in (
-        ("RANK", "0"),
-        ("LOCAL_RANK", "0"),
-        ("WORLD_SIZE", "1"),
-        ("MASTER_ADDR", "127.0.0.1"),
-    ):
-        os.environ.setdefault(name, value)
-    os.environ.setdefault("MASTER_PORT", str(cfg.dist_port or free_port()))
-    deepspeed.init_distributed(dist_backend="gloo" if cfg.device == "cpu" else "nccl")
+def _refuse_several_ranks() -> None:
     world_size = torch.distributed.get_world_size()
     if world_size != 1:
         # Each rank would read the trajectory stream as the same consumer and publish weights on its own.
@@ -69,14 +82,38 @@ def build_engine(model: torch.nn.Module, cfg: LearnerSettings) -> deepspeed.Deep
     return engine
 
 
-def token_logp_and_entropy(model: torch.nn.Module, mb: MicroBatch) -> tuple[Tensor, Tensor, Tensor]:
-    """Forward at the sampling temperature → (logp [B, L-1], entropy [B, L-1], logits [B, L-1, V])."""
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]  # [B, L-1, V]
-    logits = logits.float() / mb.temperature
-    logp_all = torch.log_softmax(logits, dim=-1)  # [B, L-1, V]
-    logp = logp_all.gather(-1, mb.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # [B, L-1]
-    entropy = -(logp_all.exp() * logp_all).sum(-1)  # [B, L-1]
+def token_logp_and_entropy(
+    model: torch.nn.Module, mb: MicroBatch, entropy_grad: bool = True
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Forward at the sampling temperature → (logp [B, L-1], entropy [B, L-1], logits [B, L-1, V]).
+
+    Only the positions from the first generated-token target on go through the output projection (the
+    model's `logits_to_keep`, where it has one): the prompt's leading positions come back as zeros, masked
+    out everywhere. `entropy_grad=False`: the entropy is a measurement only (no gradient kept for it).
+    """
+    first = _first_target(mb) if _keeps_logits(model) else 0
+    extra = {"logits_to_keep": mb.input_ids.shape[1] - first} if first else {}
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, **extra).logits[:, :-1]
+    logits = logits.float() / mb.temperature  # [B, L-1-first, V]
+    logp_all = torch.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, mb.input_ids[:, first + 1 :].unsqueeze(-1)).squeeze(-1)
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(logp_all.exp() * logp_all).sum(-1)
+    if first:
+        logp, entropy = F.pad(logp, (first, 0)), F.pad(entropy, (first, 0))
+        logits = F.pad(logits, (0, 0, first, 0))
     return logp, entropy, logits
+
+
+def _first_target(mb: MicroBatch) -> int:
+    """The first position (column of [B, L-1]) where any row predicts a generated token."""
+    columns = mb.mask.any(dim=0).nonzero()
+    return int(columns[0]) if len(columns) else 0
+
+
+def _keeps_logits(model: torch.nn.Module) -> bool:
+    module = getattr(model, "module", model)  # a DeepSpeed engine forwards to its module
+    return "logits_to_keep" in inspect.signature(module.forward).parameters
 
 
 @dataclass(frozen=True)
@@ -89,6 +126,21 @@ class OldPolicy:
     proxy_inexact: int  # positions where the top-k proxy is only approximate
 
 
+def autocast(cfg: LearnerSettings) -> torch.autocast:
+    """The forward's precision: bf16 matmuls under `learner.autocast`, float32 otherwise."""
+    device = "cpu" if cfg.device == "cpu" else "cuda"
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=_bf16_autocast(cfg.autocast, device))
+
+
+@functools.cache
+def _bf16_autocast(setting: str, device: str) -> bool:
+    if setting != "auto":
+        return setting == "bfloat16"
+    if device == "cpu":  # without native bf16 (AVX512-BF16, AMX), autocast would only emulate it: slower
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
 @torch.no_grad()
 def old_policy(model: torch.nn.Module, mb: MicroBatch, cfg: LearnerSettings) -> OldPolicy:
     """old_logp and the Lp-Reg proxy, from the rollout's numbers or from a pass of the current weights
@@ -96,7 +148,8 @@ def old_policy(model: torch.nn.Module, mb: MicroBatch, cfg: LearnerSettings) -> 
     need_pass = cfg.old_logp_source == "recompute" or cfg.proxy_source == "logits"
     learner_logp, logits = (None, None)
     if need_pass:
-        learner_logp, _, logits = token_logp_and_entropy(model, mb)
+        with autocast(cfg):
+            learner_logp, _, logits = token_logp_and_entropy(model, mb, entropy_grad=False)
     targets = mb.input_ids[:, 1:]
     if cfg.proxy_source == "logits":
         proxy = proxy_logp_from_logits(logits, targets, kappa=cfg.proxy_kappa)  # logits already / temperature
@@ -125,16 +178,24 @@ def step_and_grad_norm(engine: deepspeed.DeepSpeedEngine) -> float:
 
 
 def train_step(
-    engine: deepspeed.DeepSpeedEngine, batches: list[MicroBatch], olds: list[OldPolicy], cfg: LearnerSettings
+    engine: deepspeed.DeepSpeedEngine,
+    batches: list[MicroBatch],
+    olds: list[OldPolicy],
+    cfg: LearnerSettings,
+    timings: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch, then one optimizer step. The step's loss is the token-mean
-    over all its tokens: each micro-batch's token-mean is weighted by its share of the tokens."""
+    over all its tokens: each micro-batch's token-mean is weighted by its share of the tokens.
+    `timings` gets the seconds of `forward_backward` and `optimizer`."""
+    started = time.perf_counter()
     total_tokens = max(sum(mb.num_tokens for mb in batches), 1)
     hparams = cfg.loss.model_dump(exclude={"name"})
     sums: dict[str, float] = defaultdict(float)
+    entropy_grad = entropy_has_gradient(cfg.loss.name)
     for index, (mb, old) in enumerate(zip(batches, olds, strict=True)):
         engine.set_gradient_accumulation_boundary(index == len(batches) - 1)
-        logp, entropy, _ = token_logp_and_entropy(engine, mb)
+        with autocast(cfg):
+            logp, entropy, _ = token_logp_and_entropy(engine, mb, entropy_grad)
         inputs = LossInputs(
             logp=logp,
             old_logp=old.old_logp,
@@ -151,9 +212,15 @@ def train_step(
         sums["entropy"] += float((entropy.detach() * mb.mask).sum()) / total_tokens
         sums["proxy_inexact"] += old.proxy_inexact
         for key, value in stats.items():
+            if key == "entropy":
+                continue  # measured above over every token; entropy_bonus reports its own copy
             # Counts add up over micro-batches; rates are averaged by token share.
             additive = key in ("reg_tokens", "reg_tokens_pos")
             sums[key] += float(value) * (1.0 if additive else share)
+    stepped = time.perf_counter()
     sums["grad_norm"] = step_and_grad_norm(engine)
     sums["tokens"] = float(total_tokens)
+    if timings is not None:
+        timings["forward_backward"] = stepped - started
+        timings["optimizer"] = time.perf_counter() - stepped
     return dict(sums)

@@ -11,7 +11,12 @@ from sparkrl.services.learner.losses.baselines import (
     ppo_clip_loss,
 )
 from sparkrl.services.learner.losses.lp_reg import lp_reg_loss
-from sparkrl.services.learner.losses.registry import POLICY_LOSSES, LossInputs, policy_loss
+from sparkrl.services.learner.losses.registry import (
+    POLICY_LOSSES,
+    LossInputs,
+    entropy_has_gradient,
+    policy_loss,
+)
 
 __all__ = [
     "POLICY_LOSSES",
@@ -20,6 +25,7 @@ __all__ = [
     "clip_higher_loss",
     "eighty_twenty_loss",
     "entropy_bonus_loss",
+    "entropy_has_gradient",
     "gspo_loss",
     "kl_cov_loss",
     "lp_reg_loss",

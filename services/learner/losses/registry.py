@@ -89,6 +89,15 @@ POLICY_LOSSES: dict[str, PolicyLoss] = dict(
 )
 
 
+# Losses whose gradient flows through the entropy; for the others it is a measurement only.
+ENTROPY_GRADIENT: frozenset[str] = frozenset({"entropy_bonus"})
+
+
+def entropy_has_gradient(name: str) -> bool:
+    """Whether loss `name` needs the entropy with its gradient (else it is computed without one)."""
+    return name in ENTROPY_GRADIENT
+
+
 def policy_loss(name: str, inputs: LossInputs, **hparams: Any) -> tuple[Tensor, Metrics]:
     """Compute the policy loss registered as `name` on `inputs`; `hparams` override its defaults."""
     try:

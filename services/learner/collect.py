@@ -1,0 +1,185 @@
+"""Batch assembly from the trajectory stream: `prompts_per_step` fresh, untrained groups per step.
+
+A collector keeps what it has gathered when it is interrupted (a pause, a control command, a stop) and
+goes on from there, so an interruption never drops or re-reads a group. While it holds entries it keeps
+them from being reclaimed (`touch`), including while the learner is paused. A group the learner's model
+cannot take (`validate.py`) is dead-lettered alone, with the reason, before it joins a batch; the groups
+of a failed step come back through `give_back`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from sparkrl.proto import TrajectoryGroup, decode_group
+from sparkrl.services.common.bus import Entry, RedisBus
+from sparkrl.services.common.recovery import TRAINED_PREFIX
+from sparkrl.services.common.settings import LearnerSettings
+from sparkrl.services.learner.validate import ModelLimits, group_problem
+
+CONSUMER = "learner"
+STARVED_LOG_S = 30.0  # how often a learner waiting for groups says so
+
+log = logging.getLogger("sparkrl.learner")
+
+
+@dataclass
+class Batch:
+    """The groups of one optimizer step and the stream entries to acknowledge after it."""
+
+    groups: list[TrajectoryGroup]
+    entries: list[Entry]
+    dropped_stale: int
+    staleness_mean: float
+
+
+@dataclass
+class BatchCollector:
+    """Gathers one step's groups across as many `fill` calls as it takes."""
+
+    bus: RedisBus
+    cfg: LearnerSettings  # read live: a changed `max_staleness` applies to the next read
+    limits: ModelLimits
+    groups: list[TrajectoryGroup] = field(default_factory=list)  # held for a coming batch, in arrival order
+    entries: list[Entry] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)
+    dropped: int = 0  # stale groups acknowledged and dropped while gathering this batch
+    acked: int = 0  # entries acknowledged here (dropped or already trained), since start
+    dead_lettered: int = 0  # groups the model cannot take, since start
+    void_versions: list[list[int]] = field(default_factory=list)  # see TrainState.void_versions
+
+    def fill(self, version: int, interrupted: Callable[[], bool]) -> Batch | None:
+        """Read until the batch is full (then hand it over and start the next), or None as soon as
+        `interrupted()` says so, keeping what was gathered.
+
+        Whatever is waiting is read ahead and the oldest groups go first: the ones nearest to going stale
+        are trained while they still can be (those that could not wait for the next step join this one),
+        so a burst of groups (after a stalled broadcast, at start-up) is worked through instead of dropped.
+        Held groups are kept alive, never reclaimed from us.
+        """
+        need = self.cfg.prompts_per_step
+        self.read_ahead(version)
+        since = said = time.monotonic()
+        while len(self.groups) < need:
+            if interrupted():
+                return None
+            self._read(version, need - len(self.groups), block_ms=None)
+            if time.monotonic() - said > STARVED_LOG_S:
+                said = time.monotonic()
+                self._say_starved(need, said - since)
+            # The rest of a worker's burst (its groups are published one by one) joins now, not after
+            # this step, when the oldest of it may be past reach.
+            self.read_ahead(version)
+        order = sorted(range(len(self.groups)), key=lambda i: (_oldest(self.groups[i], version), i))
+        # A held group that would be too stale for the next step joins this one instead (the step grows
+        # to at most what read-ahead holds): data that arrived in a burst is trained, not dropped.
+        doomed = [
+            i for i in order[need:] if version + 1 - _oldest(self.groups[i], version) > self.cfg.max_staleness
+        ]
+        cut = need + min(len(doomed), self.reach - need)
+        chosen, kept = order[:cut], sorted(order[cut:])
+        lags = [version - _oldest(self.groups[i], version) for i in chosen]
+        batch = Batch(
+            [self.groups[i] for i in chosen],
+            [self.entries[i] for i in chosen],
+            self.dropped,
+            sum(lags) / len(lags),
+        )
+        self.groups, self.entries = [self.groups[i] for i in kept], [self.entries[i] for i in kept]
+        self.seen, self.dropped = {g.group_id for g in self.groups}, 0
+        return batch
+
+    def _say_starved(self, need: int, waited_s: float) -> None:
+        """A learner waiting long for groups says so, and what the prompt stream holds: an empty one with
+        nothing pending means the prompts ran out (or no worker is running)."""
+        prompts = self.bus.pending_info("prompts")
+        log.warning(
+            "waiting %.0fs for trajectory groups (%d of %d held); prompt stream: %d unread, %d in work%s",
+            waited_s,
+            len(self.groups),
+            need,
+            prompts.lag,
+            prompts.pending,
+            " — the prompts ran out: raise prompts.count, or feed more (sparkrl prompts)"
+            if prompts.lag == 0 and prompts.pending == 0
+            else "",
+        )
+
+    def give_back(self, groups: list[TrajectoryGroup], entries: list[Entry]) -> None:
+        """Groups of a failed step: first in line for the next batch (still pending, kept alive here)."""
+        back = [(g, e) for g, e in zip(groups, entries, strict=True) if g.group_id not in self.seen]
+        self.seen.update(g.group_id for g, _ in back)
+        self.groups[:0] = [g for g, _ in back]
+        self.entries[:0] = [e for _, e in back]
+
+    @property
+    def reach(self) -> int:
+        """How many groups are held at most: `max_staleness` + 1 steps' worth (the stream's length if
+        shorter), as many as could still be trained before going stale."""
+        steps = self.cfg.max_staleness + 1
+        return max(
+            self.cfg.prompts_per_step,
+            min(self.bus.settings.trajectory_maxlen, steps * self.cfg.prompts_per_step),
+        )
+
+    def read_ahead(self, version: int) -> bool:
+        """Take what is waiting, as far as groups can still be trained: `max_staleness` + 1 steps' worth
+        (bounded, as a batch of long completions is gigabytes; what lies beyond would go stale in hand).
+        False when that much is held already. Held groups are kept alive."""
+        ahead = self.reach - len(self.groups)
+        self.keep_alive()
+        if ahead > 0:
+            self._read(version, ahead, block_ms=0)
+        return ahead > 0
+
+    def _read(self, version: int, count: int, block_ms: int | None) -> None:
+        for entry, group in self.bus.read_decoded("trajectories", CONSUMER, count, decode_group, block_ms):
+            self._take(entry, group, version)
+        # Held groups age as the version moves on: those past reach go now, acknowledged and counted.
+        stale = [
+            i for i, g in enumerate(self.groups) if version - _oldest(g, version) > self.cfg.max_staleness
+        ]
+        for i in reversed(stale):
+            self.acked += self.bus.ack("trajectories", [self.entries[i].entry_id])
+            self.dropped += 1
+            self.seen.discard(self.groups[i].group_id)
+            del self.groups[i], self.entries[i]
+
+    def _from_another_lineage(self, group: TrajectoryGroup, version: int) -> str | None:
+        """Staleness is two-sided: a group sampled by a version this learner never produced (ahead of it,
+        or one a resume discarded) was sampled by weights that no longer exist."""
+        versions = {int(v) for c in group.completions if c.num_tokens for v in c.policy_versions.tolist()}
+        newest = max(versions, default=None)
+        if newest is not None and newest > version:
+            return f"sampled by policy version {newest}, which this learner (at {version}) has not produced"
+        for lo, hi in self.void_versions:
+            if any(lo <= v <= hi for v in versions):
+                return f"sampled by a policy version in {lo}..{hi}, which a resume discarded"
+        return None
+
+    def keep_alive(self) -> None:
+        """Entries held across reads (or a pause) would otherwise be reclaimed and re-delivered when idle."""
+        self.bus.touch("trajectories", CONSUMER, [e.entry_id for e in self.entries])
+
+    def _take(self, entry: Entry, group: TrajectoryGroup, version: int) -> None:
+        if group.group_id in self.seen:
+            return
+        problem = group_problem(group, self.limits) or self._from_another_lineage(group, version)
+        if problem is not None:
+            self.dead_lettered += self.bus.dead_letter("trajectories", entry, problem)
+            return
+        if self.bus.get_value(TRAINED_PREFIX + group.group_id) is not None:
+            self.acked += self.bus.ack("trajectories", [entry.entry_id])  # a replay: trained already
+            return
+        self.seen.add(group.group_id)
+        self.groups.append(group)
+        self.entries.append(entry)
+
+
+def _oldest(group: TrajectoryGroup, version: int) -> int:
+    """The group's oldest policy version; `version` when it generated nothing (nothing can be stale)."""
+    oldest = group.oldest_policy_version
+    return version if oldest is None else oldest

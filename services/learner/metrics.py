@@ -1,0 +1,103 @@
+"""The learner's Prometheus metrics (`sparkrl_learner_*`, `sparkrl_sync_*`), in a registry of its own.
+
+Fed from the same records the telemetry channel carries (a step row, a sync event, a command result),
+so Prometheus and the control API never disagree.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from sparkrl.proto import CommandResult, StepMetrics, SyncEvent
+
+# A step is sub-second on the demo and minutes on a real model; a broadcast likewise.
+_STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+_SYNC_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class LearnerMetrics:
+    """Counters, gauges and histograms of the training loop and the weight broadcast."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.steps = Counter("sparkrl_learner_steps", "Optimizer steps taken.", registry=r)
+        self.step_seconds = Histogram(
+            "sparkrl_learner_step_seconds", "Wall time of one step.", buckets=_STEP_BUCKETS, registry=r
+        )
+        self.groups_trained = Counter("sparkrl_learner_groups_trained", "Groups trained on.", registry=r)
+        self.groups_dropped = Counter(
+            "sparkrl_learner_groups_dropped_stale", "Groups dropped as too stale.", registry=r
+        )
+        self.acked = Counter(
+            "sparkrl_learner_trajectories_acked",
+            "Trajectory entries acknowledged (trained or dropped).",
+            registry=r,
+        )
+        self.tokens = Counter("sparkrl_learner_tokens_trained", "Completion tokens trained on.", registry=r)
+        self.step = Gauge("sparkrl_learner_step", "Steps taken so far.", registry=r)
+        self.policy_version = Gauge("sparkrl_learner_policy_version", "Policy version.", registry=r)
+        self.loss = Gauge("sparkrl_learner_loss", "Loss of the last step.", registry=r)
+        self.reward = Gauge("sparkrl_learner_reward_mean", "Mean reward of the last step.", registry=r)
+        self.entropy = Gauge("sparkrl_learner_entropy", "Token entropy of the last step.", registry=r)
+        self.reg_tokens = Gauge(
+            "sparkrl_learner_reg_tokens", "Tokens Lp-Reg regularized in the last step.", registry=r
+        )
+        self.paused = Gauge("sparkrl_learner_paused", "1 while paused by the control API.", registry=r)
+        self.commands = Counter(
+            "sparkrl_learner_commands", "Control commands answered.", ["command", "outcome"], registry=r
+        )
+        self.checkpoints = Counter("sparkrl_learner_checkpoints", "Checkpoints written.", registry=r)
+        self.step_failures = Counter(
+            "sparkrl_learner_step_failures", "Steps that raised (their groups went back).", registry=r
+        )
+        self.dead_lettered = Counter(
+            "sparkrl_learner_groups_dead_lettered", "Groups dead-lettered by the learner.", registry=r
+        )
+        self.sync_seconds = Histogram(
+            "sparkrl_sync_seconds",
+            "Broadcast wall time, announce to every checksum acknowledged.",
+            buckets=_SYNC_BUCKETS,
+            registry=r,
+        )
+        self.sync_bytes = Counter("sparkrl_sync_bytes", "Weight bytes broadcast (per member).", registry=r)
+        self.sync_failures = Counter(
+            "sparkrl_sync_failures", "Broadcasts that failed, by phase.", ["phase"], registry=r
+        )
+        self.sync_version = Gauge("sparkrl_sync_version", "Newest version every member holds.", registry=r)
+        self.sync_members = Gauge("sparkrl_sync_members", "Members of the newest broadcast.", registry=r)
+        # Every labelled series exists at zero from the first scrape: a rate() over it needs no special case.
+        for phase in ("join", "connect", "transfer", "verify"):
+            self.sync_failures.labels(phase)
+        for command in ("pause", "resume", "stop", "checkpoint", "set_hparams"):
+            for outcome in ("applied", "rejected"):
+                self.commands.labels(command, outcome)
+
+    def observe_step(self, row: StepMetrics, groups: int, acked: int) -> None:
+        self.steps.inc()
+        self.step.set(row.step)
+        self.policy_version.set(row.policy_version)
+        self.groups_trained.inc(groups)
+        self.groups_dropped.inc(row.value("rollout/dropped_stale") or 0)
+        self.acked.inc(acked)
+        self.tokens.inc(row.value("rollout/tokens") or 0)
+        for gauge, name in (
+            (self.loss, "loss/value"),
+            (self.reward, "rollout/reward_mean"),
+            (self.entropy, "loss/entropy"),
+            (self.reg_tokens, "loss/reg_tokens"),
+        ):
+            value = row.value(name)
+            gauge.set(value if value is not None else float("nan"))
+        self.step_seconds.observe(row.value("time/step_seconds") or 0.0)
+
+    def observe_sync(self, event: SyncEvent) -> None:
+        self.sync_members.set(len(event.members))
+        if event.outcome == "ok":
+            self.sync_seconds.observe(event.seconds or 0.0)
+            self.sync_bytes.inc(event.bytes * len(event.members))
+            self.sync_version.set(event.version)
+        elif event.outcome == "failed":
+            self.sync_failures.labels(event.phase or "unknown").inc()
+
+    def observe_command(self, result: CommandResult) -> None:
+        self.commands.labels(result.command, result.outcome).inc()

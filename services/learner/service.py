@@ -1,0 +1,193 @@
+"""The learner as a service: `build` its parts from the settings, `step` its loop once, `close` it.
+
+A plain process (`sparkrl learner`) and a Ray actor (`sparkrl up --ray`) drive the same three; neither
+touches signals here: whoever runs the loop owns them and sets `stop` (the CLI takes them over only once
+the engine is built, so a start stuck in DeepSpeed still ends at the first SIGTERM).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sparkrl.proto import SyncEvent
+from sparkrl.services.common.bus import RedisBus
+from sparkrl.services.common.control_channel import ControlReader
+from sparkrl.services.common.metrics_server import MetricsServer
+from sparkrl.services.common.modeling import load_model, load_tokenizer
+from sparkrl.services.common.recovery import WipeWatch, warn_if_not_persistent
+from sparkrl.services.common.settings import LearnerSettings, SparkSettings
+from sparkrl.services.common.telemetry import LEARNER, Telemetry
+from sparkrl.services.common.weight_sync.files import WeightFileServer
+from sparkrl.services.learner.checkpoint import TrainState, cpu_weights, latest_checkpoint, load_checkpoint
+from sparkrl.services.learner.control import LearnerControl, hparams_in_force
+from sparkrl.services.learner.journal import Journal
+from sparkrl.services.learner.learner import Learner, Setup
+from sparkrl.services.learner.metrics import LearnerMetrics
+from sparkrl.services.learner.publisher import SNAPSHOT_NAME, WeightPublisher
+from sparkrl.services.learner.reporting import Reporter, RunLog, StatusSource
+from sparkrl.services.learner.resume import last_announced_version, void_discarded_versions
+from sparkrl.services.learner.startup import clear_stale_locks, watchdog
+from sparkrl.services.learner.trainer import build_engine, init_distributed
+
+log = logging.getLogger("sparkrl.learner")
+
+
+def _device(lc: LearnerSettings) -> str:
+    return "cpu" if lc.device == "cpu" else "cuda"
+
+
+def setup_engine(cfg: SparkSettings, resume: bool) -> Setup:
+    """Model → DeepSpeed engine, restored from the latest checkpoint when resuming; (…, resumed)."""
+    lc = cfg.learner
+    torch.manual_seed(lc.seed)
+    if lc.threads is not None:
+        torch.set_num_threads(lc.threads)
+    init_distributed(lc, cfg.sync.host)
+    tokenizer = load_tokenizer(cfg.model)
+    engine = build_engine(load_model(cfg.model, lc.dtype, _device(lc), lc.attention), lc)
+    checkpoint = latest_checkpoint(Path(cfg.run_dir)) if resume else None
+    if resume and checkpoint is None:
+        log.warning("--resume: no checkpoint under %s; starting fresh", cfg.run_dir)
+    if checkpoint is None:
+        return engine, tokenizer, TrainState(started_at=time.time()), False
+    return engine, tokenizer, load_checkpoint(engine, checkpoint), True
+
+
+@dataclass
+class LearnerService:
+    """What `build` made and `close` releases."""
+
+    loop: Learner
+    files: WeightFileServer
+    server: MetricsServer
+    bus: RedisBus
+
+
+def build(
+    cfg: SparkSettings,
+    resume: bool,
+    stop: threading.Event,
+    engine_built: Callable[[], None] = lambda: None,
+) -> LearnerService:
+    """Engine (restored when resuming), bus, control, publisher, weight files, heartbeat and /metrics;
+    the journal replayed when resuming and the current version announced — ready for `step`."""
+    lc, run_dir = cfg.learner, Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    clear_stale_locks()
+    guard = watchdog(lc.startup_timeout_s)
+    # Weight files for workers that cannot see this disk; the model is hashed while the engine builds.
+    snapshot = run_dir / "snapshots" / SNAPSHOT_NAME
+    files = WeightFileServer(cfg.sync.host, cfg.sync.http_port, Path(cfg.model), snapshot, cfg.sync.secret)
+    files.start()
+    engine, tokenizer, state, resumed = setup_engine(cfg, resume)
+    guard.cancel()
+    engine_built()
+    journal = Journal(run_dir)
+    if not resume and journal.trim():
+        log.warning(
+            "a fresh run in %s: deleted an earlier run's journal (use --resume to go on with it)", run_dir
+        )
+    bus = RedisBus(cfg.bus)
+    warn_if_not_persistent(bus)
+    telemetry, metrics, run_log = Telemetry(bus), LearnerMetrics(), RunLog(run_dir)
+
+    def on_sync(event: SyncEvent) -> None:
+        telemetry.append(event)
+        run_log.write_sync(event)
+        metrics.observe_sync(event)
+
+    publisher = WeightPublisher(telemetry, cfg.sync, run_dir / "snapshots", on_sync=on_sync, files=files)
+    control = LearnerControl(
+        ControlReader(bus, telemetry, LEARNER), lc, engine, state.hparam_overrides, metrics.observe_command
+    )
+    reporter = Reporter(telemetry, state, StatusSource(publisher, lc.max_steps))
+    server = MetricsServer(
+        lc.metrics, metrics.registry, lambda: {"status": "ok", "phase": reporter.report.phase}
+    )
+    loop = Learner(
+        engine=engine,
+        tokenizer=tokenizer,
+        bus=bus,
+        telemetry=telemetry,
+        cfg=lc,
+        sync=cfg.sync,
+        run_dir=run_dir,
+        pad_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        state=state,
+        publisher=publisher,
+        control=control,
+        reporter=reporter,
+        metrics=metrics,
+        run_log=run_log,
+        stop=stop,
+        journal=journal,
+        wipes=WipeWatch(bus, run_dir / "trained_groups.jsonl"),
+    )
+    publisher.start()
+    reporter.update(hparams=hparams_in_force(engine, lc))
+    reporter.start()
+    server.start()
+    log.info("learner up: loss %s, %s, step %d", lc.loss.name, cfg.model, state.step)
+    service = LearnerService(loop, files, server, bus)
+    try:
+        replayed = loop.replay() if resume else 0
+        void_discarded_versions(state, last_announced_version(bus, run_dir / "snapshots"))
+        loop.collector.void_versions = state.void_versions
+        files.wait_listed()  # the first announcement carries the model's digest
+        # A fresh run's version 0 is the model every worker loaded already; a resumed one must be sent.
+        publisher.submit(state.policy_version, cpu_weights(engine), broadcast=resumed or replayed > 0)
+    except BaseException:
+        close(service)
+        raise
+    return service
+
+
+def step(service: LearnerService) -> bool:
+    """One turn of the loop (the control boundary, then a step or a paused wait); False once it is over:
+    max_steps, `stop`, or a stop command (answered by `close`)."""
+    return service.loop.turn()
+
+
+def close(service: LearnerService) -> None:
+    """The final checkpoint first (disk only, before anything that may wait on the network), then the
+    stop command's answer, the last broadcast, the heartbeat and the listeners."""
+    loop = service.loop
+    state, command = loop.state, loop.stop_command
+    keep_final = command is None or command.body.checkpoint  # type: ignore[union-attr]
+    if keep_final and state.step > loop.saved_step:
+        loop.checkpoint(None)
+    loop.reporter.update(phase="stopping")
+    if command is not None:
+        where = f"; checkpoint {loop.reporter.report.last_checkpoint}" if keep_final else ""
+        loop.control.answer(command, "applied", f"stopped at step {state.step}{where}", state.step)
+    loop.publisher.close()
+    loop.reporter.update(phase="stopped")
+    loop.reporter.close()
+    service.files.close()
+    service.server.close()
+    loop.run_log.close()
+    service.bus.close()
+    log.info("learner stopped at step %d (policy version %d)", state.step, state.policy_version)
+
+
+def main(
+    cfg: SparkSettings,
+    resume: bool = False,
+    stop: threading.Event | None = None,
+    engine_built: Callable[[], None] = lambda: None,
+) -> None:
+    """Build, step until over, close: train until max_steps, a stop command or `stop`."""
+    service = build(cfg, resume, stop or threading.Event(), engine_built)
+    try:
+        running = True
+        while running:
+            running = step(service)
+    finally:
+        close(service)

@@ -1,0 +1,81 @@
+"""The learner's start-up guards: a stale DeepSpeed build lock is named (and cleared), and a start that
+hangs anyway ends with a clear error instead of waiting forever.
+
+DeepSpeed JIT-compiles a C++ op on first start; torch guards the build with a `lock` file in the
+extension's folder under `TORCH_EXTENSIONS_DIR`. A build killed mid-way (Ctrl-C during the first start)
+leaves that file behind, and every later start waits for it to go away — silently, for ever. A lock no
+live process is building under is stale: it is removed, with a warning that names it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+log = logging.getLogger("sparkrl.learner.startup")
+
+
+def extensions_dir() -> Path:
+    """Where torch builds extensions (what `torch.utils.cpp_extension` uses)."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    return Path(_get_build_directory("probe", verbose=False)).parent
+
+
+def build_locks(root: Path) -> Iterator[Path]:
+    if root.is_dir():
+        yield from (lock for lock in root.glob("*/lock") if lock.is_file())
+
+
+def _busy(folder: Path) -> bool:
+    """Whether a live process works in `folder` (its cwd, or an argument naming it): a build under way."""
+    target = str(folder.resolve())
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            cwd = os.readlink(proc / "cwd")
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if cwd.startswith(target) or target in cmdline:
+            return True
+    return False
+
+
+def clear_stale_locks(root: Path | None = None) -> list[Path]:
+    """Remove build locks that no live process holds; returns them (each also logged)."""
+    root = root or extensions_dir()
+    cleared = []
+    for lock in build_locks(root):
+        if _busy(lock.parent):
+            log.info("an extension build is under way in %s: waiting for it", lock.parent)
+            continue
+        log.warning("removing a stale build lock %s (left by a build that was killed mid-way)", lock)
+        lock.unlink(missing_ok=True)
+        cleared.append(lock)
+    return cleared
+
+
+def watchdog(timeout_s: float) -> threading.Timer:
+    """Started before the engine is built, cancelled once it is: past `timeout_s`, name what the start is
+    waiting on and exit (a build lock wait ignores SIGTERM; a supervisor then sees a clear failure)."""
+
+    def expire() -> None:
+        locks = [str(lock) for lock in build_locks(extensions_dir())]
+        held = (
+            f"; build locks present: {', '.join(locks)} (delete them if no build is running)" if locks else ""
+        )
+        log.error(
+            "the learner did not start within %.0f s (learner.startup_timeout_s): DeepSpeed's first start "
+            "compiles an op (set TORCH_EXTENSIONS_DIR to keep it between runs)%s",
+            timeout_s,
+            held,
+        )
+        os._exit(3)  # the main thread may be stuck in C++: only this ends the process
+
+    timer = threading.Timer(timeout_s, expire)
+    timer.daemon = True
+    timer.start()
+    return timer
