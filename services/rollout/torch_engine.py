@@ -52,15 +52,23 @@ class _Sampled:
 
 
 def sample_next(
-    logits: torch.Tensor, temperature: float, top_p: float, k: int, generator: torch.Generator
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    k: int,
+    generator: torch.Generator,
+    banned: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One decoding step from `logits` [B, V]: (token [B], its logp [B], top-k logps [B, K], ids [B, K]).
 
-    All log-probs come from `log_softmax(logits / T)` in float32; top-p masks only the sampling.
+    All log-probs come from `log_softmax(logits / T)` in float32; top-p and `banned` (token ids never to
+    sample, e.g. EOS before `min_new_tokens`) mask only the sampling.
     """
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, V]
     topk_logp, topk_ids = torch.topk(logp, k, dim=-1)  # sorted descending
     probs = logp.exp()
+    if banned is not None:
+        probs[:, banned] = 0.0
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # Drop a token when the mass strictly before it already reaches top_p; the first always stays.
@@ -173,33 +181,65 @@ class TorchEngine(Engine):
     def _sample_batch(
         self, prompts: list[list[int]], sampling: SamplingSettings, generator: torch.Generator
     ) -> _Sampled:
+        """Decode `prompts` (a group's rows adjacent) together. Each distinct prompt is prefilled once and
+        its cache shared by its rows; rows that finished leave the batch once half of it has."""
         B, S, K = len(prompts), sampling.max_new_tokens, sampling.topk_logprobs
-        out, attention_mask, next_position = self._prefill(prompts)
+        distinct, owner = _distinct_adjacent(prompts)
+        out, attention_mask, next_position = self._prefill(distinct)
+        logits, cache = out.logits[:, -1, :], getattr(out, self._cache_arg)
+        if len(distinct) < B:
+            if hasattr(cache, "batch_select_indices"):  # transformers' Cache: one row per completion
+                expand = torch.tensor(owner, device=self.device)
+                cache.batch_select_indices(expand)
+                logits, attention_mask, next_position = (
+                    logits[expand],
+                    attention_mask[expand],
+                    next_position[expand],
+                )
+            else:  # a model with its own cache type: prefill every row
+                out, attention_mask, next_position = self._prefill(prompts)
+                logits, cache = out.logits[:, -1, :], getattr(out, self._cache_arg)
         result = _Sampled.empty(B, S, K, self.device)
-        active = torch.ones(B, dtype=torch.bool, device=self.device)
+        rows = torch.arange(B, device=self.device)  # the result row of each batch row
+        active = torch.ones(B, dtype=torch.bool, device=self.device)  # per batch row
         for t in range(S):
+            too_short = t < sampling.min_new_tokens  # EOS may not be among the first min_new_tokens
             token, token_logp, topk_logp, topk_ids = sample_next(
-                out.logits[:, -1, :], sampling.temperature, sampling.top_p, K, generator
+                logits,
+                sampling.temperature,
+                sampling.top_p,
+                K,
+                generator,
+                banned=self._eos_ids if too_short else None,
             )
-            result.tokens[:, t], result.logprobs[:, t] = token, token_logp
-            result.topk_ids[:, t], result.topk_logprobs[:, t] = topk_ids, topk_logp
+            result.tokens[rows, t], result.logprobs[rows, t] = token, token_logp
+            result.topk_ids[rows, t], result.topk_logprobs[rows, t] = topk_ids, topk_logp
             finished = active & torch.isin(token, self._eos_ids)
             if sampling.stop:
-                finished |= self._stop_string_hits(result, active & ~finished, t, sampling.stop)
-            for row in finished.nonzero().flatten().tolist():
+                candidates = torch.zeros(B, dtype=torch.bool, device=self.device)
+                candidates[rows] = active & ~finished
+                finished |= self._stop_string_hits(result, candidates, t, sampling.stop)[rows]
+            for row in rows[finished].tolist():
                 result.lengths[row], result.stopped[row] = t + 1, True
             active &= ~finished
-            if t + 1 == S or not bool(active.any()):
+            alive = int(active.sum())
+            if t + 1 == S or alive == 0:
                 break
-            # Finished rows keep decoding (their tokens are cut off later): the batch keeps its shape.
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((B, 1))], dim=1)
+            if alive <= len(rows) // 2 and hasattr(cache, "batch_select_indices"):
+                keep = active.nonzero().flatten()  # the finished rows leave: the rest decode cheaper
+                cache.batch_select_indices(keep)
+                rows, active, token = rows[keep], active[keep], token[keep]
+                attention_mask, next_position = attention_mask[keep], next_position[keep]
+            # Finished rows still in the batch keep decoding (their tokens are cut off later).
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(rows), 1))], dim=1)
             out = self.model(
                 input_ids=token[:, None],
                 attention_mask=attention_mask,
                 position_ids=next_position,
                 use_cache=True,
-                **{self._cache_arg: getattr(out, self._cache_arg)},
+                **{self._cache_arg: cache},
             )
+            logits, cache = out.logits[:, -1, :], getattr(out, self._cache_arg)
             next_position = next_position + 1
         return result
 
@@ -277,3 +317,15 @@ class TorchEngine(Engine):
         self.model = self.model.to("meta")  # drops the weights' memory; the object stays inspectable
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _distinct_adjacent(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """(the prompts with adjacent repeats collapsed, the index in it of every row): a group's rows share
+    one prefill."""
+    distinct: list[list[int]] = []
+    owner: list[int] = []
+    for prompt in prompts:
+        if not distinct or distinct[-1] != prompt:
+            distinct.append(prompt)
+        owner.append(len(distinct) - 1)
+    return distinct, owner

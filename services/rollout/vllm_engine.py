@@ -153,6 +153,12 @@ class VllmEngine(Engine):
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
 
+        if sampling.min_new_tokens > 0:
+            raise ValueError(
+                "the vLLM engine's processed log-probs would carry min_new_tokens' EOS mask (vLLM's "
+                "min-tokens processor runs before they are taken); set sampling.min_new_tokens = 0, or use "
+                "the torch engine"
+            )
         if sampling.top_p < 1.0:
             raise ValueError(
                 "the vLLM engine reports log-probs of the top-p-truncated distribution (processed_logprobs); "

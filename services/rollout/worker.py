@@ -1,59 +1,55 @@
-"""The rollout worker: one process, one loop — pull prompts → generate groups → score → publish → ack.
+"""The rollout worker: one process, one loop — control → sync weights → pull prompts → generate → score →
+publish → ack.
 
 A prompt is acknowledged only after its group is published (idempotently, by group id), so a worker that
 dies at any point loses nothing: its pending prompts are reclaimed by another worker after
-`bus.claim_idle_ms`, and a replayed group id is dropped by the bus. SIGTERM/SIGINT finish the batch in
-hand and exit; SIGKILL leaves the batch to be reclaimed.
+`bus.claim_idle_ms`, and a replayed group id is dropped by the bus. SIGTERM/SIGINT or a stop command
+finish the batch in hand and exit; SIGKILL leaves the batch to be reclaimed. Paused, it takes no new
+prompts but keeps syncing weights and reporting.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from sparkrl.proto import (
+    LearnerStatus,
     Prompt,
     RewardItem,
     RewardResult,
     SamplingParams,
     TrajectoryGroup,
-    WeightAnnouncement,
-    WorkerStatus,
     decode_message,
     encode_group,
     group_id_for,
 )
 from sparkrl.services.common.bus import BusBackpressureTimeout, Entry, RedisBus
-from sparkrl.services.common.logs import stop_on_signals
+from sparkrl.services.common.metrics_server import MetricsServer
 from sparkrl.services.common.modeling import apply_chat_template_if_any
 from sparkrl.services.common.reward_client import RewardClient, RewardServiceError
-from sparkrl.services.common.settings import RolloutSettings, SparkSettings
+from sparkrl.services.common.settings import RolloutSettings
+from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.common.weight_sync import NotAMember, SyncFailed, WeightReceiver
-from sparkrl.services.rollout.engine import Engine, make_engine
+from sparkrl.services.rollout.announcements import AnnouncementGate
+from sparkrl.services.rollout.catch_up import catch_up
+from sparkrl.services.rollout.control import WorkerControl
+from sparkrl.services.rollout.engine import Engine
+from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
+from sparkrl.services.rollout.lockstep import Lockstep
+from sparkrl.services.rollout.metrics import WorkerMetrics
 
 log = logging.getLogger("sparkrl.rollout")
 
-STATUS_KIND = "worker"
-ANNOUNCEMENT_KEY = "weights"  # where the learner announces each new policy (WeightAnnouncement JSON)
+LEARNER_STATUS_REUSE_S = 0.05  # a batch's groups share one read of the learner's status
+PUBLISH_POLL_S = 0.25  # a full stream is retried in turns this long, answering control and stop between
 
-
-@dataclass
-class WorkerState:
-    """What the heartbeat reports; written by the loop, read by the heartbeat thread."""
-
-    worker_id: str
-    engine: str
-    state: str = "starting"
-    policy_version: int | None = None
-    weights_checksum: str | None = None
-    tokens_per_s: float = 0.0
-    groups_published: int = 0
-    in_flight: list[str] = field(default_factory=list)  # prompt-stream entry ids being worked on
-    last_sync_seconds: float | None = None
+PAUSED_POLL_S = 0.2  # how often a paused worker looks at the control stream and the announcement
+_REGENERATE_ROUNDS = 3  # a group is made again at most twice; the last round publishes whatever it is
 
 
 @dataclass
@@ -128,184 +124,226 @@ def score_groups(reward: RewardClient, groups: list[TrajectoryGroup]) -> list[Tr
 
 
 def publish_groups(
-    bus: RedisBus, groups: list[TrajectoryGroup], entries: list[Entry], stop: threading.Event
-) -> int:
-    """Publish each group, then ack its prompt; returns the number new (a replay is dropped, yet acked).
+    bus: RedisBus,
+    groups: list[TrajectoryGroup],
+    entries: list[Entry],
+    stop: threading.Event,
+    waiting: Callable[[int], None],
+    doomed: Callable[[TrajectoryGroup], bool] = lambda group: False,
+) -> tuple[int, list[int]]:
+    """Publish each group, then ack its prompt; returns (the number new, the indices of doomed groups).
 
-    While the trajectory stream is full (the learner sets the pace) this waits, in short slices so that a
-    stop request is honoured; groups left unpublished keep their prompts unacked, to be reclaimed.
+    A replay is dropped by the bus, yet acked. While the trajectory stream is full (the learner sets the
+    pace, or is paused) this waits in short slices, calling `waiting(groups still in hand)` between them
+    (control commands are answered, weights followed) and honouring a stop; groups left unpublished keep
+    their prompts unacked, to be reclaimed. A group `doomed` (it would reach the learner too stale to train
+    on) is not published: its prompt stays in hand, for the caller to generate again.
     """
-    new = 0
-    for group, entry in zip(groups, entries, strict=True):
-        group = group.model_copy(update={"published_at": time.time()})
-        payload, deadline = encode_group(group), time.monotonic() + bus.settings.publish_timeout_s
+    new, redo = 0, []
+    for index, (group, entry) in enumerate(zip(groups, entries, strict=True)):
+        deadline = time.monotonic() + bus.settings.publish_timeout_s
         while True:
-            try:
-                new += bus.publish_group(group.group_id, payload, timeout_s=1.0)
+            if doomed(group):
+                redo.append(index)
                 break
+            payload = encode_group(group.model_copy(update={"published_at": time.time()}))
+            try:
+                new += bus.publish_group(group.group_id, payload, timeout_s=PUBLISH_POLL_S)
             except BusBackpressureTimeout:
+                waiting(len(groups) - index)
                 if stop.is_set() or time.monotonic() > deadline:
                     log.warning(
-                        "trajectory stream full; leaving %d prompts to be reclaimed", len(groups) - new
+                        "trajectory stream full; leaving %d prompts to be reclaimed", len(groups) - index
                     )
-                    return new
-        bus.ack("prompts", [entry.entry_id])
-    return new
+                    return new, redo
+                continue
+            bus.ack("prompts", [entry.entry_id])
+            break
+    return new, redo
 
 
-class Heartbeat(threading.Thread):
-    """Reports `WorkerState` every period and keeps in-flight prompts from being reclaimed mid-generation
-    (generation can outlast `bus.claim_idle_ms`); a thread because the loop blocks inside generate()."""
-
-    def __init__(self, bus: RedisBus, state: WorkerState, period_s: float) -> None:
-        super().__init__(name="heartbeat", daemon=True)
-        self.bus, self.state, self.period_s = bus, state, period_s
-        self.stopped = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopped.wait(self.period_s):
-            self.beat()
-
-    def beat(self) -> None:
-        s = self.state
-        try:
-            self.bus.touch("prompts", s.worker_id, list(s.in_flight))
-            lag = self.bus.pending_info("prompts").lag
-            status = WorkerStatus(
-                worker_id=s.worker_id,
-                engine=s.engine,
-                state=s.state,
-                policy_version=s.policy_version,
-                weights_checksum=s.weights_checksum,
-                tokens_per_s=s.tokens_per_s,
-                groups_published=s.groups_published,
-                prompts_in_flight=len(s.in_flight),
-                queue_lag=lag,
-                last_sync_seconds=s.last_sync_seconds,
-                heartbeat_at=time.time(),
-            )
-            self.bus.put_status(STATUS_KIND, s.worker_id, status.model_dump_json(), ttl_s=3 * self.period_s)
-        except Exception:  # a missed beat must never kill the worker; the next one retries
-            log.exception("heartbeat failed")
-
-
-def latest_announcement(bus: RedisBus) -> WeightAnnouncement | None:
-    raw = bus.get_value(ANNOUNCEMENT_KEY)
-    if raw is None:
-        return None
-    try:
-        return WeightAnnouncement.model_validate_json(raw)
-    except ValueError:
-        log.exception("ignoring a malformed weight announcement")
-        return None
-
-
-def load_snapshot(engine: Engine, path: str) -> int | None:
-    """A late joiner's catch-up: the learner's latest snapshot, if newer than what we hold."""
-    from safetensors import safe_open
-
-    with safe_open(path, framework="pt") as snapshot:
-        version = int((snapshot.metadata() or {}).get("version", -1))
-        if version == engine.policy_version:
-            return None
-        tensors = {name: snapshot.get_tensor(name) for name in snapshot.keys()}
-    engine.load_weights(tensors.items(), version)
-    return version
-
-
-def sync_weights(bus: RedisBus, receiver: WeightReceiver, engine: Engine, state: WorkerState) -> bool:
+def sync_weights(
+    gate: AnnouncementGate,
+    receiver: WeightReceiver,
+    engine: Engine,
+    state: WorkerState,
+    metrics: WorkerMetrics,
+    secret: str | None,
+) -> bool:
     """Between generation steps: take the announced version if we are in its group, else catch up from the
-    snapshot; True when the weights changed. A failed sync only costs this version: the learner re-forms
+    snapshot; True when the weights were loaded. A failed sync only costs this version: the learner re-forms
     the group for the next one."""
-    announcement = latest_announcement(bus)
-    # `!=`, not `>`: a learner resumed from an older checkpoint is followed back too.
-    if announcement is None or announcement.version == engine.policy_version:
+    announcement = gate.latest()
+    if announcement is None:
         return False
-    start = time.monotonic()
+    # `!=`, not `>`: a learner resumed from an older checkpoint is followed back too.
+    fresh = announcement.version != engine.policy_version
+    # A member joins its epoch even when it holds the version already (it caught up from the snapshot
+    # file, which can be newer than the announcement it read): the learner waits for every member. An
+    # epoch it failed in is dead (the learner forms a new one): meanwhile it catches up from the snapshot.
+    epoch = announcement.group_epoch
+    awaited = (
+        state.worker_id in announcement.members
+        and epoch != receiver.failed_epoch
+        and (fresh or epoch != receiver.held_epoch)
+    )
+    if not fresh and not awaited:
+        return False
+    start, previous = time.monotonic(), state.state
     state.state = "syncing"
     try:
-        if state.worker_id in announcement.members:
+        if awaited:
             tensors = receiver.receive(announcement)
             engine.load_weights(tensors.items(), announcement.version)
-        elif not (announcement.snapshot_path and load_snapshot(engine, announcement.snapshot_path)):
-            return
+            nbytes: int | None = announcement.total_bytes
+        else:
+            nbytes = catch_up(engine, announcement, gate, secret)
+            if nbytes is None:
+                return False
     except NotAMember:
-        return
+        return False
     except (SyncFailed, OSError) as exc:
         log.warning("weight sync of version %d failed: %s", announcement.version, exc)
-        return
+        state.sync_failures += 1
+        metrics.sync_failures.inc()
+        return False
     finally:
-        state.state = "generating"
+        state.state = previous
     state.policy_version = engine.policy_version
     state.weights_checksum = engine.weights_checksum()  # of what the engine holds, not what was sent
-    state.last_sync_seconds = time.monotonic() - start
+    state.last_sync_seconds, state.last_sync_bytes = time.monotonic() - start, nbytes
+    metrics.sync_seconds.observe(state.last_sync_seconds)
+    metrics.policy_version.set(engine.policy_version if engine.policy_version is not None else -1)
     log.info("now on policy version %d (%.2fs)", engine.policy_version, state.last_sync_seconds)
     return True
 
 
-def run_step(
-    bus: RedisBus,
-    engine: Engine,
-    reward: RewardClient,
-    cfg: RolloutSettings,
-    state: WorkerState,
-    stop: threading.Event,
-) -> bool:
-    """One pass of the loop; False when there was nothing to do."""
-    batch = pull_prompts(bus, engine, state.worker_id, cfg.prompts_per_batch)
-    if batch is None:
-        return False
-    state.in_flight = [e.entry_id for e in batch.entries]
-    state.state = "generating"
-    start = time.monotonic()
-    try:
-        groups = generate_groups(engine, batch, cfg, state.worker_id)
-    except Exception as exc:  # a prompt the engine cannot take (too long, bad template) must not kill us
-        log.exception("generation failed; dead-lettering %d prompts", len(batch.entries))
-        for entry in batch.entries:
-            bus.dead_letter("prompts", entry, f"generation failed: {type(exc).__name__}: {exc}")
-        state.in_flight = []
-        return True
-    tokens = sum(c.num_tokens for g in groups for c in g.completions)
-    state.tokens_per_s = tokens / max(time.monotonic() - start, 1e-9)
-    try:
-        groups = score_groups(reward, groups)
-    except RewardServiceError as exc:
-        # Not acked: the prompts come back (to us or another worker) after bus.claim_idle_ms.
-        log.error("scoring failed, leaving %d prompts to be retried: %s", len(groups), exc)
-        state.in_flight = []
-        return True
-    state.groups_published += publish_groups(bus, groups, batch.entries, stop)
-    state.in_flight = []
-    return True
+@dataclass
+class Worker:
+    """The loop's parts, built once by `main`."""
 
+    bus: RedisBus
+    engine: Engine
+    reward: RewardClient
+    cfg: RolloutSettings  # live: `set_hparams` changes its sampling between batches
+    state: WorkerState
+    control: WorkerControl
+    metrics: WorkerMetrics
+    stop: threading.Event
+    gate: AnnouncementGate
+    receiver: WeightReceiver
+    heartbeat: Heartbeat
+    telemetry: Telemetry
+    secret: str | None  # sync.secret: authenticates announcements and the learner's weight files
+    server: MetricsServer  # /metrics and /healthz
+    lockstep: Lockstep  # rollout.lockstep_groups: wait for each new version after this worker's share
+    parts: dict[str, float] = field(default_factory=dict)  # seconds per part of the batch in hand
 
-def main(cfg: SparkSettings) -> None:
-    """Build the engine, bus and reward client from the settings, then loop until signalled."""
-    worker_id = cfg.rollout.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    stop = stop_on_signals(log, "the batch in hand")
-    engine = make_engine(cfg.model, cfg.rollout.engine)
-    bus = RedisBus(cfg.bus)
-    reward = RewardClient(cfg.reward.url, cfg.rollout.reward_timeout_s, cfg.rollout.reward_retries)
-    state = WorkerState(worker_id, cfg.rollout.engine.kind, policy_version=engine.policy_version)
-    receiver = WeightReceiver(
-        worker_id, backend=cfg.learner.sync.backend, timeout_s=cfg.learner.sync.timeout_s
-    )
-    heartbeat = Heartbeat(bus, state, cfg.rollout.heartbeat_s)
-    heartbeat.beat()
-    heartbeat.start()
-    log.info("worker %s up: model %s, engine %s", worker_id, cfg.model, cfg.rollout.engine.kind)
-    try:
-        while not stop.is_set():
-            if sync_weights(bus, receiver, engine, state):
-                heartbeat.beat()  # the learner and the monitor see the new version now, not a period later
-            run_step(bus, engine, reward, cfg.rollout, state, stop)
-    finally:
-        state.state = "stopping"
-        heartbeat.stopped.set()
-        heartbeat.beat()
-        receiver.close()
-        engine.close()
-        reward.close()
-        bus.close()
-        log.info("worker %s stopped after %d groups", worker_id, state.groups_published)
+    def sync(self) -> None:
+        """Follow the learner's newest version, if it is one we may follow."""
+        started = time.perf_counter()
+        changed = sync_weights(self.gate, self.receiver, self.engine, self.state, self.metrics, self.secret)
+        self.parts["sync"] = self.parts.get("sync", 0.0) + time.perf_counter() - started
+        if changed:
+            self.heartbeat.beat()  # the learner and the monitor see the new version now, not a period later
+
+    def run_step(self) -> bool:
+        """One batch: pull, generate, score, publish; False when there was nothing to do. A group that
+        would reach the learner too stale (the weights moved on while it was made or waited to go out) is
+        made again with the newest weights: a slow spell costs time, not data."""
+        batch = pull_prompts(self.bus, self.engine, self.state.worker_id, self.cfg.prompts_per_batch)
+        if batch is None:
+            return False
+        self.state.in_flight = [e.entry_id for e in batch.entries]
+        self.metrics.in_flight.set(len(self.state.in_flight))
+        for attempt in range(_REGENERATE_ROUNDS):
+            redo = self._generate_score_publish(batch, last=attempt == _REGENERATE_ROUNDS - 1)
+            if not redo:
+                break
+            self.metrics.regenerated.inc(len(redo))
+            self.sync()  # the newest weights first
+            batch = PromptBatch(
+                *([getattr(batch, f)[i] for i in redo] for f in ("entries", "prompts", "token_ids"))
+            )
+        return self._done()
+
+    def _generate_score_publish(self, batch: PromptBatch, last: bool) -> list[int]:
+        """The indices (in `batch`) of groups to make again; [] when done (published or given up)."""
+        state, metrics = self.state, self.metrics
+        state.state = "generating"
+        state.in_hand_version = state.policy_version
+        try:
+            with metrics.generation_seconds.time(), self._part("generate"):
+                start = time.monotonic()
+                groups = generate_groups(self.engine, batch, self.cfg, state.worker_id)
+        except Exception as exc:  # a prompt the engine cannot take (too long, bad template) must not kill us
+            log.exception("generation failed; dead-lettering %d prompts", len(batch.entries))
+            for entry in batch.entries:
+                self.bus.dead_letter("prompts", entry, f"generation failed: {type(exc).__name__}: {exc}")
+            return []
+        tokens = sum(c.num_tokens for g in groups for c in g.completions)
+        state.tokens_per_s = tokens / max(time.monotonic() - start, 1e-9)
+        metrics.tokens.inc(tokens)
+        try:
+            with metrics.score_seconds.time(), self._part("score"):
+                groups = score_groups(self.reward, groups)
+        except RewardServiceError as exc:
+            # Not acked: the prompts come back (to us or another worker) after bus.claim_idle_ms.
+            log.error("scoring failed, leaving %d prompts to be retried: %s", len(groups), exc)
+            return []
+        doomed = (lambda group: False) if last else self.doomed_check()
+        try:
+            with self._part("publish"):  # waiting on a full stream (the learner's pace) included
+                published, redo = publish_groups(
+                    self.bus, groups, batch.entries, self.stop, self.waiting, doomed
+                )
+        finally:
+            made_with = state.in_hand_version
+            moved_on, state.in_hand_version = made_with != state.policy_version, None
+            if moved_on:  # it followed newer weights while these waited: the learner may be waiting on them
+                self.heartbeat.beat()
+        state.groups_published += published
+        metrics.groups.inc(published)
+        self.lockstep.record(made_with, published)
+        return redo
+
+    def doomed_check(self) -> Callable[[TrajectoryGroup], bool]:
+        """Whether a group is already older than the learner's `max_staleness` (in force, as its status
+        reports it: a live change applies here too) against the version the learner holds now."""
+
+        seen: list[tuple[float, LearnerStatus | None]] = []  # (when read, the status): read once a turn
+
+        def doomed(group: TrajectoryGroup) -> bool:
+            if not seen or time.monotonic() - seen[-1][0] > LEARNER_STATUS_REUSE_S:
+                seen[:] = [(time.monotonic(), self.telemetry.learner())]
+            learner = seen[-1][1]
+            oldest = group.oldest_policy_version
+            if learner is None or oldest is None or not Telemetry.learner_alive(learner):
+                return False
+            max_staleness = learner.hyperparameters.get("max_staleness")
+            if not isinstance(max_staleness, int):
+                return False
+            return learner.policy_version - oldest > max_staleness
+
+        return doomed
+
+    def waiting(self, in_hand: int) -> None:
+        """Between tries to publish into a full stream: alive, answering control commands, and following
+        the weights (a learner waiting for this worker to catch up must not wait on its own full stream)."""
+        self.state.progress_at = time.time()
+        self.control.boundary(in_hand)
+        self.sync()
+
+    @contextmanager
+    def _part(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.parts[name] = self.parts.get(name, 0.0) + time.perf_counter() - started
+
+    def _done(self) -> bool:
+        self.state.in_flight = []
+        self.metrics.in_flight.set(0)
+        self.state.timings, self.parts = self.parts, {}  # the batch's breakdown, reported by the heartbeat
+        return True

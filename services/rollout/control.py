@@ -1,0 +1,70 @@
+"""A rollout worker's side of the control plane: pause, resume, stop and sampling values, between batches.
+
+Pause means "take no new prompts": a batch in hand is still generated, scored and published (even if
+that waits on a full trajectory stream), so nothing in flight is lost. The sampling values change only
+between batches, so every completion of a group is sampled, and recorded, at one temperature.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from sparkrl.proto import ControlCommand
+from sparkrl.services.common.control_channel import ControlReader
+from sparkrl.services.common.hparams import HparamError, apply_sampling, split
+from sparkrl.services.common.settings import SamplingSettings
+
+log = logging.getLogger("sparkrl.rollout.control")
+
+
+class WorkerControl:
+    """Applies the control stream to one worker. The worker loop's thread only."""
+
+    reader: ControlReader
+    sampling: SamplingSettings  # the worker's live sampling settings
+    stop: threading.Event
+    paused: bool
+
+    def __init__(self, reader: ControlReader, sampling: SamplingSettings, stop: threading.Event) -> None:
+        self.reader, self.sampling, self.stop = reader, sampling, stop
+        initial = reader.initial_state()
+        self.paused = initial.paused
+        if initial.sampling:
+            try:
+                log.info(
+                    "adopting the fleet's live sampling values: %s",
+                    apply_sampling(sampling, initial.sampling),
+                )
+            except HparamError as exc:
+                log.error("ignoring the fleet's sampling values: %s", exc)
+        if self.paused:
+            log.info("starting paused: the fleet is paused (`sparkrl resume` goes on)")
+
+    def boundary(self, in_hand: int = 0) -> None:
+        """Apply every command issued since the last call; `in_hand`: groups still to be published."""
+        for command in self.reader.poll():
+            self._apply(command, in_hand)
+
+    def _apply(self, command: ControlCommand, in_hand: int) -> None:
+        name = command.body.command
+        if name == "pause":
+            self.paused = True
+            after = f"; {in_hand} groups in hand are published first" if in_hand else ""
+            self.reader.answer(command, "applied", "takes no new prompts" + after)
+        elif name == "resume":
+            was, self.paused = self.paused, False
+            self.reader.answer(command, "applied", "takes prompts again" if was else "was not paused")
+        elif name == "stop":
+            self.stop.set()
+            self.reader.answer(command, "applied", "stopping after the batch in hand")
+        elif name == "set_hparams":
+            _, mine = split(command.body.values)  # type: ignore[union-attr]  (set_hparams)
+            if not mine:
+                return  # only learner values: not ours to answer
+            try:
+                values = apply_sampling(self.sampling, mine)
+            except HparamError as exc:
+                self.reader.answer(command, "rejected", str(exc))
+                return
+            self.reader.answer(command, "applied", "from the next batch on", values=values)

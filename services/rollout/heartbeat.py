@@ -1,0 +1,89 @@
+"""What a rollout worker reports: its state (written by the loop) and the heartbeat thread that sends it.
+
+A thread, because the loop blocks inside generate(); every period it reports `WorkerStatus` (through the
+telemetry channel) and keeps the prompts in hand from being reclaimed mid-generation. `progress_at` is
+the loop's own sign of life, so a live heartbeat over a hung loop is still seen as hung.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+from sparkrl.proto import WorkerStatus
+from sparkrl.services.common.settings import SamplingSettings
+from sparkrl.services.common.telemetry import Telemetry
+
+log = logging.getLogger("sparkrl.rollout")
+
+
+@dataclass
+class WorkerState:
+    """What the heartbeat reports; written by the loop, read by the heartbeat thread."""
+
+    worker_id: str
+    engine: str
+    state: str = "starting"
+    policy_version: int | None = None
+    in_hand_version: int | None = None  # the version the groups being made or published were made with
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per part of the last batch
+    started_at: float = field(default_factory=time.time)  # this process's incarnation
+    weights_checksum: str | None = None
+    tokens_per_s: float = 0.0
+    groups_published: int = 0
+    in_flight: list[str] = field(default_factory=list)  # prompt-stream entry ids being worked on
+    last_sync_seconds: float | None = None
+    last_sync_bytes: int | None = None
+    sync_failures: int = 0
+    progress_at: float = field(
+        default_factory=time.time
+    )  # the loop's last sign of life (not the heartbeat's)
+
+
+class Heartbeat(threading.Thread):
+    """Reports `WorkerState` every period and keeps in-flight prompts from being reclaimed mid-generation
+    (generation can outlast `bus.claim_idle_ms`); a thread because the loop blocks inside generate()."""
+
+    def __init__(
+        self, telemetry: Telemetry, state: WorkerState, sampling: SamplingSettings, period_s: float
+    ) -> None:
+        super().__init__(name="heartbeat", daemon=True)
+        self.telemetry, self.bus, self.state, self.period_s = telemetry, telemetry.bus, state, period_s
+        self.sampling = sampling
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.period_s):
+            self.beat()
+
+    def beat(self) -> None:
+        s = self.state
+        try:
+            self.bus.touch("prompts", s.worker_id, list(s.in_flight))
+            lag = self.bus.pending_info("prompts").lag
+            status = WorkerStatus(
+                worker_id=s.worker_id,
+                engine=s.engine,
+                state=s.state,
+                policy_version=s.policy_version,
+                weights_checksum=s.weights_checksum,
+                tokens_per_s=s.tokens_per_s,
+                groups_published=s.groups_published,
+                prompts_in_flight=len(s.in_flight),
+                queue_lag=lag,
+                last_sync_seconds=s.last_sync_seconds,
+                last_sync_bytes=s.last_sync_bytes,
+                sync_failures=s.sync_failures,
+                in_hand_version=s.in_hand_version,
+                timings=dict(s.timings),
+                started_at=s.started_at,
+                progress_at=s.progress_at,
+                temperature=self.sampling.temperature,
+                top_p=self.sampling.top_p,
+                heartbeat_at=time.time(),
+            )
+            self.telemetry.put_worker(status, ttl_s=3 * self.period_s)
+        except Exception:  # a missed beat must never kill the worker; the next one retries
+            log.exception("heartbeat failed")

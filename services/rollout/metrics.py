@@ -1,0 +1,47 @@
+"""A rollout worker's Prometheus metrics (`sparkrl_rollout_*`), labelled with its worker id, so a fleet's
+scrapes aggregate (`sum by (worker)`) without relabelling."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_GENERATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+_SHORT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
+
+
+class WorkerMetrics:
+    """One worker's counters and histograms; every metric carries `worker` (the attributes are the
+    worker's own series, so they exist at zero from the first scrape)."""
+
+    def __init__(self, worker_id: str) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        label = ["worker"]
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, label, registry=r).labels(worker_id)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, label, registry=r).labels(worker_id)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, label, buckets=buckets, registry=r).labels(worker_id)
+
+        self.generation_seconds = histogram(
+            "sparkrl_rollout_generation_seconds", "Wall time generating one batch.", _GENERATION_BUCKETS
+        )
+        self.score_seconds = histogram(
+            "sparkrl_rollout_score_seconds", "Wall time of one scoring call.", _SHORT_BUCKETS
+        )
+        self.sync_seconds = histogram(
+            "sparkrl_rollout_sync_seconds", "Announcement seen → weights loaded.", _SHORT_BUCKETS
+        )
+        self.tokens = counter("sparkrl_rollout_tokens_generated", "Completion tokens generated.")
+        self.groups = counter("sparkrl_rollout_groups_published", "Groups published (new, not replays).")
+        self.regenerated = counter(
+            "sparkrl_rollout_groups_regenerated",
+            "Groups made again: they would have reached the learner stale.",
+        )
+        self.sync_failures = counter("sparkrl_rollout_sync_failures", "Weight syncs that failed.")
+        self.policy_version = gauge("sparkrl_rollout_policy_version", "Policy version held (-1: initial).")
+        self.in_flight = gauge("sparkrl_rollout_prompts_in_flight", "Prompts taken, not yet published.")
+        self.paused = gauge("sparkrl_rollout_paused", "1 while paused by the control API.")

@@ -1,0 +1,117 @@
+"""The rollout worker as a service: `build` its parts from the settings, `step` its loop once, `close` it.
+
+A plain process (`sparkrl rollout`) and a Ray actor (`sparkrl up --ray`) drive the same three; neither
+this module nor the worker touches signals: whoever runs the loop owns them and sets `stop`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from sparkrl.services.common.bus import RedisBus
+from sparkrl.services.common.control_channel import ControlReader
+from sparkrl.services.common.metrics_server import MetricsServer
+from sparkrl.services.common.recovery import warn_if_not_persistent
+from sparkrl.services.common.reward_client import RewardClient
+from sparkrl.services.common.settings import SparkSettings
+from sparkrl.services.common.telemetry import Telemetry, worker_target
+from sparkrl.services.common.weight_sync import WeightReceiver
+from sparkrl.services.rollout.announcements import AnnouncementGate
+from sparkrl.services.rollout.catch_up import model_dir_for
+from sparkrl.services.rollout.control import WorkerControl
+from sparkrl.services.rollout.engine import make_engine
+from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
+from sparkrl.services.rollout.lockstep import Lockstep
+from sparkrl.services.rollout.metrics import WorkerMetrics
+from sparkrl.services.rollout.worker import PAUSED_POLL_S, Worker
+
+log = logging.getLogger("sparkrl.rollout")
+
+LOCKSTEP_POLL_S = 0.005  # how often a worker in lockstep looks for the next version
+
+
+def build(cfg: SparkSettings, stop: threading.Event) -> Worker:
+    """Bus, model (the learner's when ours is not there), engine, reward client, control, weight sync,
+    heartbeat and /metrics — started, announced, ready for `step`."""
+    worker_id = cfg.rollout.worker_id or f"{socket.gethostname()}-{os.getpid()}"
+    bus = RedisBus(cfg.bus)
+    warn_if_not_persistent(bus)
+    gate = AnnouncementGate(bus, cfg.sync.secret, Path(cfg.run_dir))
+    model = model_dir_for(cfg.model, Path(cfg.run_dir), gate, cfg.sync.secret, cfg.rollout.model_wait_s, stop)
+    engine = make_engine(model, cfg.rollout.engine)
+    telemetry, metrics = Telemetry(bus), WorkerMetrics(worker_id)
+    state = WorkerState(worker_id, cfg.rollout.engine.kind, policy_version=engine.policy_version)
+    worker = Worker(
+        bus=bus,
+        engine=engine,
+        reward=RewardClient(cfg.reward.url, cfg.rollout.reward_timeout_s, cfg.rollout.reward_retries),
+        cfg=cfg.rollout,
+        state=state,
+        control=WorkerControl(
+            ControlReader(bus, telemetry, worker_target(worker_id)), cfg.rollout.sampling, stop
+        ),
+        metrics=metrics,
+        stop=stop,
+        gate=gate,
+        receiver=WeightReceiver(worker_id, backend=cfg.sync.backend, timeout_s=cfg.sync.timeout_s),
+        heartbeat=Heartbeat(telemetry, state, cfg.rollout.sampling, cfg.rollout.heartbeat_s),
+        telemetry=telemetry,
+        secret=cfg.sync.secret,
+        server=MetricsServer(
+            cfg.rollout.metrics, metrics.registry, lambda: {"status": "ok", "state": state.state}
+        ),
+        lockstep=Lockstep(cfg.rollout.lockstep_groups, cfg.rollout.lockstep_wait_s),
+    )
+    worker.heartbeat.beat()
+    worker.heartbeat.start()
+    worker.server.start()
+    log.info("worker %s up: model %s, engine %s", worker_id, model, cfg.rollout.engine.kind)
+    return worker
+
+
+def step(worker: Worker) -> None:
+    """One turn: control commands, the newest weights, then a batch (or, paused, a short wait)."""
+    state, control = worker.state, worker.control
+    state.progress_at = time.time()
+    control.boundary()
+    worker.sync()
+    worker.metrics.paused.set(float(control.paused))
+    if control.paused:
+        if state.state != "paused":
+            state.state, state.tokens_per_s = "paused", 0.0  # the fleet's speed reads 0 while paused
+            worker.heartbeat.beat()
+        worker.stop.wait(PAUSED_POLL_S)
+        return
+    if worker.lockstep.holds(worker.engine.policy_version):
+        worker.stop.wait(LOCKSTEP_POLL_S)  # our share of this version is out: the next one comes soon
+        return
+    worker.run_step()
+
+
+def close(worker: Worker) -> None:
+    """Say `stopping`, then release the engine, the weight-sync group and the connections."""
+    worker.state.state = "stopping"
+    worker.heartbeat.stopped.set()
+    worker.heartbeat.beat()
+    worker.server.close()
+    worker.receiver.close()
+    worker.engine.close()
+    worker.reward.close()
+    worker.bus.close()
+    log.info("worker %s stopped after %d groups", worker.state.worker_id, worker.state.groups_published)
+
+
+def main(cfg: SparkSettings, stop: threading.Event | None = None) -> None:
+    """Build, step until `stop` is set (a signal, a stop command, the Ray driver), close."""
+    stop = stop or threading.Event()
+    worker = build(cfg, stop)
+    try:
+        while not stop.is_set():
+            step(worker)
+    finally:
+        close(worker)
