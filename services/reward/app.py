@@ -2,7 +2,9 @@
 
 One process, one event loop. The loop only parses, dispatches and answers; every verification runs in
 the pool (`pool.py`), which enforces each item's time limit by killing the stuck worker, so no input can
-stall the loop or take the service down.
+stall the loop or take the service down. Each request has a budget set by the server
+(`reward.max_request_seconds`, and per item at most `reward.max_item_timeout_s` whatever the client asks),
+takes turns with the other requests, and is cancelled as soon as its client disconnects.
 """
 
 from __future__ import annotations
@@ -10,17 +12,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sparkrl.proto.reward import RewardRequest, RewardResponse, RewardResult
+from sparkrl.services.common.http import AsciiJSON, install_validation_handler
 from sparkrl.services.common.settings import RewardSettings
 from sparkrl.services.reward.metrics import RewardMetrics
 from sparkrl.services.reward.pool import VerifierPool
@@ -35,6 +39,7 @@ ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
 
 # In-flight requests get this long after SIGTERM before uvicorn cancels them and the pool is closed.
 _GRACEFUL_SHUTDOWN_S = 5
+_DISCONNECT_POLL_S = 0.25  # how soon a client that went away stops its request's work
 
 
 class BodyLimit:
@@ -82,7 +87,7 @@ class BodyLimit:
 
     async def _reject(self, send: Send, size: str) -> None:
         limit = f"the limit is {self.max_bytes} bytes (reward.max_request_bytes)"
-        response = JSONResponse({"detail": f"request body is {size}; {limit}"}, status_code=413)
+        response = AsciiJSON({"detail": f"request body is {size}; {limit}"}, status_code=413)
         await response({"type": "http"}, _no_body, send)
 
 
@@ -111,6 +116,8 @@ def create_app(settings: RewardSettings) -> FastAPI:
     known = sorted(verifiers)
     pool = VerifierPool(settings.verifier_processes, verifiers)
     metrics = RewardMetrics(pool.stats)
+    for task in known:  # the timeout series exist at zero from the first scrape, not from the first timeout
+        metrics.timeouts.labels(task)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -122,24 +129,46 @@ def create_app(settings: RewardSettings) -> FastAPI:
             pool.close()
             log.info("reward service stopped: verifier pool closed")
 
-    app = FastAPI(title="sparkrl reward service", lifespan=lifespan)
+    app = FastAPI(title="sparkrl reward service", lifespan=lifespan, default_response_class=AsciiJSON)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    install_validation_handler(app)
 
     @app.post("/score", response_model=RewardResponse)
-    async def score(request: RewardRequest) -> RewardResponse | JSONResponse:
+    async def score(request: RewardRequest, http: Request) -> RewardResponse | JSONResponse:
         """Score every item in parallel across the pool; results come back in request order."""
         unknown = _unknown_tasks(request, known)
         if unknown:
-            return JSONResponse({"detail": unknown}, status_code=422)
+            return AsciiJSON({"detail": unknown}, status_code=422)
         started = time.monotonic()
-        timeout_s = request.timeout_s or settings.item_timeout_s
+        timeout_s = min(request.timeout_s or settings.item_timeout_s, settings.max_item_timeout_s)
+        request_id, deadline = uuid.uuid4().hex, started + settings.max_request_seconds
         futures = [
             asyncio.wrap_future(
-                pool.submit(item.task, item.completion, item.answer, item.task_data, timeout_s)
+                pool.submit(
+                    item.task,
+                    item.completion,
+                    item.answer,
+                    item.task_data,
+                    timeout_s,
+                    request_id=request_id,
+                    deadline=deadline,
+                )
             )
             for item in request.items
         ]
-        results: list[RewardResult] = await asyncio.gather(*futures)
+        gathered = asyncio.ensure_future(asyncio.gather(*futures))
+        while not gathered.done():
+            await asyncio.wait({gathered}, timeout=_DISCONNECT_POLL_S)
+            if not gathered.done() and await http.is_disconnected():
+                dropped = pool.cancel(request_id)  # nobody waits for the answer: stop the work
+                log.info(
+                    "client went away: cancelled a request of %d items (%d not started)",
+                    len(futures),
+                    dropped,
+                )
+                metrics.cancelled.inc()
+                return Response(status_code=499)
+        results: list[RewardResult] = gathered.result()
         metrics.observe(request.items, results, time.monotonic() - started)
         return RewardResponse(results=results)
 

@@ -68,6 +68,11 @@ class RewardMetrics:
             buckets=_REQUEST_BUCKETS,
             registry=self.registry,
         )
+        self.cancelled = Counter(
+            "sparkrl_reward_requests_cancelled",
+            "Requests whose client went away before the answer (their work was stopped).",
+            registry=self.registry,
+        )
         self.registry.register(_PoolCollector(pool_stats))
 
     def observe(self, items: list[RewardItem], results: list[RewardResult], request_s: float) -> None:

@@ -6,6 +6,8 @@ sends it, and waits on the pipe at most the item's time limit; past it, the work
 fresh one forked (from a forkserver that has already imported sympy and math_verify, so a restart costs
 milliseconds, not the seconds of a cold import). Jobs go to whichever slot is free, so items of one batch
 run in parallel; each job's `Future` resolves to its own `RewardResult`, so callers keep request order.
+Requests are served fairly (`scheduler.py`); a running job is watched in short slices, so a cancelled
+request (its client went away) or a preemption in favour of another request stops it at once.
 """
 
 from __future__ import annotations
@@ -13,17 +15,17 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import pickle
-import queue
 import signal
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
 
 from sparkrl.proto.reward import RewardResult
+from sparkrl.services.reward.scheduler import FairQueue, Job
 from sparkrl.services.reward.verifiers import VerifyFn, run_verifier
 
 log = logging.getLogger("sparkrl.reward.pool")
@@ -32,16 +34,8 @@ log = logging.getLogger("sparkrl.reward.pool")
 # `_worker_main` it runs) and warm verifiers already loaded: a restart then costs tens of milliseconds.
 _PRELOAD = ["sparkrl.services.reward.pool", "sparkrl.services.reward.preload"]
 _KILL_WAIT_S = 5.0
-
-
-@dataclass
-class _Job:
-    task: str
-    completion: str
-    answer: str | None
-    task_data: dict[str, Any] | None
-    timeout_s: float
-    future: Future[RewardResult] = field(default_factory=Future)
+_WATCH_S = 0.05  # how often a running job checks for a cancelled request or a preemption
+_SHUTDOWN = "the reward service is shutting down"
 
 
 @dataclass
@@ -133,7 +127,7 @@ class VerifierPool:
                 ) from exc
         self.processes = processes
         self.verifiers = dict(verifiers)
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._jobs = FairQueue(processes)
         self._lock = threading.Lock()
         self._slots: list[_Slot] = []
         self._threads: list[threading.Thread] = []
@@ -171,16 +165,27 @@ class VerifierPool:
         answer: str | None,
         task_data: dict[str, Any] | None,
         timeout_s: float,
+        request_id: str = "",
+        deadline: float | None = None,
     ) -> Future[RewardResult]:
+        """Queue one item of request `request_id` (its turn comes round-robin with other requests'); it
+        runs at most `timeout_s`, and not past `deadline` (monotonic: the request's budget)."""
         if task not in self.verifiers:
             raise KeyError(f"unknown task {task!r}; known: {', '.join(sorted(self.verifiers))}")
-        job = _Job(task, completion, answer, task_data, timeout_s)
+        job = Job(request_id, task, completion, answer, task_data, timeout_s, deadline)
         with self._lock:
             # Under the lock: `close()` drains the queue once, so nothing may enter it after `_closed`.
             if not self._started or self._closed:
                 raise RuntimeError("the verifier pool is not running")
             self._jobs.put(job)
         return job.future
+
+    def cancel(self, request_id: str) -> int:
+        """The request's client went away: drop its queued items, stop its running ones; how many."""
+        queued = self._jobs.cancel(request_id)
+        for job in queued:
+            _fail(job, "cancelled: the client went away")
+        return len(queued)
 
     def stats(self) -> PoolStats:
         with self._lock:
@@ -201,15 +206,8 @@ class VerifierPool:
             if self._closed:
                 return
             self._closed = True
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None and job.future.set_running_or_notify_cancel():
-                job.future.set_result(_result(0.0, "error", "the reward service is shutting down", 0.0))
-        for _ in self._threads:
-            self._jobs.put(None)
+        for job in self._jobs.close():  # also wakes every slot thread waiting for a job
+            _fail(job, _SHUTDOWN)
         for slot in self._slots:
             # Killing the worker wakes a slot thread blocked on its pipe (EOF), which then sees `_closed`.
             slot.stop()
@@ -218,11 +216,13 @@ class VerifierPool:
 
     def _serve(self, slot: _Slot) -> None:
         while True:
-            job = self._jobs.get()
+            job = self._jobs.get(slot.index)
             if job is None:
                 return
-            if not job.future.set_running_or_notify_cancel():
-                continue  # the caller gave up on it (request cancelled) before it ran
+            # A preempted job runs again with its future running already; a fresh one may have been given
+            # up on (its request cancelled) before it ran.
+            if not job.preempted and not job.future.set_running_or_notify_cancel():
+                continue
             with self._lock:
                 self._busy += 1
             try:
@@ -233,24 +233,40 @@ class VerifierPool:
                 result = _result(0.0, "error", f"verifier pool error: {type(exc).__name__}: {exc}", 0.0)
             with self._lock:
                 self._busy -= 1
-            job.future.set_result(result)
+            self._jobs.done(slot.index)
+            if result is not None:
+                job.future.set_result(result)
 
-    def _run(self, slot: _Slot, job: _Job) -> RewardResult:
+    def _run(self, slot: _Slot, job: Job) -> RewardResult | None:
+        """The job's result; None when it was preempted (it is back in its queue)."""
+        limit = job.limit()
+        if limit <= 0:
+            return _result(0.0, "timeout", "the request's time budget was spent before this item ran", 0.0)
         if not slot.alive():
             self._restart(slot, "it was found dead between items")
         conn = slot.conn
         if conn is None:
-            return _result(0.0, "error", "the reward service is shutting down", 0.0)
+            return _result(0.0, "error", _SHUTDOWN, 0.0)
         started = time.monotonic()
         try:
             conn.send((job.task, job.completion, job.answer, job.task_data))
-            if conn.poll(job.timeout_s):
-                score, status, detail = conn.recv()
-                return _result(score, status, detail, time.monotonic() - started)
+            while (left := limit - (time.monotonic() - started)) > 0:
+                if conn.poll(min(_WATCH_S, left)):
+                    score, status, detail = conn.recv()
+                    return _result(score, status, detail, time.monotonic() - started)
+                if job.cancelled.is_set():
+                    self._restart(slot, "its request was cancelled (the client went away)")
+                    return _result(
+                        0.0, "error", "cancelled: the client went away", time.monotonic() - started
+                    )
+                if self._jobs.must_yield(slot.index):
+                    self._restart(slot, f"preempted a {job.task} item for a waiting request")
+                    self._jobs.requeue(job)
+                    return None
         except (EOFError, OSError) as exc:
             elapsed = time.monotonic() - started
             if self._closed:
-                return _result(0.0, "error", "the reward service is shutting down", elapsed)
+                return _result(0.0, "error", _SHUTDOWN, elapsed)
             with self._lock:
                 self._crashes += 1
             code = self._restart(slot, f"it died on a {job.task} item ({exc!r})")
@@ -260,8 +276,8 @@ class VerifierPool:
         elapsed = time.monotonic() - started
         with self._lock:
             self._timeouts += 1
-        self._restart(slot, f"a {job.task} item ran past {job.timeout_s:g}s")
-        return _result(0.0, "timeout", f"verification ran past the {job.timeout_s:g}s limit", elapsed)
+        self._restart(slot, f"a {job.task} item ran past {limit:g}s")
+        return _result(0.0, "timeout", f"verification ran past the {limit:g}s limit", elapsed)
 
     def _restart(self, slot: _Slot, reason: str) -> int | None:
         """Replace the slot's worker (unless closing); returns the old worker's exit code."""
@@ -274,6 +290,12 @@ class VerifierPool:
             slot.start()
         log.warning("restarted verifier process %d (exit code %s): %s", slot.index, code, reason)
         return code
+
+
+def _fail(job: Job, detail: str) -> None:
+    """Answer a job that will not run (a preempted one's future is running already)."""
+    if job.future.running() or job.future.set_running_or_notify_cancel():
+        job.future.set_result(_result(0.0, "error", detail, 0.0))
 
 
 def _result(score: float, status: str, detail: str, elapsed_s: float) -> RewardResult:
