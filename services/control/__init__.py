@@ -1,0 +1,1 @@
+"""Control service: REST control endpoints, the live page, and the fleet's Prometheus view (`app.py`)."""
