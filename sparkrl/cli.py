@@ -1,6 +1,7 @@
-"""`sparkrl`: one command per service (what a container runs), plus the prompt feeder and the tiny model.
+"""`sparkrl`: one command per service (what a container runs), the prompt feeder, the tiny model, the
+control API's clients and the run report.
 
-Every command takes the same settings flags: `--preset NAME|FILE` (a YAML from `configs/`, or the
+Every service command takes the same settings flags: `--preset NAME|FILE` (a YAML from `configs/`, or the
 resolved config a launcher wrote), `--set key.path=value` (repeatable), and `SPARKRL_*` environment
 variables. Service imports happen inside the commands so `sparkrl reward` never loads torch.
 """
@@ -54,10 +55,24 @@ def rollout(
     cfg = _settings(preset, overrides)
     if worker_id is not None:
         cfg.rollout.worker_id = worker_id
-    setup_logging(f"rollout[{cfg.rollout.worker_id or 'auto'}]")
-    from sparkrl.services.rollout.worker import main
+    log = setup_logging(f"rollout[{cfg.rollout.worker_id or 'auto'}]")
+    from sparkrl.services.common.logs import stop_on_signals
+    from sparkrl.services.rollout.service import main
 
-    main(cfg)
+    main(cfg, stop_on_signals(log, "the batch in hand"))
+
+
+@app.command()
+def control(preset: Preset = None, overrides: Overrides = None) -> None:
+    """Run the control service (REST API, live page, fleet metrics) on control.host:control.port."""
+    cfg = _settings(preset, overrides)
+    setup_logging("control")
+    from sparkrl.services.control.app import main
+
+    try:
+        main(cfg)
+    except ValueError as exc:  # no token configured: say how to set one
+        raise typer.BadParameter(str(exc)) from exc
 
 
 @app.command()
@@ -68,10 +83,15 @@ def learner(
 ) -> None:
     """Run the learner: trajectory stream → Lp-Reg (or a baseline) under DeepSpeed → weights to the fleet."""
     cfg = _settings(preset, overrides)
-    setup_logging("learner")
-    from sparkrl.services.learner.learner import main
+    log = setup_logging("learner")
+    import threading
 
-    main(cfg, resume=resume)
+    from sparkrl.services.common.logs import stop_on_signals
+    from sparkrl.services.learner.service import main
+
+    stop = threading.Event()
+    # Signals are taken over once the engine is built: until then SIGTERM ends a stuck start at once.
+    main(cfg, resume=resume, stop=stop, engine_built=lambda: stop_on_signals(log, "the current step", stop))
 
 
 @app.command()
@@ -79,31 +99,50 @@ def prompts(
     preset: Preset = None,
     overrides: Overrides = None,
     epochs: Annotated[int, typer.Option(min=1, help="Passes over the data; later passes get new ids.")] = 1,
+    watch: Annotated[
+        bool,
+        typer.Option(help="Stay up after feeding and feed again what a Redis that lost its data took away."),
+    ] = False,
 ) -> None:
     """Feed a dataset (prompts.path) or the countdown generator into the prompt stream."""
     cfg = _settings(preset, overrides)
     log = setup_logging("prompts")
     from sparkrl.services.common.bus import RedisBus
     from sparkrl.services.common.datasets import iter_prompts
-    from sparkrl.services.common.feeder import feed_prompts
+    from sparkrl.services.common.feeder import FeedReport, feed_prompts, watch_and_refeed
+    from sparkrl.services.common.logs import stop_on_signals
+    from sparkrl.services.common.recovery import ensure_incarnation, warn_if_not_persistent
 
+    stop = stop_on_signals(log, "feeding")
     with RedisBus(cfg.bus) as bus:
-        for epoch in range(epochs):
-            report = feed_prompts(bus, iter_prompts(cfg.prompts), epoch=epoch)
-            log.info(
-                "epoch %d: %d prompts fed, %d already there, %.1fs",
-                epoch,
-                report.published,
-                report.duplicates,
-                report.seconds,
-            )
+        warn_if_not_persistent(bus)
+
+        def feed_all(skip_trained: bool = False) -> FeedReport:
+            total = FeedReport(0, 0, 0.0)
+            for epoch in range(epochs):
+                prompts = iter_prompts(cfg.prompts)
+                report = feed_prompts(bus, prompts, epoch=epoch, skip_trained=skip_trained, stop=stop)
+                log.info(
+                    "epoch %d: %d prompts fed, %d already there, %.1fs",
+                    epoch, report.published, report.duplicates, report.seconds,
+                )  # fmt: skip
+                total = FeedReport(total.published + report.published, total.duplicates + report.duplicates,
+                                   total.seconds + report.seconds)  # fmt: skip
+            return total
+
+        known = ensure_incarnation(bus)  # before feeding: a wipe while the first feed blocks still counts
+        feed_all()
+        if watch:
+            watch_and_refeed(bus, lambda: feed_all(skip_trained=True), stop, known)
 
 
 @app.command()
 def up(
     preset: Preset = None,
     overrides: Overrides = None,
-    workers: Annotated[int, typer.Option(min=1, help="Rollout worker processes.")] = 2,
+    workers: Annotated[
+        int | None, typer.Option(min=1, help="Rollout worker processes (default: the preset's `workers`).")
+    ] = None,
     run_dir: Annotated[str | None, typer.Option(help="Run directory (logs, metrics, checkpoints).")] = None,
     private_redis: Annotated[
         bool | None, typer.Option(help="Start a private redis-server (default: when bus.url is not set).")
@@ -111,12 +150,64 @@ def up(
     resume: Annotated[
         bool, typer.Option(help="The learner continues from RUN_DIR/checkpoints/latest.")
     ] = False,
+    overwrite: Annotated[
+        bool, typer.Option(help="Delete an earlier run in RUN_DIR first (without it, one is refused).")
+    ] = False,
+    ray: Annotated[
+        bool,
+        typer.Option("--ray", help="The learner and workers as Ray actors, the reward service on Ray Serve."),
+    ] = False,
+    address: Annotated[
+        str | None,
+        typer.Option(help="With --ray: the Ray cluster to join (default ray.address, or a local Ray)."),
+    ] = None,
 ) -> None:
-    """The whole stack as separate processes, until the learner finishes; Ctrl-C stops it cleanly."""
+    """The whole stack, until the learner finishes; Ctrl-C stops it cleanly. Separate processes, or with
+    `--ray` Ray actors and a Ray Serve deployment."""
     cfg = _settings(preset, [*(overrides or []), *([f"run_dir={run_dir}"] if run_dir else [])])
+    workers = cfg.workers if workers is None else workers
+    if address is not None and not ray:
+        raise typer.BadParameter("--address is for --ray: add --ray, or drop --address")
+    if resume and overwrite:
+        raise typer.BadParameter("--resume continues the run in RUN_DIR, --overwrite deletes it: pick one")
+    from sparkrl.plan import prepare_run_dir
+
+    try:
+        prepare_run_dir(Path(cfg.run_dir), resume, overwrite)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--run-dir") from exc
+    if ray:
+        from sparkrl.ray_mode import run_on_ray
+
+        raise typer.Exit(run_on_ray(cfg, workers, private_redis, preset, resume, address))
     from sparkrl.launcher import run_stack
 
     raise typer.Exit(run_stack(cfg, workers, private_redis, preset, resume))
+
+
+@app.command("eval")
+def eval_model(
+    model: Annotated[Path, typer.Argument(help="A model directory, a checkpoint, or a run directory.")],
+    problems: Annotated[int, typer.Option(min=1, help="Held-out countdown problems.")] = 256,
+    n: Annotated[int, typer.Option(min=1, max=1024, help="Samples per problem (pass@k for k ≤ n).")] = 8,
+    temperature: Annotated[float, typer.Option(min=0.01, help="Sampling temperature.")] = 1.0,
+    max_new_tokens: Annotated[int, typer.Option(min=1, help="Longest answer, tokens.")] = 24,
+    seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
+    threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: all).")] = None,
+) -> None:
+    """Evaluate a model on held-out countdown problems: greedy accuracy, pass@1 and unbiased pass@k; a
+    table, then one JSON line."""
+    import json
+
+    from sparkrl.evaluate import evaluate, resolve_model
+
+    try:
+        resolve_model(model)
+    except FileNotFoundError as exc:
+        raise typer.BadParameter(str(exc), param_hint="MODEL") from exc
+    result = evaluate(model, problems, n, temperature, max_new_tokens, seed, threads)
+    typer.echo(result.table())
+    typer.echo(json.dumps(result.as_json()))
 
 
 @app.command("build-tiny-model")
@@ -129,6 +220,180 @@ def build_tiny_model(
     from sparkrl.services.common.tiny_model import ensure_tiny_model
 
     typer.echo(ensure_tiny_model(out, seed=seed))
+
+
+# ── clients of the control API ───────────────────────────────────────────────────────────────────────
+
+Url = Annotated[str | None, typer.Option(help="Control API base URL (env SPARKRL_CONTROL__URL).")]
+Token = Annotated[str | None, typer.Option(help="Bearer token (env SPARKRL_CONTROL__TOKEN).")]
+RunDir = Annotated[
+    Path | None, typer.Option("--run-dir", help="Take the URL and token from a `sparkrl up` run directory.")
+]
+Json = Annotated[bool, typer.Option("--json", help="Print the API's JSON answer.")]
+
+
+def _client_call(
+    url: str | None, token: str | None, run_dir: Path | None, method: str, path: str, body: dict | None = None
+) -> dict:
+    from sparkrl.client import ClientError, call, resolve_endpoint
+
+    try:
+        return call(resolve_endpoint(url, token, run_dir), method, path, body)
+    except ClientError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
+
+
+def _command(
+    url: str | None,
+    token: str | None,
+    run_dir: Path | None,
+    path: str,
+    body: dict | None,
+    as_json: bool,
+    method: str = "POST",
+) -> None:
+    import json
+
+    from sparkrl.client import format_command
+
+    answer = _client_call(url, token, run_dir, method, path, body)
+    typer.echo(json.dumps(answer, indent=2) if as_json else format_command(answer))
+
+
+@app.command()
+def status(url: Url = None, token: Token = None, run_dir: RunDir = None, as_json: Json = False) -> None:
+    """Show the learner, the hyperparameters in force and every worker's version, lag and sync."""
+    import json
+
+    from sparkrl.client import format_status
+
+    state = _client_call(url, token, run_dir, "GET", "/api/v1/status")
+    workers = _client_call(url, token, run_dir, "GET", "/api/v1/workers")
+    typer.echo(
+        json.dumps({"status": state, "workers": workers}, indent=2)
+        if as_json
+        else format_status(state, workers)
+    )
+
+
+@app.command()
+def pause(
+    url: Url = None,
+    token: Token = None,
+    run_dir: RunDir = None,
+    reason: Annotated[str | None, typer.Option(help="Why, for the logs.")] = None,
+    as_json: Json = False,
+) -> None:
+    """Pause: the learner stops taking trajectories, workers stop taking prompts; nothing is lost."""
+    _command(url, token, run_dir, "/api/v1/pause", {"reason": reason} if reason else None, as_json)
+
+
+@app.command()
+def resume(url: Url = None, token: Token = None, run_dir: RunDir = None, as_json: Json = False) -> None:
+    """Resume after a pause."""
+    _command(url, token, run_dir, "/api/v1/resume", None, as_json)
+
+
+@app.command()
+def stop(
+    url: Url = None,
+    token: Token = None,
+    run_dir: RunDir = None,
+    checkpoint: Annotated[bool, typer.Option(help="Write a final checkpoint.")] = True,
+    as_json: Json = False,
+) -> None:
+    """Stop the run cleanly: the learner finishes its step, checkpoints, and exits; the workers too."""
+    _command(url, token, run_dir, "/api/v1/stop", {"checkpoint": checkpoint}, as_json)
+
+
+@app.command()
+def checkpoint(
+    url: Url = None,
+    token: Token = None,
+    run_dir: RunDir = None,
+    tag: Annotated[str | None, typer.Option(help="Folder name (default: step-NNNNNN).")] = None,
+    as_json: Json = False,
+) -> None:
+    """Write a checkpoint at the next step boundary."""
+    _command(url, token, run_dir, "/api/v1/checkpoint", {"tag": tag} if tag else None, as_json)
+
+
+@app.command("set")
+def set_hparams(
+    assignments: Annotated[
+        list[str], typer.Argument(help="name=value … (lr, beta, rho, kappa, temperature …)")
+    ],
+    url: Url = None,
+    token: Token = None,
+    run_dir: RunDir = None,
+    as_json: Json = False,
+) -> None:
+    """Change hyperparameters live, e.g. `sparkrl set lr=2e-6 beta=0.5 temperature=0.9`."""
+    from sparkrl.client import ClientError, parse_assignments
+
+    try:
+        values = parse_assignments(assignments)
+    except ClientError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+    _command(url, token, run_dir, "/api/v1/hyperparameters", values, as_json, method="PATCH")
+
+
+@app.command()
+def dead(
+    preset: Preset = None,
+    overrides: Overrides = None,
+    run_dir: RunDir = None,
+    requeue: Annotated[
+        list[str] | None,
+        typer.Option(help="Put this dead letter back into its stream (an id of the listing)."),
+    ] = None,
+    count: Annotated[int, typer.Option(min=1, max=10_000, help="How many to list, newest first.")] = 20,
+) -> None:
+    """The dead-letter stream: what was set aside and why; `--requeue ID` delivers one again."""
+    import datetime
+
+    from sparkrl.services.common.bus import RedisBus
+
+    if run_dir is not None:
+        preset = str(run_dir / "config" / "learner.yaml")
+    cfg = _settings(preset, overrides)
+    if run_dir is None and "url" not in cfg.bus.model_fields_set:
+        # This command writes (--requeue): never into a Redis it was not pointed at.
+        raise typer.BadParameter(
+            "say which Redis: --run-dir RUN_DIR (a live `sparkrl up`) or --set bus.url=..."
+        )
+    with RedisBus(cfg.bus) as bus:
+        for record_id in requeue or []:
+            new_id = bus.requeue_dead_letter(record_id)
+            if new_id is None:
+                typer.echo(f"error: no dead letter {record_id} in {bus.stream_key('dead')}", err=True)
+                raise typer.Exit(1)
+            typer.echo(f"requeued {record_id} as {new_id}")
+        if requeue:
+            return
+        letters = bus.dead_letters(count)
+        typer.echo(
+            f"{bus.dead_letter_count()} dead letters in {bus.stream_key('dead')}" + (":" if letters else "")
+        )
+        for d in letters:
+            when = datetime.datetime.fromtimestamp(d.time_ms / 1000).isoformat(timespec="seconds")
+            stream = d.stream.rsplit(":", 1)[-1]
+            typer.echo(
+                f"{d.record_id}  {when}  {stream:<12} {d.item_id}  deliveries {d.deliveries}\n    {d.reason}"
+            )
+
+
+@app.command()
+def report(run_dir: Annotated[Path, typer.Argument(help="The run directory.")]) -> None:
+    """Charts (reward, entropy, regularized tokens, worker versions and lag, sync seconds) and report.md."""
+    from sparkrl.report import write_report
+
+    try:
+        typer.echo(write_report(run_dir))
+    except (FileNotFoundError, ValueError) as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """`sparkrl up`: plan the whole stack, write each service's resolved config, spawn, supervise, summarize.
 
 The launcher resolves, writes, then spawns: `plan_stack` decides ports and every service's settings,
-`write_configs` puts them in `RUN_DIR/config/`, and each service starts from its file alone
+`write_configs` puts them in `RUN_DIR/config/` (`plan.py`), and each service starts from its file alone
 (`python -m sparkrl.cli <role> --preset RUN_DIR/config/<service>.yaml`), logging to `RUN_DIR/logs/`.
+The progress line reads the telemetry channel, like the control service and its page.
 """
 
 from __future__ import annotations
@@ -11,147 +12,44 @@ import atexit
 import contextlib
 import ctypes
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Protocol
 
 import httpx
 import redis
 
+from sparkrl.plan import STOP_TIERS, Role, ServiceSpec, StackPlan, plan_stack, write_configs
 from sparkrl.run_report import progress_line, summarize, tail_bytes
-from sparkrl.services.common.settings import SparkSettings, write_resolved
+from sparkrl.services.common.bus import BusError, RedisBus
+from sparkrl.services.common.bus._text import mask_password
+from sparkrl.services.common.settings import SparkSettings
+from sparkrl.services.common.telemetry import Telemetry
 
-Role = Literal["redis", "reward", "learner", "rollout", "prompts"]
-# Shutdown walks this backwards: producers stop before what they feed (the feeder and workers before the
-# learner, workers before the reward service they call), and Redis, which everyone talks to, goes last.
-START_ORDER: tuple[Role, ...] = ("redis", "reward", "learner", "rollout", "prompts")
-
+REDIS_RESTARTS = 5
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+_DIST_ENV += ("GLOO_SOCKET_IFNAME",)
 _PR_SET_PDEATHSIG = 1
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
-
-@dataclass(frozen=True)
-class ServiceSpec:
-    """One process of the stack: the command that starts it from its written config, and its log."""
-
-    name: str  # `reward`, `worker-0`, ...: file names and reports use it
-    role: Role
-    command: tuple[str, ...]
-    config_path: Path
-    config: SparkSettings | str  # the resolved tree, or (redis) the literal redis.conf text
-    log_path: Path
-
-
-@dataclass(frozen=True)
-class StackPlan:
-    """Everything `sparkrl up` will start, in start order, with the planned ports in `settings`."""
-
-    run_dir: Path
-    settings: SparkSettings
-    services: tuple[ServiceSpec, ...]
-    private_redis: bool
+__all__ = [
+    "Role",
+    "ServiceSpec",
+    "Stack",
+    "StackError",
+    "StackPlan",
+    "plan_stack",
+    "run_stack",
+    "write_configs",
+]
 
 
 class StackError(RuntimeError):
     """A service failed to start or died; the message names it and quotes the end of its log."""
-
-
-# ── plan and write ────────────────────────────────────────────────────────────────────────────────────
-
-
-def _free_ports(count: int) -> list[int]:
-    # Hold every socket open until all are bound, so the OS cannot hand out the same port twice.
-    with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
-
-
-def _resolve_root(cfg: SparkSettings, private_redis: bool, run_dir: Path) -> SparkSettings:
-    """The root tree with the launch decided: absolute run dir, private Redis URL, free ports.
-
-    A port the user set (preset, environment, `--set`, or a resolved file) is kept; one left at its
-    default is replaced by a free loopback port, so two runs on one machine never collide.
-    """
-    redis_port, reward_port, sync_port = _free_ports(3)
-    root = cfg.model_copy(deep=True)
-    root.run_dir = str(run_dir)
-    if private_redis:
-        root.bus.url = f"redis://127.0.0.1:{redis_port}/0"
-    if "port" not in cfg.reward.model_fields_set or cfg.reward.port == 0:
-        root.reward.port = reward_port
-    # The launcher runs the reward service itself, so clients must call exactly where it binds.
-    host = "127.0.0.1" if root.reward.host in ("0.0.0.0", "", "::") else root.reward.host
-    root.reward.url = f"http://{host}:{root.reward.port}"
-    if "port" not in cfg.learner.sync.model_fields_set:
-        root.learner.sync.port = sync_port
-    return root
-
-
-def _redis_conf(url: str, data_dir: Path) -> str:
-    port = url.rsplit(":", 1)[1].split("/")[0]
-    # A private, throw-away bus: loopback only, no snapshots, no append-only file.
-    return f'port {port}\nbind 127.0.0.1\nsave ""\nappendonly no\ndaemonize no\ndir {data_dir}\n'
-
-
-def _service(run_dir: Path, name: str, role: Role, config: SparkSettings | str, *extra: str) -> ServiceSpec:
-    if role == "redis":
-        config_path = run_dir / "config" / "redis.conf"
-        command: tuple[str, ...] = (shutil.which("redis-server") or "redis-server", str(config_path))
-    else:
-        config_path = run_dir / "config" / f"{name}.yaml"
-        command = (sys.executable, "-m", "sparkrl.cli", role, "--preset", str(config_path), *extra)
-    return ServiceSpec(name, role, command, config_path, config, run_dir / "logs" / f"{name}.log")
-
-
-def plan_stack(
-    cfg: SparkSettings, workers: int, private_redis: bool | None = None, resume: bool = False
-) -> StackPlan:
-    """Decide ports and each service's resolved settings; touches no file.
-
-    `private_redis=None` starts a private `redis-server` exactly when no Redis URL was given; `resume`
-    starts the learner from `RUN_DIR/checkpoints/latest`.
-    """
-    if workers < 1:
-        raise ValueError(f"workers must be at least 1, not {workers}: the learner trains on their groups")
-    if private_redis is None:
-        private_redis = "url" not in cfg.bus.model_fields_set
-    run_dir = Path(cfg.run_dir).resolve()
-    root = _resolve_root(cfg, private_redis, run_dir)
-    services: list[ServiceSpec] = []
-    if private_redis:
-        services.append(_service(run_dir, "redis", "redis", _redis_conf(root.bus.url, run_dir / "redis")))
-    services.append(_service(run_dir, "reward", "reward", root))
-    services.append(_service(run_dir, "learner", "learner", root, *(["--resume"] if resume else [])))
-    for index in range(workers):
-        worker = root.model_copy(deep=True)
-        worker.rollout.worker_id = f"worker-{index}"
-        # The id is in the file (which alone reproduces the worker) and on the command line, for `ps`.
-        services.append(
-            _service(run_dir, f"worker-{index}", "rollout", worker, "--worker-id", f"worker-{index}")
-        )
-    services.append(_service(run_dir, "prompts", "prompts", root))
-    return StackPlan(run_dir, root, tuple(services), private_redis)
-
-
-def write_configs(plan: StackPlan) -> None:
-    """Write every service's config (`RUN_DIR/config/<service>.yaml`, `redis.conf`) and the run's folders."""
-    for spec in plan.services:
-        if isinstance(spec.config, str):
-            spec.config_path.parent.mkdir(parents=True, exist_ok=True)
-            spec.config_path.write_text(spec.config)
-        else:
-            write_resolved(spec.config, spec.config_path)
-    for folder in ("logs", "redis", "checkpoints"):
-        (plan.run_dir / folder).mkdir(parents=True, exist_ok=True)
 
 
 # ── processes ─────────────────────────────────────────────────────────────────────────────────────────
@@ -168,6 +66,10 @@ def _child_env() -> dict[str, str]:
     # The written file alone must define a service: SPARKRL_* variables would override it in the child
     # (environment beats preset), undoing e.g. the private Redis URL. The launcher already folded them in.
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_") or k == "SPARKRL_LOG_LEVEL"}
+    # A launcher started inside a torch.distributed job (or a process that ran one) must not hand its
+    # rendezvous to the learner: it would bind the same MASTER_PORT (EADDRINUSE) or join the wrong world.
+    for name in _DIST_ENV:
+        env.pop(name, None)
     env["PYTHONUNBUFFERED"] = "1"  # log lines reach the file (and a failure report) as they happen
     return env
 
@@ -206,10 +108,11 @@ def _failure(spec: ServiceSpec, what: str) -> str:
 
 
 def _is_ready(role: Role, settings: SparkSettings) -> bool:
-    """Redis answers PING, the reward service GET /healthz; the others have no probe."""
-    if role == "reward":
+    """Redis answers PING, the reward and control services GET /healthz; the others have no probe."""
+    if role in ("reward", "control"):
+        url = settings.reward.url if role == "reward" else settings.control.url
         try:
-            return httpx.get(f"{settings.reward.url}/healthz", timeout=1.0).status_code == 200
+            return httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200
         except httpx.HTTPError:
             return False
     if role != "redis":
@@ -237,6 +140,8 @@ class Stack:
     ended: set[str]
     last_line: str | None  # the progress line shown last
     line_open: bool  # a terminal progress line still waits for its newline
+    telemetry: Telemetry | None  # the stack's telemetry channel, once Redis is up
+    redis_restarts: list[float]  # when the private Redis was restarted (monotonic), within the last minute
 
     def __init__(
         self,
@@ -258,14 +163,22 @@ class Stack:
         self.ended = set()
         self.last_line = None
         self.line_open = False
+        self.telemetry = None
+        self.redis_restarts = []
 
     def start(self) -> None:
-        """Spawn each service from its written config, waiting for Redis PING and reward /healthz."""
+        """Spawn each service from its written config: Redis first (until it answers PING: everyone talks
+        to it), then all the others at once, their imports and model loads overlapping (the reward
+        client retries until the service answers); then wait for the reward and control /healthz."""
         atexit.register(self.kill_all)  # last resort if the caller's finally never runs
         for spec in self.specs:
             if not spec.config_path.is_file():
                 raise FileNotFoundError(f"{spec.config_path} is missing: write_configs(plan) before starting")
+        for spec in self.specs:
             self.procs[spec.name] = _spawn(spec)
+            if spec.role == "redis":
+                self._wait_ready(spec)
+        for spec in self.specs:
             self._wait_ready(spec)
 
     def _wait_ready(self, spec: ServiceSpec) -> None:
@@ -307,11 +220,16 @@ class Stack:
             if returncode is None or spec.name in self.ended:
                 continue
             self._reaped(spec)
+            if spec.role == "redis" and self._restart_redis(spec, returncode):
+                continue
             if spec.role == "learner" and returncode == 0:
                 self.report("learner finished")
                 return 0
             if spec.role == "prompts" and returncode == 0:
                 continue  # the feeder exits once the dataset is in the stream
+            if spec.role == "rollout" and returncode == 0:
+                self.report(f"{spec.name} stopped")  # a stop command: the learner follows with its checkpoint
+                continue
             text = _failure(spec, f"exited with code {returncode}")
             workers_left = [s for s in self.specs if s.role == "rollout" and s.name not in self.ended]
             if spec.role == "rollout" and workers_left:
@@ -322,15 +240,29 @@ class Stack:
             return (returncode if returncode > 0 else 128 - returncode) if spec.role == "learner" else 1
         return None
 
+    def _restart_redis(self, spec: ServiceSpec, returncode: int) -> bool:
+        """The private Redis died: start it again on its port and append-only file (the services are
+        reconnecting meanwhile). False after REDIS_RESTARTS within a minute: something is wrong for good."""
+        now = time.monotonic()
+        self.redis_restarts = [t for t in self.redis_restarts if now - t < 60.0] + [now]
+        if len(self.redis_restarts) > REDIS_RESTARTS:
+            self.report(f"error: {_failure(spec, f'exited with code {returncode}, again')}")
+            return False
+        self.report(
+            f"warning: redis exited with code {returncode}; restarting it ({len(self.redis_restarts)})"
+        )
+        self.procs[spec.name] = _spawn(spec)
+        self.ended.discard(spec.name)
+        return True
+
     def wait(self, poll_s: float = 0.5) -> int:
         """Supervise until the learner ends, a service fails, or Ctrl-C/SIGTERM; returns the exit code."""
         has_learner = any(s.role == "learner" for s in self.specs)
-        max_steps = self.plan.settings.learner.max_steps
         try:
             while True:
                 code = self.poll()
                 if has_learner:
-                    self.show_progress(progress_line(self.plan.run_dir, max_steps))
+                    self.show_progress(self.progress())
                 if code is not None:
                     return code
                 time.sleep(poll_s)
@@ -340,16 +272,31 @@ class Stack:
         finally:
             self.end_line()
 
-    def shutdown(self) -> None:
-        """SIGTERM tier by tier in reverse start order, each given `grace_s`; SIGKILL what is left."""
+    def progress(self) -> str | None:
+        """The progress line from the telemetry channel; None before the first step or without Redis."""
+        if self.telemetry is None:
+            # Short timeouts: a Redis that is down must not stall supervision (the poll reports it).
+            quick = self.plan.settings.bus.model_copy(
+                update={"socket_timeout_s": 1.0, "reconnect_max_s": 0.2, "block_ms": 100}
+            )
+            self.telemetry = Telemetry(RedisBus(quick))
         try:
-            for role in reversed(START_ORDER):
-                self._stop_tier([s for s in self.specs if s.role == role and s.name in self.procs])
+            return progress_line(self.telemetry.last_step(), self.plan.settings.learner.max_steps)
+        except (BusError, redis.RedisError):
+            return None
+
+    def shutdown(self) -> None:
+        """SIGTERM tier by tier (plan.STOP_TIERS), each given `grace_s`; SIGKILL what is left."""
+        try:
+            for roles in STOP_TIERS:
+                self._stop_tier([s for s in self.specs if s.role in roles and s.name in self.procs])
         except KeyboardInterrupt:
             self.report("interrupted again: killing every service")
         finally:
             self.kill_all()
             atexit.unregister(self.kill_all)
+            if self.telemetry is not None:
+                self.telemetry.bus.close()
 
     def _stop_tier(self, specs: list[ServiceSpec]) -> None:
         for spec in specs:
@@ -398,23 +345,53 @@ def run_stack(
     plan = plan_stack(cfg, workers, private_redis, resume)
     write_configs(plan)
     s = plan.settings
+    redis_url = mask_password(s.bus.url) + (" (private)" if plan.private_redis else "")
     print(
-        f"sparkrl up: preset {preset_name or '(defaults)'}, run dir {plan.run_dir}, {workers} workers\n"
-        f"  redis {s.bus.url}{' (private)' if plan.private_redis else ''} | reward {s.reward.url}"
-        f" | weight sync {s.learner.sync.host}:{s.learner.sync.port} | logs {plan.run_dir / 'logs'}/",
+        f"sparkrl up: preset {preset_name or '(defaults)'}, run dir {plan.run_dir}, "
+        f"{workers} worker{'s' if workers != 1 else ''}\n"
+        f"  redis {redis_url} | reward {s.reward.url}"
+        f" | weight sync {s.sync.host}:{s.sync.port} | logs {plan.run_dir / 'logs'}/\n"
+        f"  live page {plan.page_url} | token {plan.token_path} | `sparkrl status --run-dir {plan.run_dir}`",
         flush=True,
     )
     stack = Stack(plan)
+    return supervise(stack, stack.report, plan.run_dir)
+
+
+class Supervised(Protocol):
+    def start(self) -> None: ...
+    def wait(self) -> int: ...
+    def shutdown(self) -> None: ...
+
+
+def supervise(stack: Supervised, report: Callable[[str], None], run_dir: Path) -> int:
+    """Start, wait, shut down whatever happened (Ctrl-C and SIGTERM included), then summarize and write
+    the report: `sparkrl up` and `sparkrl up --ray` end the same way. The exit code."""
     with _signals_interrupt():
         try:
             stack.start()
             code = stack.wait()
         except StackError as exc:
-            stack.report(f"error: {exc}")
+            report(f"error: {exc}")
             code = 1
         except KeyboardInterrupt:
             code = 130
         finally:
             stack.shutdown()
-    print(summarize(plan.run_dir), flush=True)
+    print(summarize(run_dir), flush=True)
+    _write_report(run_dir)
     return code
+
+
+def _write_report(run_dir: Path) -> None:
+    """`sparkrl report RUN_DIR` at the end of every run that trained a step."""
+    if not (run_dir / "metrics.jsonl").is_file():
+        return
+    try:
+        from sparkrl.report import write_report
+
+        print(f"  report: {write_report(run_dir)}", flush=True)
+    except ImportError as exc:
+        print(f"  report: not written ({exc}); install the `control` extra for `sparkrl report`", flush=True)
+    except (ValueError, OSError) as exc:
+        print(f"  report: not written: {exc}", flush=True)

@@ -1,4 +1,5 @@
-"""Run reports from `RUN_DIR/metrics.jsonl`: the live progress line of `sparkrl up` and the final summary."""
+"""The live progress line of `sparkrl up` (from the telemetry channel's newest step row) and the final
+summary (from `RUN_DIR/metrics.jsonl`, once the run is over)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import re
 from pathlib import Path
 from typing import Any
+
+from sparkrl.proto import StepMetrics
 
 
 def tail_bytes(path: Path, max_bytes: int) -> bytes:
@@ -43,33 +46,33 @@ def _versions_text(versions: dict[str, Any]) -> str:
     return " ".join(f"{short[w]}:{versions[w]}" for w in sorted(versions, key=_worker_key))
 
 
-def _number(record: dict[str, Any], key: str) -> float | None:
-    value = record.get(key)
+def _metric(record: dict[str, Any], name: str) -> float | None:
+    """`metrics[name]` of a `StepMetrics` row as read back from JSON; None when absent or not a number."""
+    metrics = record.get("metrics")
+    value = metrics.get(name) if isinstance(metrics, dict) else None
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def progress_line(run_dir: Path | str, max_steps: int | None = None) -> str | None:
+def progress_line(row: StepMetrics | None, max_steps: int | None = None) -> str | None:
     """`step 12/40 | reward 0.31 | entropy 1.23 | loss -0.004 | versions w0:11 w1:12 | sync 0.21s`.
 
-    From the last complete line of `RUN_DIR/metrics.jsonl` (only its tail is read); None before the
-    first step. Without `max_steps` (`learner.max_steps`) the step has no total.
+    From the newest step row (None before the first step: no line). Without `max_steps`
+    (`learner.max_steps`) the step has no total; metrics the row lacks are left out.
     """
-    records = _read_records(Path(run_dir) / "metrics.jsonl", max_bytes=65_536)
-    if not records:
+    if row is None:
         return None
-    record = records[-1]
-    parts = [f"step {record.get('step', '?')}" + (f"/{max_steps}" if max_steps else "")]
-    for key, label, spec in (
-        ("reward_mean", "reward", ".2f"),
-        ("entropy", "entropy", ".2f"),
-        ("loss", "loss", ".3g"),
+    parts = [f"step {row.step}" + (f"/{max_steps}" if max_steps else "")]
+    for name, label, spec in (
+        ("rollout/reward_mean", "reward", ".2f"),
+        ("loss/entropy", "entropy", ".2f"),
+        ("loss/value", "loss", ".3g"),
     ):
-        value = _number(record, key)
+        value = row.value(name)
         if value is not None:
             parts.append(f"{label} {value:{spec}}")
-    if isinstance(record.get("worker_versions"), dict) and record["worker_versions"]:
-        parts.append(f"versions {_versions_text(record['worker_versions'])}")
-    sync = _number(record, "sync_seconds")
+    if row.worker_versions:
+        parts.append(f"versions {_versions_text(row.worker_versions)}")
+    sync = row.value("sync/seconds")
     if sync is not None:
         parts.append(f"sync {sync:.2f}s")
     return " | ".join(parts)
@@ -104,9 +107,9 @@ def summarize(run_dir: Path | str) -> str:
         "run_dir": str(run_dir),
         "steps": last.get("step", len(records)),
         "wall_seconds": _wall_seconds(run_dir),
-        "reward_mean_first_20pct": _mean([_number(r, "reward_mean") for r in records[:fifth]]),
-        "reward_mean_last_20pct": _mean([_number(r, "reward_mean") for r in records[-fifth:]]),
-        "final_entropy": _number(last, "entropy"),
+        "reward_mean_first_20pct": _mean([_metric(r, "rollout/reward_mean") for r in records[:fifth]]),
+        "reward_mean_last_20pct": _mean([_metric(r, "rollout/reward_mean") for r in records[-fifth:]]),
+        "final_entropy": _metric(last, "loss/entropy"),
         "policy_version": last.get("policy_version"),
         "worker_versions": last.get("worker_versions") or {},
         "checkpoints_dir": str(checkpoints),

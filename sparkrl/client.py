@@ -1,0 +1,131 @@
+"""The CLI clients of the control API: `sparkrl status`, `pause`, `resume`, `stop`, `checkpoint`, `set`.
+
+Where to call and with which token, highest priority first: `--url` / `--token`; the environment
+(`SPARKRL_CONTROL__URL`, `SPARKRL_CONTROL__TOKEN`, `SPARKRL_CONTROL__TOKEN_FILE`); the run directory
+(`--run-dir`: its `config/control.yaml` and `control-token`, as `sparkrl up` wrote them); the defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+DEFAULT_URL = "http://127.0.0.1:8200"
+
+
+class ClientError(RuntimeError):
+    """The API could not be reached or answered an error; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    url: str
+    token: str | None
+
+
+def _run_dir_endpoint(run_dir: Path) -> tuple[str | None, str | None]:
+    config = run_dir / "config" / "control.yaml"
+    if not config.is_file():
+        raise ClientError(f"{config} not found: is {run_dir} a run directory written by `sparkrl up`?")
+    control = (yaml.safe_load(config.read_text()) or {}).get("control", {})
+    token_file = Path(control.get("token_file") or run_dir / "control-token")
+    token = token_file.read_text().strip() if token_file.is_file() else None
+    return control.get("url"), token
+
+
+def resolve_endpoint(url: str | None, token: str | None, run_dir: Path | None) -> Endpoint:
+    env = os.environ
+    from_dir: tuple[str | None, str | None] = _run_dir_endpoint(run_dir) if run_dir else (None, None)
+    token_file = env.get("SPARKRL_CONTROL__TOKEN_FILE")
+    env_token = env.get("SPARKRL_CONTROL__TOKEN") or (
+        Path(token_file).read_text().strip() if token_file and Path(token_file).is_file() else None
+    )
+    return Endpoint(
+        url=(url or env.get("SPARKRL_CONTROL__URL") or from_dir[0] or DEFAULT_URL).rstrip("/"),
+        token=token or env_token or from_dir[1],
+    )
+
+
+def call(endpoint: Endpoint, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One API call; the decoded JSON answer, or ClientError with the server's reason."""
+    headers = {"Authorization": f"Bearer {endpoint.token}"} if endpoint.token else {}
+    try:
+        # The server waits up to control.command_timeout_s for every target; do not give up before it.
+        response = httpx.request(method, endpoint.url + path, json=body, headers=headers, timeout=3600)
+    except httpx.HTTPError as exc:
+        raise ClientError(f"cannot reach the control service at {endpoint.url}: {exc}") from exc
+    try:
+        answer = response.json()
+    except ValueError:
+        answer = {"detail": response.text}
+    if response.status_code >= 400:
+        raise ClientError(f"{method} {path}: HTTP {response.status_code}: {_detail(answer)}")
+    return answer
+
+
+def _detail(answer: Any) -> str:
+    detail = answer.get("detail", answer) if isinstance(answer, dict) else answer
+    if isinstance(detail, list):  # 422: one entry per rejected field
+        return "; ".join(f"{'.'.join(str(x) for x in e.get('loc', [])[1:])}: {e.get('msg')}" for e in detail)
+    if isinstance(answer, dict) and answer.get("waiting_for"):
+        return f"{detail} (waiting for: {', '.join(answer['waiting_for'])})"
+    return str(detail)
+
+
+def parse_assignments(pairs: list[str]) -> dict[str, Any]:
+    """`lr=2e-6 beta=0.5` → {"lr": 2e-06, "beta": 0.5}; values parsed as YAML (numbers stay numbers)."""
+    values = {}
+    for pair in pairs:
+        name, sep, raw = pair.partition("=")
+        if not sep or not name.strip():
+            raise ClientError(f"{pair!r} is not name=value (e.g. lr=2e-6)")
+        values[name.strip()] = yaml.safe_load(raw)
+    return values
+
+
+def format_command(answer: dict[str, Any]) -> str:
+    lines = [f"{answer['command']}: {answer['outcome']}"]
+    for result in answer.get("results", []):
+        values = " ".join(f"{k}={v}" for k, v in result.get("values", {}).items())
+        lines.append(
+            f"  {result['target']}: {result['outcome']} — {result['detail']}"
+            + (f" [{values}]" if values else "")
+        )
+    for target in answer.get("gone", []):
+        lines.append(f"  {target}: gone before it answered")
+    return "\n".join(lines)
+
+
+def _num(value: Any, spec: str) -> str:
+    return "-" if value is None else f"{value:{spec}}"
+
+
+def format_status(status: dict[str, Any], workers: dict[str, Any]) -> str:
+    total = f"/{status['max_steps']}" if status.get("max_steps") else ""
+    lines = [
+        f"learner {status['state']} | step {status['step']}{total} | version {status['policy_version']}"
+        f" | loss {_num(status.get('last_loss'), '.4g')} | reward {_num(status.get('last_reward'), '.3f')}"
+        f" | entropy {_num(status.get('last_entropy'), '.3f')}"
+        f" | {_num(status.get('tokens_per_s'), '.0f')} tok/s trained,"
+        f" {status['generation_tokens_per_s']:.0f} tok/s generated"
+        + (" | PAUSED" if status["paused"] else ""),
+        "hyperparameters: " + (" ".join(f"{k}={v}" for k, v in status["hyperparameters"].items()) or "-"),
+        "sampling: " + (" ".join(f"{k}={v}" for k, v in status["sampling"].items()) or "-"),
+        f"{'worker':<14}{'state':<12}{'version':>8}{'lag':>5}{'sync s':>8}{'sync MB':>9}{'fails':>6}"
+        f"{'beat s':>8}{'tok/s':>8}{'in flight':>10}",
+    ]
+    for w in workers["workers"]:
+        mb = None if w.get("last_sync_bytes") is None else w["last_sync_bytes"] / 1e6
+        lines.append(
+            f"{w['worker_id']:<14}{w['state']:<12}"
+            f"{_num(w.get('policy_version'), 'd'):>8}{_num(w.get('lag'), 'd'):>5}"
+            f"{_num(w.get('last_sync_seconds'), '.2f'):>8}{_num(mb, '.1f'):>9}{w['sync_failures']:>6}"
+            f"{w['heartbeat_age_s']:>8.1f}{w['tokens_per_s']:>8.0f}{w['prompts_in_flight']:>10}"
+            + (f"  dropped: {w['dropped_reason']}" if w.get("dropped_reason") else "")
+        )
+    return "\n".join(lines)

@@ -1,0 +1,234 @@
+"""The plan of `sparkrl up`: which processes, on which ports, each with its resolved settings file.
+
+`plan_stack` decides everything and touches no file; `write_configs` writes `RUN_DIR/config/` (one file
+per service, which alone reproduces it), the control token (`RUN_DIR/control-token`, mode 0600) and the
+run's folders. The launcher then spawns each service from its file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+from sparkrl.services.common.settings import BusSettings, SparkSettings, write_resolved
+
+Role = Literal["redis", "control", "reward", "learner", "rollout", "prompts"]
+# Shutdown, tier by tier: producers stop before what they feed (the feeder and workers before the learner,
+# workers before the reward service they call); the control service, which only reads and writes Redis,
+# goes with the reward service, before Redis, which everyone talks to and goes last.
+STOP_TIERS: tuple[tuple[Role, ...], ...] = (
+    ("prompts", "rollout"),
+    ("learner",),
+    ("reward", "control"),
+    ("redis",),
+)
+TOKEN_FILE = "control-token"
+
+
+# What an earlier run leaves in its directory: a second run there would mix its rows, checkpoints and
+# weight numbering into those.
+RUN_MARKS = ("metrics.jsonl", "checkpoints", "trained_groups.jsonl", "weights.jsonl")
+
+
+def earlier_run(run_dir: Path) -> list[str]:
+    """What of an earlier run `run_dir` holds (none: a fresh directory)."""
+    return [name for name in RUN_MARKS if (run_dir / name).exists()]
+
+
+def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
+    """One run per directory: an earlier run is continued (`resume`), removed first (`overwrite`), or the
+    start is refused with what to do (ValueError) before anything is spawned."""
+    held = earlier_run(run_dir)
+    if not held or resume:
+        return
+    if not overwrite:
+        raise ValueError(
+            f"{run_dir} holds an earlier run ({', '.join(held)}): continue it with --resume, start over "
+            "with --overwrite (deletes that directory), or give another --run-dir"
+        )
+    shutil.rmtree(run_dir)
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    """One process of the stack: the command that starts it from its written config, and its log."""
+
+    name: str  # `reward`, `worker-0`, ...: file names and reports use it
+    role: Role
+    command: tuple[str, ...]
+    config_path: Path
+    config: SparkSettings | str  # the resolved tree, or (redis) the literal redis.conf text
+    log_path: Path
+
+
+@dataclass(frozen=True)
+class StackPlan:
+    """Everything `sparkrl up` will start, in start order, with the planned ports in `settings`."""
+
+    run_dir: Path
+    settings: SparkSettings
+    services: tuple[ServiceSpec, ...]
+    private_redis: bool
+    control_token: str | None = None  # written to RUN_DIR/control-token; None: the user's own token file
+    resume: bool = False  # go on with the run directory's checkpoint, journal and private Redis data
+
+    @property
+    def page_url(self) -> str:
+        return self.settings.control.url + "/"
+
+    @property
+    def token_path(self) -> Path:
+        given = self.settings.control.token_file
+        return Path(given) if given else self.run_dir / TOKEN_FILE
+
+
+def _free_ports(count: int) -> list[int]:
+    # Hold every socket open until all are bound, so the OS cannot hand out the same port twice.
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
+
+
+def _client_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
+
+
+def _resolve_root(cfg: SparkSettings, private_redis: bool, run_dir: Path, ports: list[int]) -> SparkSettings:
+    """The root tree with the launch decided: absolute run dir, private Redis URL, free ports.
+
+    A port the user set (preset, environment, `--set`, or a resolved file) is kept; one left at its
+    default is replaced by a free loopback port, so two runs on one machine never collide.
+    """
+    redis_port, reward_port, sync_port, control_port, learner_metrics = ports
+    root = cfg.model_copy(deep=True)
+    root.run_dir = str(run_dir)
+    if private_redis:
+        # Its own password too: nothing else on the machine can read or write the run's bus.
+        root.bus.url = f"redis://:{secrets.token_urlsafe(24)}@127.0.0.1:{redis_port}/0"
+    if root.sync.secret is None:
+        root.sync.secret = secrets.token_hex(32)  # signs the weight announcements
+    if "port" not in cfg.reward.model_fields_set or cfg.reward.port == 0:
+        root.reward.port = reward_port
+    # The launcher runs the reward and control services itself: clients call exactly where they bind.
+    root.reward.url = f"http://{_client_host(root.reward.host)}:{root.reward.port}"
+    if "port" not in cfg.control.model_fields_set or cfg.control.port == 0:
+        root.control.port = control_port
+    root.control.url = f"http://{_client_host(root.control.host)}:{root.control.port}"
+    if "port" not in cfg.sync.model_fields_set:
+        root.sync.port = sync_port
+    if "http_port" not in cfg.sync.model_fields_set:
+        root.sync.http_port = 0  # any free one: workers learn the address from the signed announcement
+    if root.learner.metrics.port == 0:
+        root.learner.metrics.port = learner_metrics
+    return root
+
+
+def _plan_token(cfg: SparkSettings, run_dir: Path) -> tuple[str | None, SparkSettings]:
+    """The token to write to RUN_DIR/control-token (None: the user's own file), and the tree without it:
+    a secret never goes into a config file, only the path of the 0600 file that holds it."""
+    root = cfg.model_copy(deep=True)
+    if cfg.control.token is not None:
+        token: str | None = cfg.control.token.get_secret_value()
+    elif cfg.control.token_file:
+        return None, root
+    else:
+        existing = run_dir / TOKEN_FILE  # a resumed or restarted run keeps its token: scripts go on working
+        token = existing.read_text().strip() if existing.is_file() else ""
+        token = token or secrets.token_urlsafe(24)
+    root.control.token = None
+    root.control.token_file = str(run_dir / TOKEN_FILE)
+    return token, root
+
+
+def _redis_conf(bus: BusSettings, data_dir: Path) -> str:
+    parts = urlsplit(bus.url)
+    port, password = parts.port, parts.password
+    # The run's own bus, loopback only. Append-only file in the run directory: a crash or `--resume` finds
+    # the streams, acknowledgements, dedup and trained marks exactly as they were, so nothing is fed or
+    # trained twice. Redis writes the file before it replies, so a killed Redis loses nothing; fsync on
+    # every write (`bus.aof_fsync: always`) adds the machine's power loss, at a disk flush per command.
+    return (
+        f'port {port}\nbind 127.0.0.1\nsave ""\nappendonly yes\nappendfsync {bus.aof_fsync}\n'
+        f"daemonize no\ndir {data_dir}\n" + (f"requirepass {password}\n" if password else "")
+    )
+
+
+def _service(run_dir: Path, name: str, role: Role, config: SparkSettings | str, *extra: str) -> ServiceSpec:
+    if role == "redis":
+        config_path = run_dir / "config" / "redis.conf"
+        command: tuple[str, ...] = (shutil.which("redis-server") or "redis-server", str(config_path))
+    else:
+        config_path = run_dir / "config" / f"{name}.yaml"
+        command = (sys.executable, "-m", "sparkrl.cli", role, "--preset", str(config_path), *extra)
+    return ServiceSpec(name, role, command, config_path, config, run_dir / "logs" / f"{name}.log")
+
+
+def plan_stack(
+    cfg: SparkSettings, workers: int, private_redis: bool | None = None, resume: bool = False
+) -> StackPlan:
+    """Decide ports and each service's resolved settings; touches no file.
+
+    `private_redis=None` starts a private `redis-server` exactly when no Redis URL was given; `resume`
+    starts the learner from `RUN_DIR/checkpoints/latest`.
+    """
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, not {workers}: the learner trains on their groups")
+    if private_redis is None:
+        private_redis = "url" not in cfg.bus.model_fields_set
+    run_dir = Path(cfg.run_dir).resolve()
+    ports = _free_ports(5 + workers)
+    token, root = _plan_token(_resolve_root(cfg, private_redis, run_dir, ports[:5]), run_dir)
+    services: list[ServiceSpec] = []
+    if private_redis:
+        services.append(_service(run_dir, "redis", "redis", _redis_conf(root.bus, run_dir / "redis")))
+    services.append(_service(run_dir, "control", "control", root))
+    services.append(_service(run_dir, "reward", "reward", root))
+    services.append(_service(run_dir, "learner", "learner", root, *(["--resume"] if resume else [])))
+    for index in range(workers):
+        worker = root.model_copy(deep=True)
+        worker.rollout.worker_id = f"worker-{index}"
+        if worker.rollout.metrics.port == 0:
+            worker.rollout.metrics.port = ports[5 + index]
+        # The id is in the file (which alone reproduces the worker) and on the command line, for `ps`.
+        services.append(
+            _service(run_dir, f"worker-{index}", "rollout", worker, "--worker-id", f"worker-{index}")
+        )
+    # The feeder stays up: should the bus lose its data, it feeds again what was not trained yet.
+    services.append(_service(run_dir, "prompts", "prompts", root, "--watch"))
+    return StackPlan(run_dir, root, tuple(services), private_redis, token, resume)
+
+
+def write_token(path: Path, token: str) -> None:
+    """Write the token readable by its owner only (0600, also when the file existed with wider modes)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as file:
+        file.write(token + "\n")
+    os.chmod(path, 0o600)
+
+
+def write_configs(plan: StackPlan) -> None:
+    """Write every service's config (`RUN_DIR/config/<service>.yaml`, `redis.conf`), the control token
+    and the run's folders."""
+    for spec in plan.services:
+        if isinstance(spec.config, str):
+            write_token(spec.config_path, spec.config.rstrip("\n"))  # redis.conf holds its password: 0600
+        else:
+            write_resolved(spec.config, spec.config_path)
+    if plan.control_token is not None:
+        write_token(plan.token_path, plan.control_token)
+    if plan.private_redis and not plan.resume:
+        # A fresh run starts with an empty bus: an earlier run's data would mark its prompts as fed.
+        shutil.rmtree(plan.run_dir / "redis", ignore_errors=True)
+    for folder in ("logs", "redis", "checkpoints"):
+        (plan.run_dir / folder).mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,356 @@
+"""`sparkrl report RUN_DIR`: charts and a markdown summary of a finished (or running) run, from its files.
+
+It reads only what the learner leaves on disk (`metrics.jsonl`, optionally `weights.jsonl`), so it works
+after the fleet is gone and on a copied run directory. matplotlib is imported inside the functions that
+draw, so importing this module (e.g. to wire the CLI) costs nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
+
+from sparkrl.proto.base import WireModel
+from sparkrl.proto.control import HparamValue
+from sparkrl.proto.telemetry import StepMetrics, SyncEvent
+
+REPORT_DIR = "report"
+_Model = TypeVar("_Model", bound=WireModel)
+
+
+@dataclass
+class _Run:
+    """What the report is drawn from: one row per step (the last one written for it), in step order."""
+
+    run_dir: Path
+    rows: list[StepMetrics]
+    superseded: int  # rows replaced by a later row for the same step (a resume redid those steps)
+    skipped: int  # unreadable lines of metrics.jsonl
+    events: list[SyncEvent] | None  # None: no weights.jsonl
+
+
+# ── reading ───────────────────────────────────────────────────────────────────────────────────────────
+
+
+def _read_jsonl(path: Path, model: type[_Model]) -> tuple[list[_Model], int]:
+    """Valid rows and the count of lines skipped: the learner may be mid-write (a cut last line), and one
+    bad line must not hide the rest of a long run."""
+    rows: list[_Model] = []
+    skipped = 0
+    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
+        if not line.strip():
+            continue
+        try:
+            rows.append(model.model_validate_json(line))
+        except ValidationError:
+            skipped += 1
+    return rows, skipped
+
+
+def load_run(run_dir: Path | str) -> _Run:
+    """The run's rows, deduplicated by step (last written wins: after a resume the redone steps are the
+    ones that count), with errors that tell the user what to do."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(
+            f"run directory {run_dir} does not exist: pass the RUN_DIR the learner writes metrics.jsonl to"
+        )
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path} not found: is {run_dir} a run directory? The learner writes it as it finishes steps"
+        )
+    written, skipped = _read_jsonl(path, StepMetrics)
+    if not written:
+        note = f" ({skipped} unreadable lines skipped)" if skipped else ""
+        raise ValueError(f"no steps in {path}{note}: the learner has not finished a step yet")
+    by_step = {row.step: row for row in written}
+    weights = run_dir / "weights.jsonl"
+    events = _read_jsonl(weights, SyncEvent)[0] if weights.is_file() else None
+    rows = [by_step[step] for step in sorted(by_step)]
+    return _Run(run_dir, rows, len(written) - len(rows), skipped, events)
+
+
+# ── small helpers ─────────────────────────────────────────────────────────────────────────────────────
+
+
+def _series(run: _Run, name: str) -> list[float | None]:
+    return [row.metrics.get(name) for row in run.rows]
+
+
+def _gaps(values: list[float | None] | list[int | None]) -> list[float]:
+    """None → NaN, which matplotlib draws as a gap in the line."""
+    return [math.nan if value is None else float(value) for value in values]
+
+
+def _mean(values: list[float | None]) -> float | None:
+    present = [value for value in values if value is not None]
+    return sum(present) / len(present) if present else None
+
+
+def _last(values: list[float | None]) -> float | None:
+    return next((value for value in reversed(values) if value is not None), None)
+
+
+def _moving_average(values: list[float | None], window: int) -> list[float]:
+    """Trailing mean over the present values of the last `window` steps (NaN where none are present)."""
+    out = []
+    for index in range(len(values)):
+        mean = _mean(values[max(0, index - window + 1) : index + 1])
+        out.append(math.nan if mean is None else mean)
+    return out
+
+
+def _worker_key(name: str) -> tuple[str, int]:
+    """`worker-10` after `worker-9`, not between `worker-1` and `worker-2`."""
+    match = re.fullmatch(r"(.*?)(\d+)", name)
+    return (match.group(1), int(match.group(2))) if match else (name, -1)
+
+
+def _fmt(value: float | None, spec: str = ".4g") -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def _cell(text: str) -> str:
+    """A markdown table cell: a `|` in a worker id or hparam value would split the row."""
+    return text.replace("|", "\\|")
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
+
+
+# ── charts ────────────────────────────────────────────────────────────────────────────────────────────
+
+
+@contextlib.contextmanager
+def _figure(path: Path, panels: int = 1) -> Iterator[list[Any]]:
+    """Axes to draw on; saved to `path` on success and closed either way, so a long session of reports
+    does not pile up figures."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(panels, 1, figsize=(8, 3.2 + 2.6 * panels), sharex=True, squeeze=False)
+    try:
+        yield list(axes[:, 0])
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+    finally:
+        plt.close(fig)
+
+
+def _metric_chart(run: _Run, path: Path, name: str, title: str, ylabel: str) -> bool:
+    """One metric against step; False (nothing drawn) when every step lacks it."""
+    values = _series(run, name)
+    if all(value is None for value in values):
+        return False
+    with _figure(path) as (ax,):
+        ax.plot([row.step for row in run.rows], _gaps(values), marker=".")
+        ax.set(title=title, xlabel="step", ylabel=ylabel)
+        ax.grid(alpha=0.3)
+    return True
+
+
+def _reward_chart(run: _Run, path: Path) -> str | None:
+    values = _series(run, "rollout/reward_mean")
+    if all(value is None for value in values):
+        return None
+    window = max(1, len(run.rows) // 20)
+    steps = [row.step for row in run.rows]
+    with _figure(path) as (ax,):
+        ax.plot(steps, _gaps(values), marker=".", alpha=0.5, label="reward mean")
+        if window > 1:
+            ax.plot(steps, _moving_average(values, window), linewidth=2, label=f"{window}-step moving avg")
+        ax.set(title="Rollout reward", xlabel="step", ylabel="mean reward per rollout")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    smoothing = f", with a {window}-step trailing moving average" if window > 1 else ""
+    return f"Mean verifier reward of the rollouts each step trained on{smoothing}."
+
+
+def _entropy_chart(run: _Run, path: Path) -> str | None:
+    if not _metric_chart(run, path, "loss/entropy", "Policy entropy", "entropy (nats per token)"):
+        return None
+    return "Mean token entropy of the policy per step: a collapse toward 0 means it stopped exploring."
+
+
+def _reg_tokens_chart(run: _Run, path: Path) -> str | None:
+    if not _metric_chart(run, path, "loss/reg_tokens", "Lp-Reg regularized tokens", "tokens per step"):
+        return None
+    return "Tokens the Lp-Reg term regularized each step (low-probability tokens pulled toward the proxy)."
+
+
+def _sparks_chart(run: _Run, path: Path) -> str | None:
+    if not _metric_chart(
+        run, path, "explore/sparks", "Sparks", "low-probability tokens in correct responses"
+    ):
+        return None
+    return (
+        "Sampled tokens with p < 0.1 in responses judged correct, per step: the rare tokens Lp-Reg is meant "
+        "to keep alive (`explore/low_prob_share` and `explore/below_minp_share` are in metrics.jsonl)."
+    )
+
+
+def _worker_versions_chart(run: _Run, path: Path) -> str | None:
+    workers = sorted({worker for row in run.rows for worker in row.worker_versions}, key=_worker_key)
+    if not workers:
+        return None
+    steps = [row.step for row in run.rows]
+    max_lag = 0
+    with _figure(path, panels=2) as (held_ax, lag_ax):
+        for worker in workers:
+            held = [row.worker_versions.get(worker) for row in run.rows]
+            lag = [
+                None if v is None else row.policy_version - v for row, v in zip(run.rows, held, strict=True)
+            ]
+            max_lag = max([max_lag, *(value for value in lag if value is not None)])
+            held_ax.plot(steps, _gaps(held), marker=".", label=worker)
+            lag_ax.plot(steps, _gaps(lag), marker=".", label=worker)
+        held_ax.plot(steps, [row.policy_version for row in run.rows], "k--", label="learner")
+        held_ax.set(title="Policy version held by each worker", ylabel="policy version")
+        lag_ax.set(title="Worker lag behind the learner", xlabel="step", ylabel="lag (versions)")
+        for ax in (held_ax, lag_ax):
+            ax.yaxis.get_major_locator().set_params(integer=True)  # versions are whole numbers
+            ax.grid(alpha=0.3)
+            if len(workers) <= 12:
+                ax.legend(fontsize="small", ncol=min(4, len(workers) + 1))
+    return (
+        f"Top: the version each of {len(workers)} workers held (gaps: initial weights or not reporting) "
+        f"against the learner's (dashed); bottom: versions each lagged behind, at most {max_lag}."
+    )
+
+
+def _sync_chart(run: _Run, path: Path) -> str | None:
+    events = run.events or []
+    ok = sorted((e for e in events if e.outcome == "ok" and e.seconds is not None), key=lambda e: e.version)
+    failed = [e for e in events if e.outcome == "failed"]
+    if not ok and not failed:
+        if not _metric_chart(run, path, "sync/seconds", "Weight sync time", "sync time (s)"):
+            return None
+        return "Seconds the learner spent on weight sync each step (`sync/seconds`; no weights.jsonl)."
+    with _figure(path) as (ax,):
+        if ok:
+            ax.plot([e.version for e in ok], [e.seconds for e in ok], marker="o", label="ok")
+        if failed:
+            ax.scatter([e.version for e in failed], [0.0] * len(failed), marker="x", c="red", label="failed")
+        ax.set(title="Weight broadcasts", xlabel="policy version", ylabel="announce → all acked (s)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    return (
+        f"Seconds from announcement to every member's acknowledgement, per ok broadcast ({len(ok)}); "
+        f"failed broadcasts ({len(failed)}) are the red crosses at 0."
+    )
+
+
+_CHARTS: tuple[tuple[str, str, Callable[[_Run, Path], str | None]], ...] = (
+    ("reward", "`rollout/reward_mean`", _reward_chart),
+    ("entropy", "`loss/entropy`", _entropy_chart),
+    ("reg_tokens", "`loss/reg_tokens`", _reg_tokens_chart),
+    ("sparks", "`explore/sparks`", _sparks_chart),
+    ("worker_versions", "`worker_versions`", _worker_versions_chart),
+    ("sync_seconds", "weights.jsonl or `sync/seconds`", _sync_chart),
+)
+
+
+# ── summary ───────────────────────────────────────────────────────────────────────────────────────────
+
+
+def _hparam_text(value: HparamValue | None) -> str:
+    return "—" if value is None else str(value)
+
+
+def hparam_changes(rows: list[StepMetrics]) -> list[str]:
+    """`lr: 0.0003 → 0.0001 at step 40` for every live change, so a curve's kink can be explained."""
+    changes = []
+    for previous, row in itertools.pairwise(rows):
+        for key in sorted(previous.hparams.keys() | row.hparams.keys()):
+            before, after = previous.hparams.get(key), row.hparams.get(key)
+            if before != after or type(before) is not type(after):
+                changes.append(f"{key}: {_hparam_text(before)} → {_hparam_text(after)} at step {row.step}")
+    return changes
+
+
+def reward_halves(run: _Run) -> tuple[int, float | None, float | None]:
+    """Mean reward over the first and the last 20% of steps (at least one each): did training help?"""
+    count = max(1, len(run.rows) // 5)
+    values = _series(run, "rollout/reward_mean")
+    return count, _mean(values[:count]), _mean(values[-count:])
+
+
+def _broadcasts_text(events: list[SyncEvent] | None) -> str:
+    if events is None:
+        return "no weights.jsonl"
+    counts = {outcome: sum(e.outcome == outcome for e in events) for outcome in ("ok", "failed")}
+    if any(e.outcome == "no_members" for e in events):
+        counts["no_members"] = sum(e.outcome == "no_members" for e in events)
+    return ", ".join(f"{outcome} {count}" for outcome, count in counts.items())
+
+
+def _summary(run: _Run) -> list[str]:
+    """The table at the top: what a reader checks before looking at any chart."""
+    first, last = run.rows[0], run.rows[-1]
+    count, early, late = reward_halves(run)
+    resumed = f"; {run.superseded} rows superseded by a resume" if run.superseded else ""
+    versions = ", ".join(
+        f"{worker}: {'initial' if version is None else version}"
+        for worker, version in sorted(last.worker_versions.items(), key=lambda item: _worker_key(item[0]))
+    )
+    hparams = ", ".join(f"{key}={_hparam_text(value)}" for key, value in sorted(last.hparams.items()))
+    table = [
+        ("steps", f"{len(run.rows)} (steps {first.step}–{last.step}{resumed})"),
+        ("wall time", _duration(max(0.0, last.time - first.time))),
+        ("reward mean", f"first {count} steps {_fmt(early, '.3f')} → last {count} steps {_fmt(late, '.3f')}"),
+        ("final entropy", _fmt(_last(_series(run, "loss/entropy")))),
+        ("final policy version", str(last.policy_version)),
+        ("final worker versions", versions or "—"),
+        ("broadcasts", _broadcasts_text(run.events)),
+        ("hyperparameters (last step)", hparams or "—"),
+        ("hyperparameter changes", "; ".join(hparam_changes(run.rows)) or "none"),
+    ]
+    lines = ["| | |", "|---|---|"]
+    lines += [f"| {name} | {_cell(value)} |" for name, value in table]
+    if run.skipped:
+        lines += ["", f"Skipped {run.skipped} unreadable line(s) of metrics.jsonl (truncated or malformed)."]
+    return lines
+
+
+# ── entry point ───────────────────────────────────────────────────────────────────────────────────────
+
+
+def write_report(run_dir: Path | str) -> Path:
+    """Write `RUN_DIR/report/report.md` and its PNGs; returns the path of `report.md`.
+
+    A chart whose data is absent is skipped (and its stale PNG from an earlier report removed), and the
+    report says so, so a half-instrumented run still gets a report.
+    """
+    run = load_run(run_dir)
+    out = run.run_dir / REPORT_DIR
+    out.mkdir(exist_ok=True)
+    lines = [f"# Run report: {run.run_dir.resolve().name}", "", *_summary(run), "", "## Charts"]
+    for stem, source, draw in _CHARTS:
+        png = out / f"{stem}.png"
+        caption = draw(run, png)
+        if caption is None:
+            png.unlink(missing_ok=True)
+            lines += ["", f"_no data for {stem}_: {source} is absent or null throughout the run."]
+        else:
+            lines += ["", f"![{stem}]({png.name})", "", caption]
+    report = out / "report.md"
+    partial = out / "report.md.tmp"
+    partial.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    partial.replace(report)
+    return report
