@@ -20,7 +20,8 @@ def _sparkrl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[st
 def test_every_service_has_a_command() -> None:
     out = _sparkrl("--help")
     assert out.returncode == 0, out.stderr
-    for command in ("up", "learner", "rollout", "reward", "prompts", "build-tiny-model"):
+    commands = ("up", "learner", "rollout", "reward", "prompts", "control", "build-tiny-model", "report")
+    for command in (*commands, "status", "pause", "resume", "stop", "checkpoint", "set"):
         assert command in out.stdout
 
 
@@ -36,3 +37,16 @@ def test_a_bad_setting_is_refused_before_anything_starts() -> None:
     assert "learner.loss" in out.stderr and "lp_reg" in out.stderr
     out = _sparkrl("rollout", "--preset", "no-such-preset")
     assert out.returncode != 0 and "known presets" in out.stderr
+
+
+def test_the_control_clients_say_what_is_wrong(tmp_path: Path) -> None:
+    out = _sparkrl("status", "--url", "http://127.0.0.1:1")
+    assert out.returncode == 1 and "cannot reach the control service at http://127.0.0.1:1" in out.stderr
+    out = _sparkrl("set", "lr", "--url", "http://127.0.0.1:1")
+    assert out.returncode != 0 and "not name=value" in out.stderr
+    out = _sparkrl("pause", "--run-dir", str(tmp_path))
+    assert out.returncode == 1 and f"is {tmp_path} a run directory written by `sparkrl up`?" in out.stderr
+    out = _sparkrl("report", str(tmp_path))
+    assert out.returncode == 1 and "metrics.jsonl" in out.stderr
+    out = _sparkrl("control")
+    assert out.returncode != 0 and "SPARKRL_CONTROL__TOKEN" in out.stderr

@@ -23,8 +23,11 @@ from sparkrl.launcher import (
     run_stack,
     write_configs,
 )
+from sparkrl.proto import StepMetrics
 from sparkrl.run_report import progress_line, summarize
-from sparkrl.services.common.settings import SparkSettings, load_settings
+from sparkrl.services.common.bus import RedisBus
+from sparkrl.services.common.settings import SparkSettings, load_settings, write_resolved
+from sparkrl.services.common.telemetry import Telemetry
 
 
 @pytest.fixture(autouse=True)
@@ -64,6 +67,7 @@ def test_plan_writes_one_config_per_service_that_loads_back(tmp_path: Path) -> N
 
     assert [s.name for s in plan.services] == [
         "redis",
+        "control",
         "reward",
         "learner",
         "worker-0",
@@ -86,11 +90,22 @@ def test_plan_writes_one_config_per_service_that_loads_back(tmp_path: Path) -> N
 
 
 def test_plan_picks_free_ports_and_keeps_given_ones(tmp_path: Path) -> None:
-    auto = plan_stack(SparkSettings(run_dir=str(tmp_path)), workers=1).settings
+    plan = plan_stack(SparkSettings(run_dir=str(tmp_path)), workers=2)
+    auto = plan.settings
     redis_port = int(auto.bus.url.rsplit(":", 1)[1].split("/")[0])
-    assert len({redis_port, auto.reward.port, auto.learner.sync.port}) == 3
+    workers = [s.config.rollout.metrics.port for s in plan.services if s.role == "rollout"]
+    ports = {
+        redis_port,
+        auto.reward.port,
+        auto.sync.port,
+        auto.control.port,
+        auto.learner.metrics.port,
+    }
+    assert len(ports | set(workers)) == 7 and 0 not in workers
     assert 8100 not in (redis_port, auto.reward.port)  # defaults replaced, so two runs never collide
+    assert 8200 != auto.control.port
     assert auto.reward.url == f"http://127.0.0.1:{auto.reward.port}"
+    assert auto.control.url == f"http://127.0.0.1:{auto.control.port}"
 
     given = load_settings(
         None,
@@ -99,15 +114,16 @@ def test_plan_picks_free_ports_and_keeps_given_ones(tmp_path: Path) -> None:
             "bus.url=redis://10.0.0.5:6380/2",
             "reward.host=0.0.0.0",
             "reward.port=9123",
-            "learner.sync.port=29777",
+            "sync.port=29777",
         ],
     )
     plan = plan_stack(given, workers=1)
     assert not plan.private_redis and "redis" not in [s.name for s in plan.services]
     assert plan.settings.bus.url == "redis://10.0.0.5:6380/2"
     assert plan.settings.reward.url == "http://127.0.0.1:9123"  # clients call where the service binds
-    assert plan.settings.learner.sync.port == 29777
-    assert plan_stack(given, workers=1, private_redis=True).settings.bus.url.startswith("redis://127.0.0.1:")
+    assert plan.settings.sync.port == 29777
+    private = plan_stack(given, workers=1, private_redis=True).settings.bus.url
+    assert private.startswith("redis://:") and "@127.0.0.1:" in private  # its own password
     with pytest.raises(ValueError, match="at least 1"):
         plan_stack(given, workers=0)
 
@@ -118,8 +134,15 @@ def test_commands_start_each_service_from_its_file(tmp_path: Path) -> None:
     config = tmp_path / "config"
     cli = (sys.executable, "-m", "sparkrl.cli")
     assert by_name["reward"].command == (*cli, "reward", "--preset", str(config / "reward.yaml"))
+    assert by_name["control"].command == (*cli, "control", "--preset", str(config / "control.yaml"))
     assert by_name["learner"].command == (*cli, "learner", "--preset", str(config / "learner.yaml"))
-    assert by_name["prompts"].command == (*cli, "prompts", "--preset", str(config / "prompts.yaml"))
+    assert by_name["prompts"].command == (
+        *cli,
+        "prompts",
+        "--preset",
+        str(config / "prompts.yaml"),
+        "--watch",
+    )
     assert by_name["worker-1"].command == (
         *cli,
         "rollout",
@@ -138,15 +161,13 @@ def test_commands_start_each_service_from_its_file(tmp_path: Path) -> None:
 
 
 def _record(step: int, reward: float, **extra: object) -> dict[str, object]:
+    metrics = {"rollout/reward_mean": reward, "loss/entropy": 2.0 - step / 10, "loss/value": -0.004}
+    metrics |= {"loss/reg_tokens": 3.0, "rollout/staleness_mean": 0.5, "sync/seconds": 0.21}
     return {
         "step": step,
         "policy_version": step,
-        "reward_mean": reward,
-        "entropy": 2.0 - step / 10,
-        "loss": -0.004,
-        "reg_tokens": 3,
-        "staleness_mean": 0.5,
-        "sync_seconds": 0.21,
+        "time": 1.7e9 + step,
+        "metrics": metrics,
         "worker_versions": {"worker-0": step - 1, "worker-1": step},
         **extra,
     }
@@ -157,16 +178,28 @@ def _write_metrics(run_dir: Path, records: list[dict[str, object]], tail: str = 
     (run_dir / "metrics.jsonl").write_text(lines + tail)
 
 
-def test_progress_line_formats_the_last_complete_step(tmp_path: Path) -> None:
-    assert progress_line(tmp_path) is None  # before the learner's first step
-    # The learner may be mid-write: a cut last line is skipped.
-    _write_metrics(tmp_path, [_record(11, 0.2), _record(12, 0.314)], tail='{"step": 13, "rew')
+def test_progress_line_formats_a_step_row() -> None:
+    assert progress_line(None) is None  # before the learner's first step
     expected = "step 12/40 | reward 0.31 | entropy 0.80 | loss -0.004 | versions w0:11 w1:12 | sync 0.21s"
-    assert progress_line(tmp_path, max_steps=40) == expected
-    assert progress_line(tmp_path).startswith("step 12 | reward")
-    # Workers sort by number (w2 before w10); fields the learner did not write are left out.
-    _write_metrics(tmp_path, [{"step": 3, "worker_versions": {"worker-10": 3, "worker-2": 2, "edge": 1}}])
-    assert progress_line(tmp_path, 5) == "step 3/5 | versions edge:1 w2:2 w10:3"
+    assert progress_line(StepMetrics.model_validate(_record(12, 0.314)), max_steps=40) == expected
+    assert progress_line(StepMetrics.model_validate(_record(12, 0.314))).startswith("step 12 | reward")
+    # Workers sort by number (w2 before w10); metrics the learner did not write are left out.
+    row = {"step": 3, "policy_version": 3, "time": 1.0, "metrics": {}}
+    row["worker_versions"] = {"worker-10": 3, "worker-2": 2, "edge": 1}
+    assert progress_line(StepMetrics.model_validate(row), 5) == "step 3/5 | versions edge:1 w2:2 w10:3"
+
+
+def test_the_progress_line_reads_the_telemetry_channel(redis_url: str, tmp_path: Path) -> None:
+    cfg = SparkSettings(run_dir=str(tmp_path), bus={"url": redis_url}, learner={"max_steps": 9})
+    stack = Stack(plan_stack(cfg, workers=1), services=["learner"])
+    assert stack.progress() is None
+    telemetry = Telemetry(RedisBus(cfg.bus))
+    for step in (1, 2):
+        telemetry.append(StepMetrics.model_validate(_record(step, 0.5)))
+    assert stack.progress() == progress_line(StepMetrics.model_validate(_record(2, 0.5)), 9)
+    assert stack.progress().startswith("step 2/9 | reward 0.50")
+    telemetry.bus.close()
+    stack.shutdown()
 
 
 def test_summarize_reports_and_writes_summary_json(tmp_path: Path) -> None:
@@ -228,7 +261,10 @@ def _fake_plan(run_dir: Path, services: dict[str, tuple[Role, str]]) -> StackPla
         specs.append(
             ServiceSpec(name, role, command, config, SparkSettings(), run_dir / "logs" / f"{name}.log")
         )
-    settings = SparkSettings(run_dir=str(run_dir), learner={"max_steps": 3})
+    # Nothing listens on port 1: the progress line finds no Redis (and never touches the system's on 6379).
+    settings = SparkSettings(
+        run_dir=str(run_dir), learner={"max_steps": 3}, bus={"url": "redis://127.0.0.1:1/0"}
+    )
     return StackPlan(run_dir, settings, tuple(specs), False)
 
 
@@ -248,7 +284,7 @@ def test_learner_exit_ends_the_run(tmp_path: Path, capsys: pytest.CaptureFixture
         stack.shutdown()
     _assert_gone([proc.pid for proc in stack.procs.values()])
     assert stack.procs["w"].returncode == -signal.SIGTERM
-    assert "step 3/3 | reward 0.50" in capsys.readouterr().out
+    assert "learner finished" in capsys.readouterr().err
 
 
 def test_dead_worker_is_tolerated_and_a_dead_service_stops_the_stack(
@@ -289,7 +325,8 @@ def test_run_stack_end_to_end_with_a_fake_learner(
         "import json, time\n"
         "for step in (1, 2, 3):\n"
         f"    with open({str(metrics)!r}, 'a') as out:\n"
-        "        out.write(json.dumps({'step': step, 'reward_mean': step / 10}) + '\\n')\n"
+        "        row = {'step': step, 'policy_version': step, 'time': 1.0 + step}\n"
+        "        out.write(json.dumps(row | {'metrics': {'rollout/reward_mean': step / 10}}) + '\\n')\n"
         "    time.sleep(0.1)\n"
     )
     plan = _fake_plan(tmp_path, {"learner": ("learner", learner), "worker-0": ("rollout", _SLEEP)})
@@ -298,5 +335,39 @@ def test_run_stack_end_to_end_with_a_fake_learner(
     assert run_stack(plan.settings, 1, None, "demo") == 0
     out = capsys.readouterr().out
     assert "sparkrl up: preset demo" in out and "3 steps" in out
+    assert f"report: {tmp_path / 'report' / 'report.md'}" in out
     assert json.loads((tmp_path / "summary.json").read_text())["reward_mean_last_20pct"] == pytest.approx(0.3)
     assert load_settings(str(tmp_path / "config" / "learner.yaml")) == plan.services[0].config
+
+
+def test_the_control_token_lives_in_a_0600_file_never_in_a_config(tmp_path: Path) -> None:
+    plan = plan_stack(load_settings(None, [f"run_dir={tmp_path}"]), workers=1)
+    write_configs(plan)
+    token_file = tmp_path / "control-token"
+    token = token_file.read_text().strip()
+    assert len(token) >= 24 and token_file.stat().st_mode & 0o777 == 0o600
+    assert all(token not in config.read_text() for config in (tmp_path / "config").iterdir())
+    control = load_settings(str(tmp_path / "config" / "control.yaml")).control
+    assert control.token is None and control.token_file == str(token_file)
+    assert plan.page_url == f"{control.url}/"
+    # The same run directory keeps its token, so scripts and open pages go on working after a restart.
+    assert plan_stack(load_settings(None, [f"run_dir={tmp_path}"]), workers=1).control_token == token
+    given = plan_stack(
+        load_settings(None, [f"run_dir={tmp_path / 'b'}", "control.token=my-token"]), workers=1
+    )
+    write_configs(given)
+    assert (tmp_path / "b" / "control-token").read_text() == "my-token\n"
+    with pytest.raises(ValueError, match=r"refusing to write control\.token"):
+        write_resolved(load_settings(None, ["control.token=abc"]), tmp_path / "x.yaml")
+
+
+def test_services_get_neither_sparkrl_nor_torch_distributed_variables(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("MASTER_PORT", "29500")  # what an in-process DeepSpeed init leaves behind
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("SPARKRL_BUS__URL", "redis://elsewhere:6379/0")
+    monkeypatch.setenv("SPARKRL_LOG_LEVEL", "DEBUG")
+    env = launcher._child_env()
+    assert "MASTER_PORT" not in env and "RANK" not in env and "SPARKRL_BUS__URL" not in env
+    assert env["SPARKRL_LOG_LEVEL"] == "DEBUG" and env["PYTHONUNBUFFERED"] == "1"

@@ -93,8 +93,19 @@ def test_the_loop_closes_workers_hold_the_learners_weights(
 
     rows = _metrics(plan.run_dir)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    assert all(math.isfinite(r["loss"]) and math.isfinite(r["entropy"]) for r in rows)
-    assert {"reward_mean", "reg_tokens", "staleness_mean", "sync_seconds", "worker_versions"} <= set(rows[-1])
+    assert all(
+        math.isfinite(r["metrics"]["loss/value"]) and math.isfinite(r["metrics"]["loss/entropy"])
+        for r in rows
+    )
+    expected = {
+        "rollout/reward_mean",
+        "loss/reg_tokens",
+        "rollout/staleness_mean",
+        "sync/seconds",
+        "explore/sparks",
+    }
+    assert expected <= set(rows[-1]["metrics"]) and "worker_versions" in rows[-1]
+    assert rows[-1]["hparams"]["loss"] == "lp_reg" and rows[-1]["hparams"]["lr"] == pytest.approx(1e-4)
 
     # Every fed prompt's group was trained exactly once, and nothing is left unacknowledged.
     trained = _trained_ids(plan.run_dir)
@@ -132,7 +143,7 @@ def test_a_worker_dies_another_joins_training_goes_on(
         tiny_model_dir,
         tmp_path / "run",
         f"learner.max_steps={steps}",
-        "learner.sync.timeout_s=8",
+        "sync.timeout_s=8",
         "prompts.count=400",
     )
     plan = plan_stack(cfg, workers=3, private_redis=True)

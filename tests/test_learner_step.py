@@ -17,7 +17,13 @@ from sparkrl.services.common.settings import load_settings
 from sparkrl.services.learner.batch import micro_batches, samples_from_groups
 from sparkrl.services.learner.checkpoint import TrainState, cpu_weights, save_checkpoint
 from sparkrl.services.learner.losses import POLICY_LOSSES
-from sparkrl.services.learner.trainer import build_engine, init_distributed, old_policy, train_step
+from sparkrl.services.learner.trainer import (
+    build_engine,
+    init_distributed,
+    old_policy,
+    token_logp_and_entropy,
+    train_step,
+)
 
 VOCAB = 260  # the tiny model's byte-level vocabulary
 
@@ -56,6 +62,45 @@ def test_micro_batches_respect_the_token_budget() -> None:
     batches = micro_batches(samples, token_budget=64, pad_id=0)
     assert sum(mb.input_ids.shape[0] for mb in batches) == len(samples)
     assert all(mb.input_ids.numel() <= 64 or mb.input_ids.shape[0] == 1 for mb in batches)
+
+
+def test_the_output_projection_runs_from_the_first_target_only_and_matches_the_full_pass(
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    model = load_model(tiny_model_dir)
+    (mb,) = micro_batches(samples_from_groups(_groups(2)), token_budget=10_000, pad_id=0)
+    assert int(mb.mask.any(0).nonzero()[0]) > 0, "the prompt should leave positions to skip"
+    logp, entropy, logits = token_logp_and_entropy(model, mb, entropy_grad=False)
+    full = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1].float()
+    full_logp_all = torch.log_softmax(full / mb.temperature, dim=-1)
+    want = full_logp_all.gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
+    torch.testing.assert_close(logp[mb.mask], want[mb.mask], atol=1e-5, rtol=1e-5)
+    want_entropy = -(full_logp_all.exp() * full_logp_all).sum(-1)
+    torch.testing.assert_close(entropy[mb.mask], want_entropy[mb.mask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[mb.mask], (full / mb.temperature)[mb.mask], atol=1e-5, rtol=1e-5)
+    assert logp.shape == entropy.shape == mb.mask.shape and logits.shape[:2] == mb.mask.shape
+    assert logp.requires_grad and not entropy.requires_grad  # a measurement only, unless the loss needs it
+    _, with_grad, _ = token_logp_and_entropy(model, mb, entropy_grad=True)
+    assert with_grad.requires_grad
+
+
+def test_bf16_autocast_trains_close_to_float32(tiny_model_dir: Path) -> None:  # noqa: F811
+    overrides = ["learner.lr=1e-3", "learner.autocast=bfloat16", "learner.attention=eager"]
+    cfg = load_settings("smoke", overrides).learner
+    init_distributed(cfg)
+    engine = build_engine(load_model(tiny_model_dir, attention=cfg.attention), cfg)
+    batches = micro_batches(samples_from_groups(_groups(3)), cfg.micro_batch_tokens, pad_id=0)
+    exact, _, _ = token_logp_and_entropy(engine.module, batches[0])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed, _, _ = token_logp_and_entropy(engine.module, batches[0])
+    assert mixed.dtype == torch.float32  # log-probs are taken in float32 whatever the matmuls ran in
+    # bf16 matmuls: a few per cent on the log-probs (more on rare tokens, whose log-probs are large).
+    torch.testing.assert_close(mixed[batches[0].mask], exact[batches[0].mask], atol=0.05, rtol=0.05)
+    before = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+    stats = train_step(engine, batches, [old_policy(engine.module, mb, cfg) for mb in batches], cfg)
+    assert np.isfinite(stats["loss"]) and stats["grad_norm"] > 0
+    assert all(p.dtype == torch.float32 for p in engine.module.parameters())  # master weights stay fp32
+    assert not [n for n, p in engine.module.named_parameters() if torch.equal(p, before[n])]
 
 
 @pytest.mark.parametrize("loss_name", sorted(POLICY_LOSSES))

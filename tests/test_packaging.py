@@ -45,6 +45,9 @@ def test_wheel_contains_every_module(wheel: Path) -> None:
     assert not missing, f"wheel lacks {sorted(missing)}"
     assert "sparkrl/__init__.py" in contents
     assert any(name.startswith("sparkrl/proto/schema/") and name.endswith(".json") for name in contents)
+    static = REPO / "services" / "control" / "static"
+    pages = {"sparkrl/services/control/static/" + p.name for p in static.iterdir()}
+    assert "sparkrl/services/control/static/index.html" in pages and pages <= contents
 
 
 def test_wheel_imports_outside_the_checkout(wheel: Path, tmp_path: Path) -> None:

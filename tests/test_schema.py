@@ -16,6 +16,11 @@ EXPECTED_FILES = {
     "ControlCommand.schema.json",
     "WorkerStatus.schema.json",
     "LearnerStatus.schema.json",
+    "ControlState.schema.json",
+    "StepMetrics.schema.json",
+    "SyncEvent.schema.json",
+    "CommandResult.schema.json",
+    "StateEvent.schema.json",
 }
 
 

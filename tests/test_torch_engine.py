@@ -115,6 +115,26 @@ def test_max_new_tokens_gives_length(engine: TorchEngine) -> None:
         assert c.finish_reason == ("stop" if ended_by_eos else "length")
 
 
+def test_min_new_tokens_holds_eos_back_but_not_the_log_probs(engine: TorchEngine) -> None:
+    eos = engine.tokenizer.eos_token_id
+    free = SamplingSettings(n=8, max_new_tokens=40, seed=3)
+    assert any(c.finish_reason == "stop" for g in engine.generate(prompt_ids(engine), free) for c in g)
+    fixed = SamplingSettings(n=8, max_new_tokens=40, min_new_tokens=40, seed=3)
+    completions = [c for group in engine.generate(prompt_ids(engine), fixed) for c in group]
+    assert all(c.num_tokens == 40 and c.finish_reason == "length" for c in completions)
+    assert all(eos not in c.token_ids.tolist() for c in completions)
+    # EOS is masked out of the sampling only: the recorded log-probs are the model's, EOS among them.
+    prompt = prompt_ids(engine)[0]
+    expected = teacher_forced(engine, prompt, completions[0], T=1.0)  # [40, V]
+    np.testing.assert_allclose(completions[0].topk_logprobs, expected.topk(20).values.numpy(), atol=1e-4)
+    sampled = expected.gather(1, torch.from_numpy(completions[0].token_ids).long()[:, None]).squeeze(1)
+    np.testing.assert_allclose(completions[0].logprobs, sampled.numpy(), atol=1e-4)
+    with pytest.raises(ValueError, match="exceeds max_new_tokens"):
+        SamplingSettings(max_new_tokens=8, min_new_tokens=9)
+    with pytest.raises(ValueError, match="stop strings"):
+        SamplingSettings(max_new_tokens=8, min_new_tokens=8, stop=["+"])
+
+
 def test_seed_reproduces_and_varies(engine: TorchEngine) -> None:
     def run(seed: int | None) -> list[list[int]]:
         sampling = SamplingSettings(n=4, max_new_tokens=8, seed=seed)

@@ -1,0 +1,116 @@
+"""Helpers of the fault-injection tests: start the real stack, break a part, check the invariant.
+
+The invariant, after the run (and any resume): the set of group ids the model was trained on equals the
+set of groups published, each exactly once, and the last checkpoint's `trainer_state` agrees. "Trained
+on" is the run's current history: `trained_groups.jsonl` keeps every step it did, including the ones a
+crash rolled back and the resume redid; for each step the last record is the one the model reflects.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import redis as redis_lib
+
+from sparkrl.launcher import Stack
+from sparkrl.plan import StackPlan
+from sparkrl.services.common.bus import RedisBus
+from sparkrl.services.common.settings import SparkSettings, load_settings
+
+
+def settings(model_dir: Path, run_dir: Path, *overrides: str) -> SparkSettings:
+    return load_settings(
+        "smoke",
+        [
+            f"model={model_dir}",
+            f"run_dir={run_dir}",
+            "learner.max_staleness=1000",  # nothing is dropped as stale: every published group is trained
+            "bus.trajectory_maxlen=12",  # the workers stay close to the learner
+            "bus.claim_idle_ms=2000",  # prompts of a dead worker come back quickly
+            *overrides,
+        ],
+    )
+
+
+def wait(what: str, condition: Callable[[], bool], run_dir: Path, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            logs = "\n".join(
+                f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+                for log in sorted((run_dir / "logs").glob("*.log"))
+            )
+            pytest.fail(f"timed out after {timeout_s:.0f}s waiting for {what}\n{logs}")
+        time.sleep(0.2)
+
+
+def steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
+    return steps[-1] if steps else 0
+
+
+def kill9(stack: Stack, name: str) -> None:
+    os.killpg(stack.procs[name].pid, signal.SIGKILL)
+    stack.procs[name].wait(10)
+
+
+@dataclass(frozen=True)
+class History:
+    """The run's current history from its audit trail: step → group ids (the last record of each step)."""
+
+    steps: dict[int, list[str]]
+    records: int  # records in the file (more than steps when a resume redid some)
+
+    @classmethod
+    def read(cls, run_dir: Path) -> History:
+        lines = [json.loads(line) for line in (run_dir / "trained_groups.jsonl").read_text().splitlines()]
+        steps: dict[int, list[str]] = {}
+        for record in lines:  # a later record of a step supersedes the one a crash rolled back
+            steps[record["step"]] = record["group_ids"]
+        return cls(steps, len(lines))
+
+    @property
+    def group_ids(self) -> list[str]:
+        return [gid for step in sorted(self.steps) for gid in self.steps[step]]
+
+
+def published_group_ids(cfg: SparkSettings) -> set[str]:
+    """Every group id the bus accepted (its dedup marks)."""
+    client = redis_lib.Redis.from_url(cfg.bus.url)
+    prefix = f"{cfg.bus.namespace}:published:trajectories:"
+    ids = {key.decode()[len(prefix) :] for key in client.scan_iter(match=prefix + "*", count=1000)}
+    client.close()
+    return ids
+
+
+def assert_exactly_once(plan: StackPlan, expected_steps: int, groups: set[str] | None = None) -> History:
+    """The invariant; `groups`: the published set when the bus's marks cannot tell (it lost them)."""
+    history = History.read(plan.run_dir)
+    assert sorted(history.steps) == list(range(1, expected_steps + 1)), "a step is missing from the history"
+    trained = history.group_ids
+    assert len(trained) == len(set(trained)), "a group was trained twice"
+    published = groups if groups is not None else published_group_ids(plan.settings)
+    assert set(trained) == published, (
+        f"trained {len(set(trained))} of {len(published)} published groups; "
+        f"missing {sorted(published - set(trained))[:5]}, extra {sorted(set(trained) - published)[:5]}"
+    )
+    latest = (plan.run_dir / "checkpoints" / "latest").read_text().strip()
+    state = json.loads((plan.run_dir / "checkpoints" / latest / "trainer_state.json").read_text())
+    assert (state["step"], state["groups_trained"]) == (expected_steps, len(trained))
+    assert state["trained_group_ids"] == history.steps[expected_steps]
+    return history
+
+
+def pending_trajectories(cfg: SparkSettings) -> int:
+    with RedisBus(cfg.bus) as bus:
+        return bus.pending_info("trajectories").pending

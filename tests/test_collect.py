@@ -1,0 +1,58 @@
+"""The learner's batch collector on a real redis-server: a burst of groups near the end of their reach
+is trained, not dropped; read-ahead is bounded; what is past reach is acknowledged and counted."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sparkrl.proto import TrajectoryGroup, encode_group
+from sparkrl.proto.testing import random_group
+from sparkrl.services.common.bus import RedisBus
+from sparkrl.services.common.settings import BusSettings, LearnerSettings
+from sparkrl.services.learner.collect import BatchCollector
+from sparkrl.services.learner.validate import ModelLimits
+
+LIMITS = ModelLimits(vocab_size=260, max_len=None, needs_topk=True)
+
+
+def sampled_by(seed: int, version: int) -> TrajectoryGroup:
+    g = random_group(np.random.default_rng(seed), n=2, T=4, k=4, vocab_size=260, max_new_tokens=8)
+    completions = [
+        c.model_copy(update={"policy_versions": np.full_like(c.policy_versions, version)})
+        for c in g.completions
+    ]
+    return g.model_copy(update={"completions": completions})
+
+
+def collector(bus: RedisBus) -> BatchCollector:
+    cfg = LearnerSettings(prompts_per_step=4, max_staleness=2)
+    return BatchCollector(bus, cfg, LIMITS)
+
+
+def test_a_burst_at_the_edge_of_reach_joins_the_step(bus_settings: BusSettings) -> None:
+    with RedisBus(bus_settings.model_copy(update={"trajectory_maxlen": 64})) as bus:
+        old = [sampled_by(i, 0) for i in range(10)]  # would be too stale after a step at version 2
+        new = [sampled_by(100 + i, 2) for i in range(6)]
+        for g in new[:2] + old + new[2:]:
+            assert bus.publish_group(g.group_id, encode_group(g))
+        c = collector(bus)
+        assert c.reach == 12  # (max_staleness + 1) steps of 4
+        batch = c.fill(2, lambda: False)
+        assert batch is not None and batch.dropped_stale == 0
+        # The 10 old groups all go now (4 + 6 that could not wait), oldest first; read-ahead stopped at 12.
+        assert {g.group_id for g in batch.groups} == {g.group_id for g in old}
+        assert [g.group_id for g in c.groups] == [g.group_id for g in new[:2]]
+        assert bus.pending_info("trajectories").lag == 4  # the rest wait in the stream
+        nxt = c.fill(3, lambda: False)
+        assert nxt is not None and {g.group_id for g in nxt.groups} == {g.group_id for g in new[:4]}
+
+
+def test_groups_past_reach_are_acknowledged_and_counted(bus_settings: BusSettings) -> None:
+    with RedisBus(bus_settings) as bus:
+        groups = [sampled_by(i, 0) for i in range(3)] + [sampled_by(10 + i, 5) for i in range(4)]
+        for g in groups:
+            assert bus.publish_group(g.group_id, encode_group(g))
+        batch = collector(bus).fill(5, lambda: False)
+        assert batch is not None and batch.dropped_stale == 3
+        assert {g.group_id for g in batch.groups} == {g.group_id for g in groups[3:]}
+        assert bus.pending_info("trajectories").pending == 4  # the stale ones are acked, not pending

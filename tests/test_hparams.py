@@ -1,0 +1,81 @@
+"""Live hyperparameters: names, bounds taken from the settings models, all-or-nothing application."""
+
+from __future__ import annotations
+
+import pytest
+
+from sparkrl.proto import HyperparameterPatch
+from sparkrl.services.common import hparams
+from sparkrl.services.common.hparams import HparamError, apply_learner, apply_sampling, check
+from sparkrl.services.common.settings import LearnerSettings, SamplingSettings
+
+
+def test_the_patch_model_names_exactly_the_live_hyperparameters() -> None:
+    assert set(HyperparameterPatch.model_fields) == set(hparams.ALL_NAMES)
+    assert HyperparameterPatch(lr=1e-5, temperature=0.9).values() == {"lr": 1e-5, "temperature": 0.9}
+    with pytest.raises(ValueError, match="at least one"):
+        HyperparameterPatch()
+    with pytest.raises(ValueError):
+        HyperparameterPatch(lr=float("inf"))
+    with pytest.raises(ValueError):
+        HyperparameterPatch.model_validate({"learning_rate": 1e-5})
+
+
+def test_in_force_lists_the_active_loss_and_its_parameters() -> None:
+    cfg = LearnerSettings()
+    values = hparams.learner_hparams(cfg)
+    assert values == {
+        "lr": 1e-6,
+        "max_staleness": 4,
+        "kappa": 0.02,
+        "loss": "lp_reg",
+        "rho": 0.01,
+        "rho_pos": 0.0,
+        "beta": 1.0,
+        "clip_low": 1.0,
+        "clip_high": 9.0,
+    }
+    grpo = LearnerSettings.model_validate({"loss": {"name": "grpo"}})
+    assert hparams.learner_hparams(grpo)["loss"] == "grpo" and "beta" not in hparams.learner_hparams(grpo)
+
+
+def test_bounds_come_from_the_settings_models() -> None:
+    problems = {p.name: p for p in check({"lr": 0, "beta": -1, "rho": 2, "max_staleness": 1.5}, "lp_reg")}
+    assert problems["lr"].msg == "Input should be greater than 0"
+    assert problems["beta"].msg == "Input should be greater than or equal to 0"
+    assert problems["rho"].msg == "Input should be less than or equal to 1"
+    assert problems["max_staleness"].type == "int_from_float"
+    assert problems["beta"].as_error() == {
+        "type": "greater_than_equal",
+        "loc": ["body", "beta"],
+        "msg": "Input should be greater than or equal to 0",
+        "input": -1,
+    }
+    assert check({"temperature": 0}, None)[0].msg == "Input should be greater than 0"
+    assert check({"lr": 3e-4, "beta": 0.5, "temperature": 0.9, "top_p": 0.95}, "lp_reg") == []
+
+
+def test_names_must_exist_and_belong_to_the_active_loss() -> None:
+    [unknown] = check({"learning_rate": 1.0}, "lp_reg")
+    assert unknown.type == "unknown" and "known: lr" in unknown.msg
+    [foreign] = check({"entropy_coef": 0.01}, "lp_reg")
+    assert foreign.type == "not_a_loss_parameter" and "(its parameters: rho, rho_pos, beta" in foreign.msg
+    assert check({"entropy_coef": 0.01}, "entropy_bonus") == []
+    assert check({"entropy_coef": 0.01}, None) == []  # loss unknown: some loss has it
+    [kind] = check({"lr": True}, None)
+    assert kind.type == "number_type"  # not 1.0: pydantic's lax mode would take a bool
+
+
+def test_apply_is_all_or_nothing() -> None:
+    cfg = LearnerSettings()
+    with pytest.raises(HparamError, match="beta"):
+        apply_learner(cfg, {"lr": 1e-3, "beta": -1})
+    assert cfg.lr == 1e-6 and cfg.loss.beta == 1.0  # nothing changed
+    applied = apply_learner(cfg, {"lr": 1e-3, "beta": 0.5, "kappa": 0.05, "temperature": 0.5})
+    assert applied == {"lr": 1e-3, "beta": 0.5, "kappa": 0.05}  # the worker's value is not the learner's
+    assert (cfg.lr, cfg.loss.beta, cfg.proxy_kappa) == (1e-3, 0.5, 0.05)
+    sampling = SamplingSettings()
+    assert apply_sampling(sampling, {"temperature": 0.7, "lr": 1.0}) == {"temperature": 0.7}
+    with pytest.raises(HparamError, match="top_p"):
+        apply_sampling(sampling, {"temperature": 0.9, "top_p": 1.5})
+    assert sampling.temperature == 0.7

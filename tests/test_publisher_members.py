@@ -1,0 +1,78 @@
+"""Who a broadcast goes to: live heartbeats, minus workers shutting down, recently failed, or whose loop
+makes no progress while their heartbeat thread lives; and why each previous member is out."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from sparkrl.proto import WorkerStatus
+from sparkrl.services.common.bus import RedisBus
+from sparkrl.services.common.settings import BusSettings, WeightSyncSettings
+from sparkrl.services.common.telemetry import Telemetry
+from sparkrl.services.learner.publisher import WeightPublisher
+
+
+def status(
+    worker_id: str, state: str = "generating", progress_age_s: float = 0.0, started_at: float | None = None
+) -> WorkerStatus:
+    now = time.time()
+    return WorkerStatus(
+        started_at=started_at,
+        worker_id=worker_id,
+        engine="torch",
+        state=state,
+        tokens_per_s=1.0,
+        groups_published=0,
+        prompts_in_flight=0,
+        progress_at=now - progress_age_s,
+        heartbeat_at=now,
+    )
+
+
+def test_members_and_why_the_others_are_out(bus_settings: BusSettings, tmp_path: Path) -> None:
+    bus = RedisBus(bus_settings)
+    telemetry = Telemetry(bus)
+    from conftest import free_port
+
+    cfg = WeightSyncSettings(port=free_port(), progress_timeout_s=30.0)
+    publisher = WeightPublisher(telemetry, cfg, tmp_path)
+    for worker in (status("a"), status("b"), status("c", progress_age_s=120), status("d", state="stopping")):
+        telemetry.put_worker(worker, ttl_s=30)
+    members, dropped = publisher.choose_members()
+    assert members == ("a", "b")  # c's heartbeat lives but its loop is stuck; d is shutting down
+    assert "no progress" in publisher.excluded["c"][1]
+    publisher.members = ("a", "b", "c", "d", "e")  # the previous broadcast's
+    members, dropped = publisher.choose_members()
+    assert dropped == {
+        "c": "left out until it recovers: no progress in its loop (hung generation?)",
+        "d": "stopping",
+        "e": "heartbeat expired",
+    }
+    publisher.sender.close()
+    bus.close()
+
+
+def test_a_restarted_worker_under_the_same_id_is_admitted_again(
+    bus_settings: BusSettings, tmp_path: Path
+) -> None:
+    """A container restarted in place keeps its id (hostname-pid, pid 1): its new incarnation is admitted
+    at once; the same incarnation coming back (a SIGSTOP lifted) waits out its exclusion."""
+    from conftest import free_port
+
+    bus = RedisBus(bus_settings)
+    telemetry = Telemetry(bus)
+    publisher = WeightPublisher(telemetry, WeightSyncSettings(port=free_port()), tmp_path)
+    telemetry.put_worker(status("w", started_at=100.0), ttl_s=30)
+    telemetry.put_worker(status("z", started_at=100.0), ttl_s=30)
+    assert publisher.choose_members()[0] == ("w", "z")
+    fleet = telemetry.workers()
+    publisher._exclude("w", time.monotonic() + 600, "its heartbeat expired mid-broadcast", fleet)
+    publisher._exclude("z", time.monotonic() + 600, "stragglers cut off", fleet)
+    telemetry.put_worker(status("z", started_at=100.0), ttl_s=30)  # the same process, back
+    telemetry.put_worker(status("w", started_at=200.0), ttl_s=30)  # a new process, same id
+    members, _ = publisher.choose_members()
+    assert members == ("w",)
+    assert "z" in publisher.excluded and "w" not in publisher.excluded
+    publisher.sender.close()
+    bus.close()

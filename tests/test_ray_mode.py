@@ -1,0 +1,114 @@
+"""`sparkrl up --ray` on a local Ray (2 CPUs): the learner and the workers are Ray actors, the reward
+service a Ray Serve deployment. One worker actor's process is killed mid-run: Ray restarts it and it joins
+the broadcast group again while training goes on; then `sparkrl stop` ends the run cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+
+ray = pytest.importorskip("ray", reason="Ray mode needs the `ray` extra (pip install 'sparkrl[ray]')")
+
+pytestmark = pytest.mark.slow
+
+MAX_STEPS = 100_000  # the run ends by `sparkrl stop` once the restarted worker is back, whatever the pace
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _logs(run_dir: Path) -> str:
+    return "\n".join(
+        f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-15:])
+        for log in sorted((run_dir / "logs").glob("*.log"))
+    )
+
+
+def test_worker_actors_are_restarted_and_rejoin(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"model={tiny_model_dir}",
+        f"learner.max_steps={MAX_STEPS}",
+        "learner.max_staleness=1000",
+        "prompts.count=20000",
+        "sync.timeout_s=10",
+        "bus.claim_idle_ms=2000",
+        "ray.num_cpus=2",
+        "ray.learner.num_cpus=0.5",
+        "ray.rollout.num_cpus=0.5",
+        "ray.reward.num_cpus=0.25",
+    ]
+    command = [sys.executable, "-m", "sparkrl.cli", "up", "--ray", "--preset", "smoke", "--workers", "2"]
+    command += ["--run-dir", str(run_dir)] + [a for o in overrides for a in ("--set", o)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_")}
+    env["RAY_AUTH_MODE"] = "disabled"
+    out = (tmp_path / "up.log").open("wb")
+    driver = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        # Wait for a few steps, then SIGKILL worker-0's actor process (its id carries the pid).
+        deadline = time.monotonic() + 400
+        victim: int | None = None
+        while victim is None:
+            assert driver.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+            rows = _read_jsonl(run_dir / "metrics.jsonl")
+            syncs = _read_jsonl(run_dir / "weights.jsonl")
+            members = {m for e in syncs if e["outcome"] == "ok" for m in e["acknowledged"]}
+            first = [m for m in members if m.startswith("worker-0.")]
+            if rows and rows[-1]["step"] >= 3 and first:
+                victim = int(first[0].rsplit(".", 1)[1])
+            elif time.monotonic() > deadline:
+                pytest.fail(f"no step 3 with worker-0 in the group\n{_logs(run_dir)}")
+            else:
+                time.sleep(0.5)
+        step_at_kill = _read_jsonl(run_dir / "metrics.jsonl")[-1]["step"]
+        os.kill(victim, signal.SIGKILL)
+        reborn: set[str] = set()
+        deadline = time.monotonic() + 300
+        while not reborn:
+            assert driver.poll() is None, (tmp_path / "up.log").read_text()[-3000:]
+            if time.monotonic() > deadline:
+                pytest.fail(f"no restarted worker-0 joined the broadcast group\n{_logs(run_dir)}")
+            syncs = _read_jsonl(run_dir / "weights.jsonl")
+            reborn = {
+                m
+                for e in syncs
+                if e["outcome"] == "ok"
+                for m in e["acknowledged"]
+                if m.startswith("worker-0.") and m != f"worker-0.{victim}"
+            }
+            time.sleep(0.5)
+        stopped = subprocess.run(
+            [sys.executable, "-m", "sparkrl.cli", "stop", "--run-dir", str(run_dir)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
+        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        code = driver.wait(timeout=300)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGINT)
+            driver.wait(60)
+    text = (tmp_path / "up.log").read_text()
+    assert code == 0, f"{text[-3000:]}\n{_logs(run_dir)}"
+    rows = _read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # training never stopped
+    assert rows[-1]["step"] > step_at_kill  # and went on after the kill
+    syncs = _read_jsonl(run_dir / "weights.jsonl")
+    joined = [e["version"] for e in syncs if e["outcome"] == "ok" and reborn & set(e["acknowledged"])]
+    assert joined and min(joined) > step_at_kill  # the restarted worker followed the live learner
+    log = (run_dir / "logs" / "worker-0.log").read_text()
+    assert "restarted by Ray" in log
+    assert "Ray Serve" in text  # the reward service ran as a Serve deployment

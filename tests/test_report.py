@@ -1,0 +1,146 @@
+"""`sparkrl report`: charts and summary from a synthetic run directory (resume, live lr change, nulls, a cut
+last line), with and without weights.jsonl, and the errors a user sees before the first step."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sparkrl.report import write_report
+
+CHARTS = ("reward", "entropy", "reg_tokens", "sparks", "worker_versions", "sync_seconds")
+T0 = 1_764_570_000.0
+
+
+def _row(step: int, reward: float | None, *, t: float, **metrics: float | None) -> dict[str, Any]:
+    return {
+        "schema_version": 1,
+        "step": step,
+        "policy_version": step,
+        "time": t,
+        "metrics": {
+            "loss/value": -0.004,
+            "loss/entropy": 2.0 - step / 30,
+            "loss/reg_tokens": float(step % 7),
+            "explore/sparks": float(step % 5),
+            "rollout/reward_mean": reward,
+            "sync/seconds": 0.2 + step / 100,
+            **metrics,
+        },
+        "worker_versions": {"worker-0": step - 1 if step > 1 else None, "worker-1": max(0, step - 2)},
+        "hparams": {"lr": 0.0003 if step < 15 else 0.0001, "beta": 1.0, "loss": "lp_reg"},
+    }
+
+
+def _reward(step: int) -> float | None:
+    return None if step == 2 else step / 30
+
+
+def _write_metrics(run: Path) -> None:
+    """Steps 1–20, then a resume from step 15 redoes 16–30; the first pass's 16–20 must not count."""
+    rows = [_row(s, _reward(s), t=T0 + s) for s in range(1, 21)]
+    rows[16]["metrics"]["rollout/reward_mean"] = 99.0  # step 17, first pass: superseded
+    rows += [_row(s, _reward(s), t=T0 + 100 + s) for s in range(16, 31)]
+    rows[6]["metrics"]["loss/entropy"] = None  # step 7: not finite
+    del rows[8]["metrics"]["loss/reg_tokens"]  # step 9: not measured
+    text = "".join(json.dumps(row) + "\n" for row in rows)
+    (run / "metrics.jsonl").write_text(text + json.dumps(_row(31, 0.5, t=T0 + 200))[:40])
+
+
+def _write_weights(run: Path) -> None:
+    events = [{"version": 0, "outcome": "no_members", "seconds": None}]
+    events += [{"version": v, "outcome": "ok", "seconds": 0.1 + v / 100} for v in range(1, 31) if v != 10]
+    events.append({"version": 10, "outcome": "failed", "phase": "transfer", "error": "nccl timeout"})
+    lines = []
+    for event in events:
+        base = {"epoch": 1, "announced_at": T0, "bytes": 1234, "buckets": 2, "members": ["worker-0"]}
+        if event["outcome"] == "failed":
+            base["dropped"] = {"worker-1": "did not join in time"}
+        lines.append(json.dumps({**base, **event}))
+    (run / "weights.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def _assert_png(path: Path) -> None:
+    import matplotlib.image
+
+    data = path.read_bytes()
+    assert data[:4] == b"\x89PNG" and len(data) > 1000, path
+    image = matplotlib.image.imread(path)
+    assert image.ndim == 3 and image.shape[0] > 200 and image.shape[1] > 200 and image.shape[2] in (3, 4)
+
+
+def test_report_charts_and_summary(tmp_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    run = tmp_path / "run-a"
+    run.mkdir()
+    _write_metrics(run)
+    _write_weights(run)
+    report = write_report(run)
+    assert report == run / "report" / "report.md"
+    text = report.read_text()
+    assert text.startswith("# Run report: run-a")
+    for chart in CHARTS:
+        assert f"]({chart}.png)" in text
+        _assert_png(report.parent / f"{chart}.png")
+    assert "no data" not in text
+    assert plt.get_fignums() == []  # every figure closed
+
+    early = (1 + 3 + 4 + 5 + 6) / 30 / 5  # first 6 of 30 steps; step 2's reward is null
+    late = sum(range(25, 31)) / 30 / 6
+    assert f"first 6 steps {early:.3f} → last 6 steps {late:.3f}" in text
+    assert "lr: 0.0003 → 0.0001 at step 15" in text
+    assert text.count("→") == 2  # the reward means and the one hparam change: beta/loss never changed
+    assert "30 (steps 1–30; 5 rows superseded by a resume)" in text
+    assert "| wall time | 2m 09s |" in text  # step 1 at T0+1, redone step 30 at T0+130
+    assert "| final entropy | 1 |" in text
+    assert "| final policy version | 30 |" in text
+    assert "worker-0: 29, worker-1: 28" in text
+    assert "ok 29, failed 1, no_members 1" in text
+    assert "lr=0.0001" in text and "loss=lp_reg" in text
+    assert "Skipped 1 unreadable line" in text  # the cut last line
+
+
+def test_report_without_weights_or_workers(tmp_path: Path) -> None:
+    rows = [_row(s, _reward(s), t=T0 + s) for s in range(1, 11)]
+    for row in rows:
+        row["worker_versions"] = {}
+        del row["metrics"]["loss/reg_tokens"], row["metrics"]["explore/sparks"]  # runs from before explore/
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    stale = tmp_path / "report" / "reg_tokens.png"
+    stale.parent.mkdir()
+    stale.write_bytes(b"old")
+
+    text = write_report(tmp_path).read_text()
+    _assert_png(tmp_path / "report" / "sync_seconds.png")
+    assert "](sync_seconds.png)" in text and "`sync/seconds`" in text
+    assert "_no data for reg_tokens_" in text and "_no data for worker_versions_" in text
+    assert "_no data for sparks_" in text
+    assert not stale.exists() and not (tmp_path / "report" / "worker_versions.png").exists()
+    assert "| broadcasts | no weights.jsonl |" in text
+    assert "| hyperparameter changes | none |" in text
+
+
+def test_report_errors(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        write_report(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match=r"metrics\.jsonl not found"):
+        write_report(tmp_path)
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text("")
+    with pytest.raises(ValueError, match="the learner has not finished a step yet") as empty:
+        write_report(tmp_path)
+    assert f"no steps in {metrics}" in str(empty.value)
+    metrics.write_text('{"schema_version": 1, "step": 1, "pol')
+    with pytest.raises(ValueError, match=r"1 unreadable lines skipped"):
+        write_report(tmp_path)
+
+
+def test_import_is_cheap() -> None:
+    code = "import sys, sparkrl.report; assert 'matplotlib' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,60 @@
+"""One run per directory: `sparkrl up` refuses a directory holding an earlier run (before anything is
+spawned) unless it resumes it or is told to overwrite it; and a learner that finds versions it cannot
+rebuild retires them under numbers its own weights never carry."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparkrl.plan import earlier_run, prepare_run_dir
+from sparkrl.services.learner.checkpoint import TrainState
+from sparkrl.services.learner.resume import void_discarded_versions
+
+
+def _earlier(run_dir: Path) -> None:
+    (run_dir / "checkpoints").mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+
+
+def test_a_second_run_in_the_same_directory_is_refused_resumed_or_overwritten(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    prepare_run_dir(run_dir, resume=False, overwrite=False)  # nothing there: fine
+    _earlier(run_dir)
+    with pytest.raises(ValueError, match=r"--resume.*--overwrite"):
+        prepare_run_dir(run_dir, resume=False, overwrite=False)
+    prepare_run_dir(run_dir, resume=True, overwrite=False)  # continuing it is what --resume is for
+    assert earlier_run(run_dir) == ["metrics.jsonl", "checkpoints"]
+    prepare_run_dir(run_dir, resume=False, overwrite=True)
+    assert not run_dir.exists()
+
+
+def _said(done: subprocess.CompletedProcess[str]) -> str:
+    """The error without the terminal box it is drawn in (which wraps its lines)."""
+    return " ".join(re.sub("[│╭╮╰╯─]", " ", done.stderr).split())
+
+
+def test_the_command_says_what_to_do_and_spawns_nothing(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    _earlier(run_dir)
+    command = [sys.executable, "-m", "sparkrl.cli", "up", "--preset", "smoke", "--run-dir", str(run_dir)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "holds an earlier run" in _said(done)
+    assert not (run_dir / "logs").exists() and not (run_dir / "config").exists()
+    both = subprocess.run([*command, "--resume", "--overwrite"], capture_output=True, text=True, timeout=120)
+    assert both.returncode == 2 and "pick one" in _said(both)
+
+
+def test_retired_versions_never_include_the_one_the_learner_announces() -> None:
+    state = TrainState(policy_version=50)
+    void_discarded_versions(state, announced=200)  # 51..200 were announced by weights now lost
+    assert state.void_versions == [[51, 200]]
+    assert state.policy_version == 201  # the weights in hand go out as 201: their groups are trained
+    assert not any(lo <= state.policy_version <= hi for lo, hi in state.void_versions)
+    unchanged = TrainState(policy_version=7)
+    void_discarded_versions(unchanged, announced=7)
+    assert unchanged.void_versions == [] and unchanged.policy_version == 7

@@ -1,0 +1,103 @@
+"""The learner's start-up guards, on real processes: a build lock left by a killed DeepSpeed compile is
+named and cleared; a start that waits on a lock a live build holds ends, past its timeout, with an error
+that names the lock (instead of waiting silently for ever and ignoring SIGTERM)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from conftest import free_port
+
+from sparkrl.services.learner.startup import clear_stale_locks, extensions_dir
+
+pytestmark = pytest.mark.slow
+
+
+def test_only_locks_no_process_builds_under_are_cleared(tmp_path: Path) -> None:
+    stale, busy = tmp_path / "stale_op", tmp_path / "busy_op"
+    for folder in (stale, busy):
+        folder.mkdir()
+        (folder / "lock").touch()
+    builder = subprocess.Popen(["sleep", "30"], cwd=busy)  # what a compiler in that folder looks like
+    try:
+        assert clear_stale_locks(tmp_path) == [stale / "lock"]
+        assert not (stale / "lock").exists() and (busy / "lock").exists()
+    finally:
+        builder.kill()
+        builder.wait()
+
+
+@pytest.fixture
+def shm_lock() -> Iterator[Path]:
+    """The lock of the op DeepSpeed builds on a CPU learner's first start, as a killed build leaves it."""
+    folder = extensions_dir() / "deepspeed_shm_comm"
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / "lock"
+    lock.touch()
+    yield lock
+    lock.unlink(missing_ok=True)
+
+
+def _learner(model: Path, redis_url: str, tmp_path: Path, *overrides: str) -> subprocess.Popen[str]:
+    args = [f"model={model}", f"run_dir={tmp_path / 'run'}", f"bus.url={redis_url}", *overrides]
+    args += [f"sync.port={free_port()}", "sync.http_port=0"]  # never a port another run may hold
+    command = [sys.executable, "-m", "sparkrl.cli", "learner", "--preset", "smoke"]
+    for override in args:
+        command += ["--set", override]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_")}
+    return subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+
+
+def _read_until(proc: subprocess.Popen[str], marker: str, timeout_s: float) -> str:
+    seen, deadline = "", time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        if not line and proc.poll() is not None:
+            break
+        seen += line
+        if marker in seen:
+            return seen
+    raise AssertionError(f"{marker!r} not seen in {timeout_s:.0f}s; stderr:\n{seen[-3000:]}")
+
+
+def test_a_stale_build_lock_is_cleared_and_the_learner_starts(
+    tiny_model_dir: Path,  # noqa: F811
+    redis_url: str,
+    tmp_path: Path,
+    shm_lock: Path,
+) -> None:
+    proc = _learner(tiny_model_dir, redis_url, tmp_path)
+    try:
+        seen = _read_until(proc, "learner up", timeout_s=240)
+        assert f"removing a stale build lock {shm_lock}" in seen
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+
+
+def test_a_start_stuck_on_a_held_lock_ends_with_the_reason(
+    tiny_model_dir: Path,  # noqa: F811
+    redis_url: str,
+    tmp_path: Path,
+    shm_lock: Path,
+) -> None:
+    builder = subprocess.Popen(["sleep", "120"], cwd=shm_lock.parent)  # a build "under way": not stale
+    proc = _learner(tiny_model_dir, redis_url, tmp_path, "learner.startup_timeout_s=8")
+    try:
+        assert proc.wait(120) == 3
+        err = proc.stderr.read()
+        assert "did not start within 8 s (learner.startup_timeout_s)" in err
+        assert f"build locks present: {shm_lock}" in err
+    finally:
+        proc.kill()
+        builder.kill()
+        builder.wait()
