@@ -17,7 +17,7 @@ from sparkrl.proto.control import ControlCommand, ControlState
 from sparkrl.proto.group import TrajectoryGroup
 from sparkrl.proto.reward import RewardRequest, RewardResponse
 from sparkrl.proto.status import LearnerStatus, WorkerStatus
-from sparkrl.proto.telemetry import CommandResult, StateEvent, StepMetrics, SyncEvent
+from sparkrl.proto.telemetry import CommandResult, EvalRecord, StateEvent, StepMetrics, SyncEvent
 from sparkrl.proto.trajectory import Completion, Prompt
 from sparkrl.proto.weights import WeightAnnouncement
 
@@ -37,6 +37,7 @@ MESSAGES: tuple[type[BaseModel], ...] = (
     WorkerStatus,
     LearnerStatus,
     StepMetrics,
+    EvalRecord,
     SyncEvent,
     CommandResult,
     StateEvent,

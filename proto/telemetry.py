@@ -47,6 +47,11 @@ class StepMetrics(WireModel):
         description="The learner's hyperparameters in force for this step (`lr`, `beta`, `loss`, ...), "
         "so a live change is visible in the data. Writer: learner. Readers: page, report.",
     )
+    top_sparks: dict[str, int] = Field(
+        default_factory=dict,
+        description="The step's most frequent sparks (sampled tokens with p < 0.1 in correct responses), "
+        "decoded → count, at most 10. Writer: learner. Reader: report (the run's most frequent).",
+    )
 
     @field_validator("metrics")
     @classmethod
@@ -166,3 +171,25 @@ class StateEvent(WireModel):
         default=None, ge=0, description="Learner's step at the change. None for workers. Writer: learner."
     )
     at: float = Field(ge=0, description="Unix time (s) of the change. Writer: that service.")
+
+
+class EvalRecord(WireModel):
+    """One held-out evaluation of a published policy version. Writer: the evaluator (also to
+    `RUN_DIR/eval.jsonl`). Readers: control service (events), `sparkrl report`, bench/learning_quality."""
+
+    schema_version: Literal[1] = Field(
+        default=TELEMETRY_SCHEMA_VERSION, description="Wire version; readers reject others."
+    )
+    policy_version: int = Field(
+        ge=0, description="Version evaluated (0: the initial model). Writer: evaluator."
+    )
+    time: float = Field(ge=0, description="Unix time (s) the evaluation finished. Writer: evaluator.")
+    task: str = Field(min_length=1, max_length=64, description="`countdown` (held-out split) or `math`.")
+    problems: int = Field(ge=1, description="Problems evaluated.")
+    n: int = Field(ge=1, description="Samples per problem.")
+    temperature: float = Field(gt=0, description="Sampling temperature of the n samples.")
+    greedy: float = Field(ge=0, le=1, description="Accuracy of argmax decoding.")
+    pass_at: dict[str, float] = Field(
+        description="k (as text) → unbiased pass@k over the problems, for k = 1, powers of two, n."
+    )
+    seconds: float = Field(ge=0, description="How long the evaluation took.")

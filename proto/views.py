@@ -11,7 +11,7 @@ from pydantic import Field
 from sparkrl.proto.base import WireModel
 from sparkrl.proto.control import HparamValue
 from sparkrl.proto.status import LearnerStatus
-from sparkrl.proto.telemetry import CommandResult, StepMetrics, SyncEvent
+from sparkrl.proto.telemetry import CommandResult, EvalRecord, StepMetrics, SyncEvent
 
 LearnerState = Literal["starting", "training", "paused", "checkpointing", "stopping", "stopped", "unknown"]
 
@@ -104,6 +104,12 @@ class MetricsPage(WireModel):
     since: int = Field(ge=0, description="Rows have step > since.")
     rows: list[StepMetrics] = Field(description="Oldest first; at most `limit`.")
     last_step: int = Field(ge=0, description="Step of the newest row kept (0: none): pass as `since` next.")
+
+
+class EvalsPage(WireModel):
+    """`GET /api/v1/evals`: the in-training evaluator's records, oldest first (empty without `eval.every`)."""
+
+    items: list[EvalRecord] = Field(description="Oldest first; the newest `limit`.")
 
 
 class CommandResponse(WireModel):

@@ -26,6 +26,9 @@ Preset = Annotated[
 Overrides = Annotated[
     list[str] | None, typer.Option("--set", "-s", help="Override one setting: key.path=value (repeatable).")
 ]
+BusRunDir = Annotated[
+    Path | None, typer.Option("--run-dir", help="Use the Redis of this live `sparkrl up` run directory.")
+]
 
 
 def _settings(preset: str | None, overrides: list[str] | None) -> SparkSettings:
@@ -98,18 +101,35 @@ def learner(
 def prompts(
     preset: Preset = None,
     overrides: Overrides = None,
-    epochs: Annotated[int, typer.Option(min=1, help="Passes over the data; later passes get new ids.")] = 1,
+    run_dir: BusRunDir = None,
+    epochs: Annotated[
+        int | None,
+        typer.Option(min=1, help="Passes over the data (default prompts.epochs); later passes get new ids."),
+    ] = None,
     watch: Annotated[
         bool,
         typer.Option(help="Stay up after feeding and feed again what a Redis that lost its data took away."),
     ] = False,
 ) -> None:
-    """Feed a dataset (prompts.path) or the countdown generator into the prompt stream."""
+    """Feed a dataset (prompts.path) or the countdown generator into the prompt stream of the Redis named by
+    --run-dir (a live `sparkrl up`) or bus.url."""
+    if run_dir is not None:
+        preset = str(run_dir / "config" / "prompts.yaml")
     cfg = _settings(preset, overrides)
     log = setup_logging("prompts")
+    if "url" not in cfg.bus.model_fields_set:
+        # This command writes: never into a Redis it was not pointed at (6379 may be someone else's).
+        raise typer.BadParameter(
+            "say which Redis: --run-dir RUN_DIR (a live `sparkrl up`) or --set bus.url=..."
+        )
+    epochs = epochs or cfg.prompts.epochs
+    from sparkrl.services.common.bus._text import mask_password
+
+    log.info("feeding %s into %s (namespace %s)", cfg.prompts.path or "the countdown generator",
+             mask_password(cfg.bus.url), cfg.bus.namespace)  # fmt: skip
     from sparkrl.services.common.bus import RedisBus
     from sparkrl.services.common.datasets import iter_prompts
-    from sparkrl.services.common.feeder import FeedReport, feed_prompts, watch_and_refeed
+    from sparkrl.services.common.feeder import FeedReport, feed_prompts, mark_fed, watch_and_refeed
     from sparkrl.services.common.logs import stop_on_signals
     from sparkrl.services.common.recovery import ensure_incarnation, warn_if_not_persistent
 
@@ -128,6 +148,8 @@ def prompts(
                 )  # fmt: skip
                 total = FeedReport(total.published + report.published, total.duplicates + report.duplicates,
                                    total.seconds + report.seconds)  # fmt: skip
+            if not stop.is_set():
+                mark_fed(bus, total, epochs)  # all of it is in: once trained, the run is over
             return total
 
         known = ensure_incarnation(bus)  # before feeding: a wipe while the first feed blocks still counts
@@ -144,6 +166,9 @@ def up(
         int | None, typer.Option(min=1, help="Rollout worker processes (default: the preset's `workers`).")
     ] = None,
     run_dir: Annotated[str | None, typer.Option(help="Run directory (logs, metrics, checkpoints).")] = None,
+    epochs: Annotated[
+        int | None, typer.Option(min=1, help="Passes over the data (prompts.epochs); then the run ends.")
+    ] = None,
     private_redis: Annotated[
         bool | None, typer.Option(help="Start a private redis-server (default: when bus.url is not set).")
     ] = None,
@@ -164,7 +189,9 @@ def up(
 ) -> None:
     """The whole stack, until the learner finishes; Ctrl-C stops it cleanly. Separate processes, or with
     `--ray` Ray actors and a Ray Serve deployment."""
-    cfg = _settings(preset, [*(overrides or []), *([f"run_dir={run_dir}"] if run_dir else [])])
+    shortcuts = [f"run_dir={run_dir}"] if run_dir else []
+    shortcuts += [f"prompts.epochs={epochs}"] if epochs else []
+    cfg = _settings(preset, [*(overrides or []), *shortcuts])
     workers = cfg.workers if workers is None else workers
     if address is not None and not ray:
         raise typer.BadParameter("--address is for --ray: add --ray, or drop --address")
@@ -185,27 +212,61 @@ def up(
     raise typer.Exit(run_stack(cfg, workers, private_redis, preset, resume))
 
 
+@app.command()
+def evaluator(preset: Preset = None, overrides: Overrides = None) -> None:
+    """Run the in-training evaluator: every `eval.every`-th published version on held-out problems."""
+    cfg = _settings(preset, overrides)
+    log = setup_logging("evaluator")
+    from sparkrl.services.common.logs import stop_on_signals
+    from sparkrl.services.rollout.evaluator import main
+
+    main(cfg, stop_on_signals(log, "the current evaluation"))
+
+
 @app.command("eval")
 def eval_model(
     model: Annotated[Path, typer.Argument(help="A model directory, a checkpoint, or a run directory.")],
-    problems: Annotated[int, typer.Option(min=1, help="Held-out countdown problems.")] = 256,
+    task: Annotated[
+        str, typer.Option(help="countdown (the held-out split) or math (--data FILE).")
+    ] = "countdown",
+    data: Annotated[Path | None, typer.Option(help="math: a jsonl/parquet benchmark file.")] = None,
+    problems: Annotated[
+        int | None, typer.Option(min=1, help="Problems (default: countdown 256, math all).")
+    ] = None,
     n: Annotated[int, typer.Option(min=1, max=1024, help="Samples per problem (pass@k for k ≤ n).")] = 8,
     temperature: Annotated[float, typer.Option(min=0.01, help="Sampling temperature.")] = 1.0,
     max_new_tokens: Annotated[int, typer.Option(min=1, help="Longest answer, tokens.")] = 24,
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: all).")] = None,
+    preset: Annotated[
+        str | None, typer.Option(help="countdown: the difficulty of this preset's prompts.countdown.")
+    ] = None,
 ) -> None:
-    """Evaluate a model on held-out countdown problems: greedy accuracy, pass@1 and unbiased pass@k; a
-    table, then one JSON line."""
+    """Evaluate a model on held-out problems: greedy accuracy, pass@1 and unbiased pass@k; a table, then
+    one JSON line."""
     import json
 
-    from sparkrl.evaluate import evaluate, resolve_model
+    from sparkrl.evaluate import evaluate, math_tasks, resolve_model
 
     try:
         resolve_model(model)
     except FileNotFoundError as exc:
         raise typer.BadParameter(str(exc), param_hint="MODEL") from exc
-    result = evaluate(model, problems, n, temperature, max_new_tokens, seed, threads)
+    if task not in ("countdown", "math"):
+        raise typer.BadParameter(f"{task!r}: the tasks are countdown and math", param_hint="--task")
+    if (task == "math") != (data is not None):
+        raise typer.BadParameter("--data FILE goes with --task math (and only with it)", param_hint="--data")
+    tasks, difficulty = None, _settings(preset, None).prompts.countdown if preset else None
+    if data is not None:
+        from sparkrl.services.common.datasets import DatasetError
+
+        try:
+            tasks = math_tasks(data, problems)
+        except DatasetError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--data") from exc
+    result = evaluate(
+        model, problems or 256, n, temperature, max_new_tokens, seed, threads, tasks, difficulty
+    )
     typer.echo(result.table())
     typer.echo(json.dumps(result.as_json()))
 
@@ -214,12 +275,17 @@ def eval_model(
 def build_tiny_model(
     out: Annotated[Path, typer.Option(help="Cache folder; the model lands in a subfolder.")] = Path(".cache"),
     seed: Annotated[int, typer.Option(help="Seed of the weights and the warm-up data.")] = 0,
+    recipe: Annotated[
+        str, typer.Option(help="tiny (the demo's) or explore (configs/explore.yaml's harder countdown).")
+    ] = "tiny",
 ) -> None:
     """Build (once) the tiny countdown model: char tokenizer, Qwen2 config, a short supervised warm-up."""
     setup_logging("build-tiny-model")
-    from sparkrl.services.common.tiny_model import ensure_tiny_model
+    from sparkrl.services.common.tiny_model import RECIPES, ensure_tiny_model
 
-    typer.echo(ensure_tiny_model(out, seed=seed))
+    if recipe not in RECIPES:
+        raise typer.BadParameter(f"{recipe!r} is not one of {sorted(RECIPES)}", param_hint="--recipe")
+    typer.echo(ensure_tiny_model(out, seed=seed, recipe_name=recipe))
 
 
 # ── clients of the control API ───────────────────────────────────────────────────────────────────────

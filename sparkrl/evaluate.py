@@ -1,76 +1,19 @@
-"""`sparkrl eval`: a model on held-out countdown problems — n samples per problem at a temperature, greedy
-accuracy, pass@1 and the unbiased pass@k estimator (Chen et al. 2021: 1 − C(n−c, k) / C(n, k) per problem,
-averaged).
-
-The held-out split is the countdown generator seeded per problem with `heldout-<i>` strings, a seed range
-the training feeder (an integer-seeded stream) and the tiny model's warm-up (`eval-…`, `final-…`) never
-use; the problems come from the same distribution, so a problem's numbers can coincide with a training
-one's. Prompts go through the model's chat template, as a rollout worker's do; answers are scored by the
-same verifier as the reward service's countdown task. Generation is the torch engine's.
+"""`sparkrl eval`: a model (a directory, a checkpoint, or a run's latest checkpoint) on held-out problems —
+the countdown held-out split, or a math benchmark file (`../shared/data/math-eval/`, or any jsonl/parquet
+with a question and an answer) — scored by the reward service's verifiers, run in this process. The
+sampling, pass@k and the split live in `services/common/evaluation.py`, shared with the in-training
+evaluator.
 """
 
 from __future__ import annotations
 
-import math
-import random
-import sys
-import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from sparkrl.services.common.countdown import (
-    CountdownProblem,
-    format_prompt,
-    generate_problem,
-    score_countdown,
-)
-from sparkrl.services.common.modeling import apply_chat_template_if_any
-from sparkrl.services.common.settings import SamplingSettings, TorchEngineSettings
+from sparkrl.proto import Prompt
+from sparkrl.services.common.evaluation import EvalResult, evaluate_engine, heldout_countdown, pass_at_k
+from sparkrl.services.common.settings import CountdownSettings, PromptSettings, TorchEngineSettings
 
-CHUNK_PROMPTS = 32  # problems generated together (× n rows)
-
-
-@dataclass(frozen=True)
-class EvalResult:
-    model: str
-    problems: int
-    n: int
-    temperature: float
-    greedy: float  # accuracy of the most likely answer (argmax decoding)
-    pass_at: dict[int, float]  # k → unbiased pass@k
-    seconds: float
-
-    def table(self) -> str:
-        rows = [f"  greedy   {self.greedy:.3f}"]
-        rows += [f"  pass@{k:<4d} {v:.3f}" for k, v in self.pass_at.items()]
-        head = f"{self.model}: {self.problems} held-out countdown problems"
-        head += f", {self.n} samples at T={self.temperature:g}"
-        return "\n".join([head, *rows])
-
-    def as_json(self) -> dict[str, object]:
-        return {
-            "model": self.model,
-            "task": "countdown",
-            "problems": self.problems,
-            "n": self.n,
-            "temperature": self.temperature,
-            "greedy": round(self.greedy, 4),
-            **{f"pass@{k}": round(v, 4) for k, v in self.pass_at.items()},
-            "seconds": round(self.seconds, 2),
-        }
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased estimate of P(at least one of k samples is correct) from c correct out of n."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"need 0 ≤ c ≤ n and 1 ≤ k ≤ n, got n={n} c={c} k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
-
-
-def heldout_countdown(count: int) -> list[CountdownProblem]:
-    return [generate_problem(random.Random(f"heldout-{i}")) for i in range(count)]
+__all__ = ["EvalResult", "evaluate", "heldout_countdown", "local_scorer", "math_tasks", "pass_at_k"]
 
 
 def resolve_model(path: Path) -> Path:
@@ -88,6 +31,65 @@ def resolve_model(path: Path) -> Path:
     )
 
 
+# Field names of the benchmark files in ../shared/data/math-eval/, tried in order when none are given.
+QUESTION_FIELDS = ("problem", "question", "prompt")
+ANSWER_FIELDS = ("answer", "final_answer", "solution")
+
+
+def math_tasks(
+    path: Path,
+    count: int | None = None,
+    prompt_field: str | None = None,
+    answer_field: str | None = None,
+    template: str = "{prompt}",
+) -> list[Prompt]:
+    """The rows of a math benchmark file as problems; fields not given are found among the benchmarks'
+    names (MATH-500's `problem`/`answer`, OlympiadBench's `question`/`final_answer`, Minerva's
+    `solution`). DatasetError names a missing field."""
+    from sparkrl.services.common.datasets import DatasetError, file_prompts, read_rows
+
+    if not path.is_file():
+        raise DatasetError(f"math file {path} does not exist")
+    if prompt_field is None or answer_field is None:
+        first = next(iter(read_rows(path)), None)
+        if first is None:
+            raise DatasetError(f"{path} has no rows")
+        prompt_field = prompt_field or _first_present(first, QUESTION_FIELDS, path, "question")
+        answer_field = answer_field or _first_present(first, ANSWER_FIELDS, path, "answer")
+    cfg = PromptSettings(
+        task="math",
+        path=str(path),
+        prompt_field=prompt_field,
+        answer_field=answer_field,
+        count=count,
+        template=template,
+    )
+    return list(file_prompts(cfg))
+
+
+def _first_present(row: dict[str, object], names: tuple[str, ...], path: Path, what: str) -> str:
+    from sparkrl.services.common.datasets import DatasetError
+
+    for name in names:
+        if row.get(name) is not None:
+            return name
+    raise DatasetError(f"{path}: no {what} field among {list(names)} (has {sorted(row)}); name it")
+
+
+def local_scorer(tasks: list[Prompt], texts: list[str]) -> list[bool]:
+    """The reward service's verifier for each problem's task, called in this process."""
+    from sparkrl.services.reward.verifiers import registry, run_verifier
+
+    verifiers = registry()
+    verdicts = []
+    for task, text in zip(tasks, texts, strict=True):
+        if task.task not in verifiers:
+            raise ValueError(f"no verifier for task {task.task!r} (known: {sorted(verifiers)})")
+        _, status, _ = run_verifier(verifiers[task.task], text, task.answer, task.task_data)
+        verdicts.append(status == "correct")
+    return verdicts
+
+
 def evaluate(
     path: Path,
     problems: int = 256,
@@ -96,45 +98,18 @@ def evaluate(
     max_new_tokens: int = 24,
     seed: int = 0,
     threads: int | None = None,
-    tasks: list[CountdownProblem] | None = None,
+    tasks: list[Prompt] | None = None,
+    difficulty: CountdownSettings | None = None,
 ) -> EvalResult:
-    """`tasks`: these problems instead of the held-out split's first `problems`."""
+    """`tasks`: these problems instead of the countdown held-out split's first `problems`."""
     from sparkrl.services.rollout.torch_engine import TorchEngine  # torch only when evaluating
 
-    started = time.perf_counter()
     model_dir = resolve_model(path)
+    tasks = tasks if tasks is not None else heldout_countdown(problems, difficulty)
     engine = TorchEngine(model_dir, TorchEngineSettings(threads=threads, max_batch_sequences=256))
     try:
-        tasks = tasks if tasks is not None else heldout_countdown(problems)
-        problems = len(tasks)
-        prompts = [apply_chat_template_if_any(engine.tokenizer, format_prompt(p)) for p in tasks]
-        sampled = SamplingSettings(
-            n=n, temperature=temperature, max_new_tokens=max_new_tokens, topk_logprobs=1
+        return evaluate_engine(
+            engine, tasks, local_scorer, n, temperature, max_new_tokens, seed, model=str(model_dir)
         )
-        # top_p this small keeps only the most likely token: argmax decoding through the same engine.
-        greedy = SamplingSettings(n=1, top_p=1e-9, max_new_tokens=max_new_tokens, topk_logprobs=1)
-        correct, greedy_correct = [], 0
-        for start in range(0, problems, CHUNK_PROMPTS):
-            chunk = slice(start, start + CHUNK_PROMPTS)
-            chunk_seed = sampled.model_copy(update={"seed": seed + start})
-            for task, group in zip(tasks[chunk], engine.generate(prompts[chunk], chunk_seed), strict=True):
-                correct.append(sum(_solves(task, c.text) for c in group))
-            for task, (best,) in zip(tasks[chunk], engine.generate(prompts[chunk], greedy), strict=True):
-                greedy_correct += _solves(task, best.text)
-            print(f"evaluated {min(start + CHUNK_PROMPTS, problems)}/{problems} problems", file=sys.stderr)
     finally:
         engine.close()
-    ks = sorted({1, *(2**i for i in range(1, n.bit_length()) if 2**i <= n), n})
-    return EvalResult(
-        model=str(model_dir),
-        problems=problems,
-        n=n,
-        temperature=temperature,
-        greedy=greedy_correct / problems,
-        pass_at={k: sum(pass_at_k(n, c, k) for c in correct) / problems for k in ks},
-        seconds=time.perf_counter() - started,
-    )
-
-
-def _solves(task: CountdownProblem, text: str) -> bool:
-    return score_countdown(text, list(task.numbers), task.target)[0] == 1.0

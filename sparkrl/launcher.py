@@ -227,6 +227,10 @@ class Stack:
                 return 0
             if spec.role == "prompts" and returncode == 0:
                 continue  # the feeder exits once the dataset is in the stream
+            if spec.role == "evaluator":
+                self.report(f"warning: {_failure(spec, f'exited with code {returncode}')}\n(training goes on "
+                            "without held-out evaluation)")  # fmt: skip
+                continue
             if spec.role == "rollout" and returncode == 0:
                 self.report(f"{spec.name} stopped")  # a stop command: the learner follows with its checkpoint
                 continue

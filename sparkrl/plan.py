@@ -20,13 +20,14 @@ from urllib.parse import urlsplit
 
 from sparkrl.services.common.settings import BusSettings, SparkSettings, write_resolved
 
-Role = Literal["redis", "control", "reward", "learner", "rollout", "prompts"]
+Role = Literal["redis", "control", "reward", "learner", "rollout", "prompts", "evaluator"]
 # Shutdown, tier by tier: producers stop before what they feed (the feeder and workers before the learner,
 # workers before the reward service they call); the control service, which only reads and writes Redis,
-# goes with the reward service, before Redis, which everyone talks to and goes last.
+# goes with the reward service, before Redis, which everyone talks to and goes last. The evaluator stops
+# with the learner: it evaluates the last version the learner wrote, then scores through the reward service.
 STOP_TIERS: tuple[tuple[Role, ...], ...] = (
     ("prompts", "rollout"),
-    ("learner",),
+    ("learner", "evaluator"),
     ("reward", "control"),
     ("redis",),
 )
@@ -35,7 +36,7 @@ TOKEN_FILE = "control-token"
 
 # What an earlier run leaves in its directory: a second run there would mix its rows, checkpoints and
 # weight numbering into those.
-RUN_MARKS = ("metrics.jsonl", "checkpoints", "trained_groups.jsonl", "weights.jsonl")
+RUN_MARKS = ("metrics.jsonl", "checkpoints", "trained_groups.jsonl", "weights.jsonl", "eval.jsonl")
 
 
 def earlier_run(run_dir: Path) -> list[str]:
@@ -203,6 +204,8 @@ def plan_stack(
         services.append(
             _service(run_dir, f"worker-{index}", "rollout", worker, "--worker-id", f"worker-{index}")
         )
+    if cfg.eval.every is not None:
+        services.append(_service(run_dir, "evaluator", "evaluator", root))
     # The feeder stays up: should the bus lose its data, it feeds again what was not trained yet.
     services.append(_service(run_dir, "prompts", "prompts", root, "--watch"))
     return StackPlan(run_dir, root, tuple(services), private_redis, token, resume)

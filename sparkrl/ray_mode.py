@@ -26,7 +26,7 @@ from sparkrl.plan import StackPlan, plan_stack, write_configs
 from sparkrl.services.common.bus._text import mask_password
 from sparkrl.services.common.settings import RewardSettings, SparkSettings
 
-BESIDE = ("redis", "control", "prompts")  # what runs as plain processes next to the actors
+BESIDE = ("redis", "control", "prompts", "evaluator")  # what runs as plain processes next to the actors
 STOP_GRACE_S = 30.0
 
 

@@ -7,6 +7,7 @@ draw, so importing this module (e.g. to wire the CLI) costs nothing.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import itertools
 import math
@@ -20,7 +21,7 @@ from pydantic import ValidationError
 
 from sparkrl.proto.base import WireModel
 from sparkrl.proto.control import HparamValue
-from sparkrl.proto.telemetry import StepMetrics, SyncEvent
+from sparkrl.proto.telemetry import EvalRecord, StepMetrics, SyncEvent
 
 REPORT_DIR = "report"
 _Model = TypeVar("_Model", bound=WireModel)
@@ -35,6 +36,7 @@ class _Run:
     superseded: int  # rows replaced by a later row for the same step (a resume redid those steps)
     skipped: int  # unreadable lines of metrics.jsonl
     events: list[SyncEvent] | None  # None: no weights.jsonl
+    evals: list[EvalRecord]  # the in-training evaluator's records (eval.jsonl), by version
 
 
 # ── reading ───────────────────────────────────────────────────────────────────────────────────────────
@@ -76,7 +78,10 @@ def load_run(run_dir: Path | str) -> _Run:
     weights = run_dir / "weights.jsonl"
     events = _read_jsonl(weights, SyncEvent)[0] if weights.is_file() else None
     rows = [by_step[step] for step in sorted(by_step)]
-    return _Run(run_dir, rows, len(written) - len(rows), skipped, events)
+    evals_path = run_dir / "eval.jsonl"
+    evals = _read_jsonl(evals_path, EvalRecord)[0] if evals_path.is_file() else []
+    evals = sorted({e.policy_version: e for e in evals}.values(), key=lambda e: e.policy_version)
+    return _Run(run_dir, rows, len(written) - len(rows), skipped, events, evals)
 
 
 # ── small helpers ─────────────────────────────────────────────────────────────────────────────────────
@@ -182,6 +187,26 @@ def _reward_chart(run: _Run, path: Path) -> str | None:
     return f"Mean verifier reward of the rollouts each step trained on{smoothing}."
 
 
+def _heldout_chart(run: _Run, path: Path) -> str | None:
+    if not run.evals:
+        return None
+    versions = [e.policy_version for e in run.evals]
+    n = run.evals[-1].n
+    with _figure(path) as (ax,):
+        for key, label in (("1", "pass@1"), (str(n), f"pass@{n}")):
+            ax.plot(versions, [e.pass_at.get(key, math.nan) for e in run.evals], marker="o", label=label)
+        ax.plot(versions, [e.greedy for e in run.evals], marker=".", linestyle="--", label="greedy")
+        ax.set(title="Held-out evaluation", xlabel="policy version", ylabel="accuracy", ylim=(0, 1))
+        ax.grid(alpha=0.3)
+        ax.legend()
+    last = run.evals[-1]
+    return (
+        f"The in-training evaluator (eval.jsonl): {last.problems} held-out {last.task} problems, {n} samples "
+        f"at T={last.temperature:g} and a greedy answer, per evaluated version; the last, version "
+        f"{last.policy_version}: pass@1 {last.pass_at['1']:.3f}, pass@{n} {last.pass_at[str(n)]:.3f}."
+    )
+
+
 def _entropy_chart(run: _Run, path: Path) -> str | None:
     if not _metric_chart(run, path, "loss/entropy", "Policy entropy", "entropy (nats per token)"):
         return None
@@ -258,6 +283,7 @@ def _sync_chart(run: _Run, path: Path) -> str | None:
 
 _CHARTS: tuple[tuple[str, str, Callable[[_Run, Path], str | None]], ...] = (
     ("reward", "`rollout/reward_mean`", _reward_chart),
+    ("heldout", "eval.jsonl (set `eval.every`)", _heldout_chart),
     ("entropy", "`loss/entropy`", _entropy_chart),
     ("reg_tokens", "`loss/reg_tokens`", _reg_tokens_chart),
     ("sparks", "`explore/sparks`", _sparks_chart),
@@ -300,6 +326,14 @@ def _broadcasts_text(events: list[SyncEvent] | None) -> str:
     return ", ".join(f"{outcome} {count}" for outcome, count in counts.items())
 
 
+def top_sparks(rows: list[StepMetrics], count: int = 10) -> list[tuple[str, int]]:
+    """The run's most frequent sparks (each step row carries its own most frequent), decoded."""
+    total: collections.Counter[str] = collections.Counter()
+    for row in rows:
+        total.update(row.top_sparks)
+    return total.most_common(count)
+
+
 def _summary(run: _Run) -> list[str]:
     """The table at the top: what a reader checks before looking at any chart."""
     first, last = run.rows[0], run.rows[-1]
@@ -320,6 +354,7 @@ def _summary(run: _Run) -> list[str]:
         ("broadcasts", _broadcasts_text(run.events)),
         ("hyperparameters (last step)", hparams or "—"),
         ("hyperparameter changes", "; ".join(hparam_changes(run.rows)) or "none"),
+        ("most frequent sparks", ", ".join(f"{text!r} {n}" for text, n in top_sparks(run.rows)) or "—"),
     ]
     lines = ["| | |", "|---|---|"]
     lines += [f"| {name} | {_cell(value)} |" for name, value in table]

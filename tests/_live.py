@@ -79,6 +79,9 @@ def live_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
             "prompts.count=20000",
             "bus.trajectory_maxlen=16",  # workers wait for the learner instead of racing far ahead
             "control.command_timeout_s=60",
+            "eval.every=5",  # the in-training evaluator, small: held-out points on the page
+            "eval.problems=16",
+            "eval.n=2",
         ],
     )
     plan = plan_stack(cfg, workers=2, private_redis=True)

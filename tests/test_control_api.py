@@ -19,7 +19,7 @@ import uvicorn
 from conftest import free_port
 from hypothesis import HealthCheck, given, settings
 
-from sparkrl.proto import LearnerStatus, StepMetrics, SyncEvent, WorkerStatus
+from sparkrl.proto import EvalRecord, LearnerStatus, StepMetrics, SyncEvent, WorkerStatus
 from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.control_channel import ControlReader, read_control_state
 from sparkrl.services.common.settings import BusSettings, ControlSettings, SamplingSettings
@@ -300,6 +300,15 @@ def test_the_reads_are_views_over_the_telemetry(service: tuple[Server, Telemetry
         page = httpx.get(server.url + "/api/v1/weights", params={"limit": 2}).json()
         assert page["total"] == 5 and [e["version"] for e in page["items"]] == [5, 4]
         assert page["items"][0]["dropped"] == {"w7": "heartbeat expired"}
+        assert httpx.get(server.url + "/api/v1/evals").json() == {"items": []}
+        for version in (0, 5, 10):
+            pass_at = {"1": version / 20, "2": 0.9}
+            record = dict(
+                time=1.0, task="countdown", problems=16, n=2, temperature=1.0, greedy=0.1, seconds=1.0
+            )
+            telemetry.append(EvalRecord(policy_version=version, pass_at=pass_at, **record))
+        evals = httpx.get(server.url + "/api/v1/evals", params={"limit": 2}).json()["items"]
+        assert [(e["policy_version"], e["pass_at"]["1"]) for e in evals] == [(5, 0.25), (10, 0.5)]
         rows = httpx.get(server.url + "/api/v1/metrics", params={"since": 3}).json()
         assert [r["step"] for r in rows["rows"]] == [4, 5] and rows["last_step"] == 5
         assert httpx.get(server.url + "/healthz").json() == {"status": "ok", "learner_alive": True}

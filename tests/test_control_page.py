@@ -118,6 +118,7 @@ def test_control_page_drives_a_live_run(browser: Browser, live_stack: Live, tmp_
         wait_for(page, "10 steps in the charts", lambda: chart_points(page, "reward") >= 10, 90)
         page.wait_for_timeout(1500)  # one more poll: every panel drawn from the same moment
         assert chart_points(page, "sparks") >= 10  # the exploration telemetry is drawn too
+        wait_for(page, "two held-out points", lambda: chart_points(page, "heldout") >= 2, 60)
         shot = tmp_path / "control-page.png"
         page.screenshot(path=str(shot), full_page=True)
         data = shot.read_bytes()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 import pytest
 
 from sparkrl.proto import RewardResult
 from sparkrl.proto.testing import random_group
-from sparkrl.services.learner.exploration import exploration_stats
+from sparkrl.services.learner.exploration import exploration_stats, spark_tokens
 
 # Per completion: (sampled-token probabilities, correct?, text). The most likely token has p = 0.9 at every
 # position, so the min-p cut at κ = 0.02 is p < 0.018.
@@ -46,3 +47,8 @@ def test_the_counts_of_a_hand_built_group() -> None:
     assert stats["explore/below_minp_share"] == pytest.approx(2 / 20)
     assert stats["explore/distinct_correct"] == 2  # "3*8" twice (stripped), "24"
     assert exploration_stats([], kappa=0.02)["explore/sparks"] == 0
+
+    # By token id: exactly the three sparks (completion 0 at positions 1 and 2, completion 3 at 0).
+    ids = [c.token_ids for c in group.completions]
+    assert spark_tokens([group]) == Counter([int(ids[0][1]), int(ids[0][2]), int(ids[3][0])])
+    assert sum(spark_tokens([group]).values()) == stats["explore/sparks"]

@@ -13,7 +13,7 @@ import pytest
 
 from sparkrl.report import write_report
 
-CHARTS = ("reward", "entropy", "reg_tokens", "sparks", "worker_versions", "sync_seconds")
+CHARTS = ("reward", "heldout", "entropy", "reg_tokens", "sparks", "worker_versions", "sync_seconds")
 T0 = 1_764_570_000.0
 
 
@@ -34,6 +34,7 @@ def _row(step: int, reward: float | None, *, t: float, **metrics: float | None) 
         },
         "worker_versions": {"worker-0": step - 1 if step > 1 else None, "worker-1": max(0, step - 2)},
         "hparams": {"lr": 0.0003 if step < 15 else 0.0001, "beta": 1.0, "loss": "lp_reg"},
+        "top_sparks": {"+": 2, "7": step % 3},
     }
 
 
@@ -65,6 +66,16 @@ def _write_weights(run: Path) -> None:
     (run / "weights.jsonl").write_text("\n".join(lines) + "\n")
 
 
+def _write_evals(run: Path) -> None:
+    """The evaluator's records: versions 0, 10, 20, 30 (and 20 again: the last written counts)."""
+    lines = []
+    for version, p1 in ((0, 0.1), (10, 0.2), (20, 0.9), (30, 0.4), (20, 0.3)):
+        record = {"policy_version": version, "time": T0 + version, "task": "countdown", "problems": 64}
+        record |= {"n": 8, "temperature": 1.0, "greedy": p1, "pass_at": {"1": p1, "8": 2 * p1}, "seconds": 1}
+        lines.append(json.dumps(record))
+    (run / "eval.jsonl").write_text("\n".join(lines) + "\n")
+
+
 def _assert_png(path: Path) -> None:
     import matplotlib.image
 
@@ -81,6 +92,7 @@ def test_report_charts_and_summary(tmp_path: Path) -> None:
     run.mkdir()
     _write_metrics(run)
     _write_weights(run)
+    _write_evals(run)
     report = write_report(run)
     assert report == run / "report" / "report.md"
     text = report.read_text()
@@ -104,12 +116,15 @@ def test_report_charts_and_summary(tmp_path: Path) -> None:
     assert "ok 29, failed 1, no_members 1" in text
     assert "lr=0.0001" in text and "loss=lp_reg" in text
     assert "Skipped 1 unreadable line" in text  # the cut last line
+    assert "version 30: pass@1 0.400, pass@8 0.800" in text  # the evaluator's last record
+    # 30 rows × "+" 2 = 60; "7" counts step % 3 over steps 1-30 (the superseded first-pass rows excluded)
+    assert f"| most frequent sparks | '+' 60, '7' {sum(s % 3 for s in range(1, 31))} |" in text
 
 
 def test_report_without_weights_or_workers(tmp_path: Path) -> None:
     rows = [_row(s, _reward(s), t=T0 + s) for s in range(1, 11)]
     for row in rows:
-        row["worker_versions"] = {}
+        row["worker_versions"], row["top_sparks"] = {}, {}
         del row["metrics"]["loss/reg_tokens"], row["metrics"]["explore/sparks"]  # runs from before explore/
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     stale = tmp_path / "report" / "reg_tokens.png"
@@ -120,7 +135,8 @@ def test_report_without_weights_or_workers(tmp_path: Path) -> None:
     _assert_png(tmp_path / "report" / "sync_seconds.png")
     assert "](sync_seconds.png)" in text and "`sync/seconds`" in text
     assert "_no data for reg_tokens_" in text and "_no data for worker_versions_" in text
-    assert "_no data for sparks_" in text
+    assert "_no data for sparks_" in text and "_no data for heldout_" in text
+    assert "| most frequent sparks | — |" in text
     assert not stale.exists() and not (tmp_path / "report" / "worker_versions.png").exists()
     assert "| broadcasts | no weights.jsonl |" in text
     assert "| hyperparameter changes | none |" in text

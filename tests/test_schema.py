@@ -18,6 +18,7 @@ EXPECTED_FILES = {
     "LearnerStatus.schema.json",
     "ControlState.schema.json",
     "StepMetrics.schema.json",
+    "EvalRecord.schema.json",
     "SyncEvent.schema.json",
     "CommandResult.schema.json",
     "StateEvent.schema.json",

@@ -83,10 +83,10 @@ def test_ensure_reuses_a_current_build(tiny_model_dir: Path, monkeypatch: pytest
 
 
 def _fake_build(calls: list[int]):
-    def build(out_dir: Path, seed: int = 0) -> Path:
+    def build(out_dir: Path, seed: int = 0, recipe: dict = tiny_model.RECIPE) -> Path:
         calls.append(seed)
         (Path(out_dir) / tiny_model.BUILD_INFO).write_text(
-            json.dumps({"recipe_hash": tiny_model.recipe_hash(seed)})
+            json.dumps({"recipe_hash": tiny_model.recipe_hash(seed, recipe)})
         )
         return Path(out_dir)
 

@@ -18,6 +18,7 @@ from sparkrl.services.common import countdown
 from sparkrl.services.common.settings import PromptSettings
 
 DEFAULT_COUNTDOWN_PROMPTS = 64
+PLACEHOLDER = "{prompt}"  # where prompts.template takes the question; other braces stay as written
 
 
 class DatasetError(ValueError):
@@ -95,7 +96,7 @@ def file_prompts(cfg: PromptSettings) -> Iterator[Prompt]:
         yield Prompt(
             prompt_id=f"{path.stem}-{index:06d}",
             task=cfg.task,
-            text=cfg.template.format(prompt=row[cfg.prompt_field]),
+            text=cfg.template.replace(PLACEHOLDER, str(row[cfg.prompt_field])),
             answer=answer_text(row[cfg.answer_field]),
             source=path.name,
         )
@@ -105,11 +106,11 @@ def countdown_prompts(cfg: PromptSettings) -> Iterator[Prompt]:
     """Seeded countdown problems; the id encodes seed and index so a re-feed is idempotent."""
     rng = random.Random(cfg.seed)
     for index in range(cfg.count or DEFAULT_COUNTDOWN_PROMPTS):
-        problem = countdown.generate_problem(rng)
+        problem = countdown.generate_problem(rng, **cfg.countdown.model_dump())
         yield Prompt(
             prompt_id=f"countdown-s{cfg.seed}-{index:06d}",
             task="countdown",
-            text=cfg.template.format(prompt=countdown.format_prompt(problem)),
+            text=cfg.template.replace(PLACEHOLDER, countdown.format_prompt(problem)),
             task_data={"numbers": list(problem.numbers), "target": problem.target},
             source="countdown",
         )

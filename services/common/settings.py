@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import Field, SecretStr
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from sparkrl.services.common.engine_settings import (
     EngineSettings,
@@ -21,6 +21,7 @@ from sparkrl.services.common.engine_settings import (
     TorchEngineSettings,
     VllmEngineSettings,
 )
+from sparkrl.services.common.eval_settings import EvalSettings
 from sparkrl.services.common.loss_settings import (
     ClipCovLoss,
     ClipHigherLoss,
@@ -43,6 +44,7 @@ __all__ = [
     "ClipHigherLoss",
     "EightyTwentyLoss",
     "EntropyBonusLoss",
+    "EvalSettings",
     "GspoLoss",
     "KlCovLoss",
     "LossSettings",
@@ -195,6 +197,21 @@ class RolloutSettings(Section):
     metrics: MetricsEndpoint = Field(default_factory=MetricsEndpoint, description="/metrics and /healthz.")
 
 
+class CountdownSettings(Section):
+    """The countdown generator's difficulty (the defaults are the tiny model's training distribution)."""
+
+    min_count: int = Field(2, ge=2, le=6, description="Fewest numbers in a problem.")
+    max_count: int = Field(3, ge=2, le=6, description="Most numbers in a problem (≥ min_count).")
+    max_number: int = Field(9, ge=1, le=1000, description="Largest number given.")
+    max_target: int = Field(100, ge=1, le=100000, description="Largest target.")
+
+    @model_validator(mode="after")
+    def _counts_in_order(self) -> CountdownSettings:
+        if self.min_count > self.max_count:
+            raise ValueError(f"min_count {self.min_count} > max_count {self.max_count}")
+        return self
+
+
 class PromptSettings(Section):
     """What `sparkrl prompts` feeds into the prompt stream."""
 
@@ -208,10 +225,26 @@ class PromptSettings(Section):
     answer_field: str = Field("answer", description="Column holding the reference answer.")
     count: int | None = Field(None, ge=1, description="How many prompts to feed; None: the whole file / 64.")
     seed: int = Field(0, description="Seed of the countdown generator and of shuffling.")
-    shuffle: bool = Field(False, description="Shuffle the file's rows before feeding.")
-    template: str = Field(
-        "{prompt}", description="Python format string wrapping each question; `{prompt}` is the question."
+    countdown: CountdownSettings = Field(
+        default_factory=CountdownSettings, description="The countdown generator's difficulty."
     )
+    shuffle: bool = Field(False, description="Shuffle the file's rows before feeding.")
+    epochs: int = Field(
+        1, ge=1, le=10_000, description="Passes over the data; when the last is trained, the run ends."
+    )
+    template: str = Field(
+        "{prompt}",
+        description="Text wrapping each question: `{prompt}` is replaced by it, every other character (a "
+        "`\\boxed{}` included) is kept as written.",
+    )
+
+    @model_validator(mode="after")
+    def _template_has_the_prompt(self) -> PromptSettings:
+        if "{prompt}" not in self.template:
+            raise ValueError(
+                f"prompts.template {self.template!r} has no {{prompt}}: where does the question go?"
+            )
+        return self
 
 
 class LearnerSettings(Section):
@@ -297,21 +330,48 @@ class SparkSettings(BaseSettings):
     learner: LearnerSettings = Field(default_factory=LearnerSettings)
     sync: WeightSyncSettings = Field(default_factory=WeightSyncSettings)
     control: ControlSettings = Field(default_factory=ControlSettings)
+    eval: EvalSettings = Field(
+        default_factory=EvalSettings, description="Held-out evaluation while training."
+    )
     ray: RaySettings = Field(default_factory=RaySettings, description="`sparkrl up --ray` only.")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
-    """`a.b.c=value` → (["a", "b", "c"], value), the value parsed as YAML (so `3`, `true`, `[1, 2]` work)."""
+    """`a.b.c=value` → (["a", "b", "c"], value), the value parsed as YAML (so `3`, `true`, `[1, 2]` work),
+    except for a text field, which takes the value as written: `prompts.template={prompt} … \\boxed{}.`
+    is a sentence, not a YAML mapping."""
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ValueError(f"override {text!r} is not key.path=value")
-    return key.strip().split("."), yaml.safe_load(raw)
+    path = key.strip().split(".")
+    if _is_text_field(path):
+        return path, raw
+    return path, yaml.safe_load(raw)
+
+
+def _is_text_field(path: list[str]) -> bool:
+    """Whether the field at `path` takes text (str or str | None) in every variant that has it."""
+    models: list[type[BaseModel]] = [SparkSettings]
+    for index, part in enumerate(path):
+        fields = [model.model_fields[part] for model in models if part in model.model_fields]
+        if not fields:
+            return False
+        types = [arg for f in fields for arg in (get_args(f.annotation) or (f.annotation,))]
+        types = [arg for a in types for arg in (get_args(a) if get_origin(a) is Annotated else (a,))]
+        types = [arg for a in types for arg in (get_args(a) or (a,))]  # unions of variants
+        if index == len(path) - 1:
+            return str in types and all(t in (str, type(None)) for t in types)
+        models = [t for t in types if isinstance(t, type) and issubclass(t, BaseModel)]
+    return False
 
 
 DISCRIMINATORS = ("name", "kind")  # `learner.loss.name`, `rollout.engine.kind`
 
 
-def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
+def _set_path(tree: dict[str, Any], path: list[str], value: Any, explicit: set[tuple[str, ...]]) -> None:
+    """Set `value` at `path`. Switching a variant (`learner.loss.name: lp_reg → grpo`) drops the old
+    variant's fields that came from the defaults or the preset, but keeps those the user set (`explicit`:
+    environment and --set), so `rho` with `grpo` is an error in either order, never silently lost."""
     node = tree
     for part in path[:-1]:
         child = node.setdefault(part, {})
@@ -319,9 +379,22 @@ def _set_path(tree: dict[str, Any], path: list[str], value: Any) -> None:
             raise ValueError(f"override {'.'.join(path)}: {part} is not a section")
         node = child
     if path[-1] in DISCRIMINATORS and node.get(path[-1], value) != value:
-        # Switching variant (e.g. lp_reg → clip_higher): the old variant's fields do not apply to the new.
-        node.clear()
+        prefix = tuple(path[:-1])
+        for key in list(node):
+            if (*prefix, key) not in explicit:
+                del node[key]
     node[path[-1]] = value
+    explicit.add(tuple(path))
+
+
+def _leaves(tree: dict[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[list[str], Any]]:
+    out: list[tuple[list[str], Any]] = []
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out += _leaves(value, (*prefix, key))
+        else:
+            out.append(([*prefix, key], value))
+    return out
 
 
 def resolve_preset(preset: str) -> Path:
@@ -344,21 +417,22 @@ def load_settings(preset: str | None = None, overrides: list[str] | None = None)
         tree = yaml.safe_load(resolve_preset(preset).read_text()) or {}
         if not isinstance(tree, dict):
             raise ValueError(f"preset {preset!r} is not a mapping")
-    # Environment beats the preset: let pydantic-settings read it, then lay it over the YAML tree.
-    from_env = SparkSettings().model_dump(exclude_unset=True)
-    _deep_merge(tree, from_env)
+    # Environment beats the preset: pydantic-settings reads it; its values are laid over the YAML tree one
+    # by one, as --set's are (variants first: the env's order is not the user's).
+    explicit: set[tuple[str, ...]] = set()
+    from_env = _leaves(_env_tree())
+    for path, value in sorted(from_env, key=lambda item: item[0][-1] not in DISCRIMINATORS):
+        _set_path(tree, path, value, explicit)
     for text in overrides or []:
         path, value = parse_override(text)
-        _set_path(tree, path, value)
+        _set_path(tree, path, value, explicit)
     return SparkSettings(**tree)
 
 
-def _deep_merge(base: dict[str, Any], extra: dict[str, Any]) -> None:
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
-            _deep_merge(base[key], value)
-        else:
-            base[key] = value
+def _env_tree() -> dict[str, Any]:
+    """What the SPARKRL_* environment sets, as a tree of the settings' field names."""
+    source = EnvSettingsSource(SparkSettings, env_prefix="SPARKRL_", env_nested_delimiter="__")
+    return source()
 
 
 def write_resolved(settings: SparkSettings, path: Path) -> Path:

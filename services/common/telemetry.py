@@ -5,7 +5,7 @@
   still says `stopped`) and is live while its `heartbeat_at` is recent.
 - Logs (capped Redis streams, `bus.telemetry_maxlen` records each): `metrics` (one `StepMetrics` per
   step), `syncs` (one `SyncEvent` per broadcast), `commands` (`CommandResult`s) and `states`
-  (`StateEvent`s).
+  (`StateEvent`s) and `evals` (the evaluator's `EvalRecord`s).
 
 Writers: learner and rollout workers. Readers: the control service (REST, events, page, Prometheus), the
 launcher's progress line, and the learner itself (the fleet's versions for its rows and broadcasts).
@@ -13,6 +13,7 @@ launcher's progress line, and the learner itself (the fleet's versions for its r
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from typing import Literal, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from sparkrl.proto import LearnerStatus, WorkerStatus
-from sparkrl.proto.telemetry import CommandResult, StateEvent, StepMetrics, SyncEvent
+from sparkrl.proto.telemetry import CommandResult, EvalRecord, StateEvent, StepMetrics, SyncEvent
 from sparkrl.services.common.bus import Record, RedisBus
 
 log = logging.getLogger("sparkrl.telemetry")
@@ -35,12 +36,13 @@ LEARNER_STATUS_TTL_S = 7 * 24 * 3600.0
 LEARNER_HEARTBEAT_S = 2.0
 LEARNER_ALIVE_S = 5 * LEARNER_HEARTBEAT_S
 
-EventKind = Literal["step", "sync", "command", "state"]
+EventKind = Literal["step", "sync", "command", "state", "eval"]
 LOGS: dict[EventKind, tuple[str, type[BaseModel]]] = {
     "step": ("metrics", StepMetrics),
     "sync": ("syncs", SyncEvent),
     "command": ("commands", CommandResult),
     "state": ("states", StateEvent),
+    "eval": ("evals", EvalRecord),
 }
 _KIND_OF_LOG = {name: kind for kind, (name, _) in LOGS.items()}
 _CHUNK = 256  # records read back per round trip
@@ -125,7 +127,7 @@ class Telemetry:
         return False
 
     # ── logs ──────────────────────────────────────────────────────────────────────────────────────────
-    def append(self, message: StepMetrics | SyncEvent | CommandResult | StateEvent) -> str:
+    def append(self, message: StepMetrics | SyncEvent | CommandResult | StateEvent | EvalRecord) -> str:
         """Add a record to the log of its type; returns its cursor."""
         kind = next(k for k, (_, cls) in LOGS.items() if isinstance(message, cls))
         return self.bus.logs.append(LOGS[kind][0], message.model_dump_json())
@@ -159,6 +161,11 @@ class Telemetry:
                 assert isinstance(event, SyncEvent)
                 page.append(event)
         return page, self.bus.logs.length(LOGS["sync"][0])
+
+    def evals(self, limit: int = 200) -> list[EvalRecord]:
+        """The evaluator's newest `limit` records, oldest first."""
+        newest = list(itertools.islice(self._newest_first("eval"), limit))
+        return newest[::-1]  # type: ignore[return-value]
 
     def last_sync(self) -> SyncEvent | None:
         return next(self._newest_first("sync"), None)  # type: ignore[arg-type]

@@ -62,9 +62,28 @@ RECIPE: dict[str, Any] = {
     "max_new_tokens": 24,
 }
 
+# The exploration task's model (`configs/explore.yaml`): harder countdown — 3 or 4 numbers up to 12, so an
+# answer is longer and has many valid paths — a model with room for it, warmed up on random correct
+# paths only until it solves about one problem in five: the RL run has to find the rest.
+EXPLORE_RECIPE: dict[str, Any] = {
+    **RECIPE,
+    "version": 1,
+    "hidden_size": 192,
+    "intermediate_size": 512,
+    "num_hidden_layers": 3,
+    "max_steps": 1500,
+    "stop_reward": 0.2,
+    "max_new_tokens": 32,
+    "countdown": {"min_count": 3, "max_count": 4, "max_number": 12, "max_target": 100},
+}
+RECIPES: dict[str, tuple[str, dict[str, Any]]] = {
+    "tiny": (MODEL_DIRNAME, RECIPE),
+    "explore": ("explore-countdown", EXPLORE_RECIPE),
+}
 
-def recipe_hash(seed: int) -> str:
-    text = json.dumps({**RECIPE, "seed": seed}, sort_keys=True)
+
+def recipe_hash(seed: int, recipe: dict[str, Any] = RECIPE) -> str:
+    text = json.dumps({**recipe, "seed": seed}, sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -151,12 +170,12 @@ def build_model(tokenizer: PreTrainedTokenizerFast, seed: int, shape: dict[str, 
 
 
 def _sft_batch(
-    tokenizer: PreTrainedTokenizerFast, rng: random.Random, batch_size: int
+    tokenizer: PreTrainedTokenizerFast, rng: random.Random, batch_size: int, countdown: dict[str, int]
 ) -> dict[str, torch.Tensor]:
     """Right-padded (prompt + solution + EOS) rows; the loss sees only the solution and EOS."""
     rows: list[tuple[list[int], int]] = []
     for _ in range(batch_size):
-        problem = generate_problem(rng)
+        problem = generate_problem(rng, **countdown)
         prompt_ids = tokenizer(format_prompt(problem))["input_ids"]
         answer_ids = tokenizer(random_solution(problem, rng), add_special_tokens=False)["input_ids"]
         rows.append(([*prompt_ids, *answer_ids, tokenizer.eos_token_id], len(prompt_ids)))
@@ -208,36 +227,41 @@ def sample_reward(
     return sum(scores) / len(scores)
 
 
-def _lr_factor(step: int) -> float:
+def _lr_factor(step: int, recipe: dict[str, Any]) -> float:
     """Linear warm-up, then cosine decay to 10% at `max_steps` (a constant rate plateaus early)."""
-    warmup, total = RECIPE["warmup_steps"], RECIPE["max_steps"]
+    warmup, total = recipe["warmup_steps"], recipe["max_steps"]
     progress = min(step, total) / total
     return min(1.0, (step + 1) / warmup) * (0.1 + 0.45 * (1.0 + math.cos(math.pi * progress)))
 
 
-def _warm_up(model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, seed: int) -> dict[str, Any]:
+def _warm_up(
+    model: Qwen2ForCausalLM, tokenizer: PreTrainedTokenizerFast, seed: int, recipe: dict[str, Any]
+) -> dict[str, Any]:
     """Supervised steps until the sampled reward on a fixed eval set reaches `stop_reward`."""
-    rng = random.Random(seed)
+    rng, countdown = random.Random(seed), recipe.get("countdown", {})
     eval_problems = [
-        generate_problem(random.Random(f"eval-{seed}-{i}")) for i in range(RECIPE["eval_problems"])
+        generate_problem(random.Random(f"eval-{seed}-{i}"), **countdown)
+        for i in range(recipe["eval_problems"])
     ]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=RECIPE["lr"], betas=(0.9, 0.99), weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _lr_factor)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], betas=(0.9, 0.99), weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, recipe))
     step, reward, history = 0, 0.0, []
-    while step < RECIPE["max_steps"]:
+    while step < recipe["max_steps"]:
         model.train()
-        loss = model(**_sft_batch(tokenizer, rng, RECIPE["batch_size"])).loss
+        loss = model(**_sft_batch(tokenizer, rng, recipe["batch_size"], countdown)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         step += 1
-        if step % RECIPE["eval_every"] == 0:
-            reward = sample_reward(model, tokenizer, eval_problems, seed=seed + step)
+        if step % recipe["eval_every"] == 0:
+            reward = sample_reward(
+                model, tokenizer, eval_problems, seed=seed + step, max_new_tokens=recipe["max_new_tokens"]
+            )
             history.append({"step": step, "loss": round(loss.item(), 4), "eval_reward": reward})
             print(f"[tiny-model] step {step} loss {loss.item():.3f} eval reward {reward:.3f}", flush=True)
-            if reward >= RECIPE["stop_reward"]:
+            if reward >= recipe["stop_reward"]:
                 break
     return {"sft_steps": step, "history": history}
 
@@ -252,7 +276,7 @@ def _torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
+def build_tiny_model(out_dir: str | Path, seed: int = 0, recipe: dict[str, Any] = RECIPE) -> Path:
     """Build, warm up and save the tiny model and tokenizer into `out_dir`; returns it.
 
     Deterministic for a seed on a given machine and thread count (the build pins its threads).
@@ -262,17 +286,21 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     started = time.perf_counter()
     tokenizer = build_tokenizer()
     with _torch_threads(min(4, os.cpu_count() or 1)):
-        model = build_model(tokenizer, seed, RECIPE)
-        warm = _warm_up(model, tokenizer, seed)
+        model = build_model(tokenizer, seed, recipe)
+        warm = _warm_up(model, tokenizer, seed, recipe)
+        countdown = recipe.get("countdown", {})
         final_problems = [
-            generate_problem(random.Random(f"final-{seed}-{i}")) for i in range(RECIPE["final_eval_problems"])
+            generate_problem(random.Random(f"final-{seed}-{i}"), **countdown)
+            for i in range(recipe["final_eval_problems"])
         ]
-        reward = sample_reward(model, tokenizer, final_problems, seed=seed + 10**6)
+        reward = sample_reward(
+            model, tokenizer, final_problems, seed=seed + 10**6, max_new_tokens=recipe["max_new_tokens"]
+        )
     tokenizer.save_pretrained(out)
     model.save_pretrained(out, safe_serialization=True)
     info = {
-        "recipe_hash": recipe_hash(seed),
-        "recipe": RECIPE,
+        "recipe_hash": recipe_hash(seed, recipe),
+        "recipe": recipe,
         "seed": seed,
         "warmup_reward": reward,
         "warmup_reward_samples": len(final_problems),
@@ -284,31 +312,33 @@ def build_tiny_model(out_dir: str | Path, seed: int = 0) -> Path:
     return out
 
 
-def _is_current(model_dir: Path, seed: int) -> bool:
+def _is_current(model_dir: Path, seed: int, recipe: dict[str, Any]) -> bool:
     try:
         info = json.loads((model_dir / BUILD_INFO).read_text())
     except (OSError, ValueError):
         return False
-    return info.get("recipe_hash") == recipe_hash(seed)
+    return info.get("recipe_hash") == recipe_hash(seed, recipe)
 
 
-def ensure_tiny_model(cache_dir: str | Path, seed: int = 0) -> Path:
-    """`cache_dir/tiny-countdown` (seed 0) built once and reused while the recipe is unchanged.
+def ensure_tiny_model(cache_dir: str | Path, seed: int = 0, recipe_name: str = "tiny") -> Path:
+    """`cache_dir/tiny-countdown` (seed 0; `explore-countdown` for the "explore" recipe) built once and
+    reused while the recipe is unchanged.
 
     Safe across processes: builders serialize on a file lock, build into a temporary directory and move
     it into place with a rename, so a reader never sees a half-written model.
     """
     cache = Path(cache_dir)
     cache.mkdir(parents=True, exist_ok=True)
-    model_dir = cache / (MODEL_DIRNAME if seed == 0 else f"{MODEL_DIRNAME}-s{seed}")
-    if _is_current(model_dir, seed):
+    dirname, recipe = RECIPES[recipe_name]
+    model_dir = cache / (dirname if seed == 0 else f"{dirname}-s{seed}")
+    if _is_current(model_dir, seed, recipe):
         return model_dir
     with FileLock(str(model_dir) + ".lock"):
-        if _is_current(model_dir, seed):  # another process built it while we waited
+        if _is_current(model_dir, seed, recipe):  # another process built it while we waited
             return model_dir
         staging = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}-", dir=cache))
         try:
-            build_tiny_model(staging, seed=seed)
+            build_tiny_model(staging, seed=seed, recipe=recipe)
             if model_dir.exists():
                 stale = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}-stale-", dir=cache))
                 model_dir.rename(stale / "old")

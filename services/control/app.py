@@ -23,6 +23,7 @@ from sparkrl.proto import (
     CommandResponse,
     CommandTimeout,
     ControlBody,
+    EvalsPage,
     HyperparameterPatch,
     MetricsPage,
     PauseCommand,
@@ -135,6 +136,11 @@ def create_app(cfg: ControlSettings, bus_cfg: BusSettings) -> FastAPI:
         """Step rows after `since`, oldest first (pass `last_step` back as `since` to page on)."""
         rows = telemetry.steps(since, limit)
         return MetricsPage(since=since, rows=rows, last_step=rows[-1].step if rows else since)
+
+    @app.get("/api/v1/evals", dependencies=read, responses=_ERRORS, tags=["read"])
+    def eval_records(limit: Annotated[int, Query(ge=1, le=5000)] = 200) -> EvalsPage:
+        """The in-training evaluator's held-out records (set `eval.every`), oldest first."""
+        return EvalsPage(items=telemetry.evals(limit))
 
     @app.get(
         "/api/v1/events",

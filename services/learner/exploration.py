@@ -8,11 +8,14 @@ verdicts. What Lp-Reg is meant to protect shows here: rare tokens on the way to 
 - `explore/sparks`: low-probability tokens (p < LOW_PROB) in correct responses, counted.
 - `explore/distinct_correct`: distinct correct answers (texts, stripped) per prompt, over the prompts
   with at least one.
+
+`spark_tokens` counts the sparks by token id: the step row carries the most frequent ones, decoded.
 """
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 
@@ -53,3 +56,15 @@ def exploration_stats(groups: list[TrajectoryGroup], kappa: float) -> dict[str, 
         "explore/sparks": float(sparks),
         "explore/distinct_correct": sum(distinct) / len(distinct) if distinct else 0.0,
     }
+
+
+def spark_tokens(groups: list[TrajectoryGroup]) -> Counter[int]:
+    """Token id → how often it was sampled with p < LOW_PROB in a correct response."""
+    counts: Counter[int] = Counter()
+    log_low = math.log(LOW_PROB)
+    for group in groups:
+        for index, completion in enumerate(group.completions):
+            if completion.num_tokens and _correct(group, index):
+                low = completion.logprobs.astype(np.float64) < log_low
+                counts.update(completion.token_ids[low].tolist())
+    return counts

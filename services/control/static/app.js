@@ -19,6 +19,8 @@ const CHARTS = [
   { id: "loss", title: "loss", metric: "loss/value" },
   { id: "reg-tokens", title: "regularized tokens", metric: "loss/reg_tokens" },
   { id: "sparks", title: "sparks: rare tokens in correct answers", metric: "explore/sparks" },
+  // From the in-training evaluator (eval.every), against the policy version it evaluated.
+  { id: "heldout", title: "held-out pass@1 (evaluator)", metric: "eval/pass@1", evals: true },
   { id: "tokens-per-s", title: "tokens/s trained", metric: "time/tokens_per_s" },
   { id: "versions", title: "policy versions", versions: true },
 ];
@@ -27,6 +29,7 @@ const $ = (id) => document.getElementById(id);
 
 const page = {
   rows: [], // StepMetrics, oldest first
+  evals: [], // EvalRecords as chart rows: {step: policy version, metrics: {"eval/pass@1": ...}}
   lastStep: 0, // newest step seen: the next `since`
   hpKeys: "", // the hyperparameter names the <select> was last built from
   status: null,
@@ -219,8 +222,13 @@ async function pollMetrics(status) {
   if (page.rows.length > MAX_ROWS) page.rows.splice(0, page.rows.length - MAX_ROWS);
 }
 
+async function pollEvals() {
+  const data = await api("GET", "/api/v1/evals?limit=500");
+  page.evals = data.items.map((e) => ({ step: e.policy_version, metrics: { "eval/pass@1": e.pass_at["1"] } }));
+}
+
 function drawCharts() {
-  for (const chart of page.charts) chart.draw(seriesFor(chart.spec, page.rows));
+  for (const chart of page.charts) chart.draw(seriesFor(chart.spec, chart.spec.evals ? page.evals : page.rows));
 }
 
 // ── the poll loop ────────────────────────────────────────────────────────────────────────────────────
@@ -248,6 +256,7 @@ async function tick() {
     renderWorkers(workers);
     renderWeights(weights);
     await pollMetrics(status);
+    await pollEvals();
     drawCharts();
     page.authFailed = false;
     setConn(`live · ${new Date().toLocaleTimeString()}`, "ok");

@@ -1,0 +1,143 @@
+"""The in-training evaluator (`sparkrl evaluator`, started by `sparkrl up` when `eval.every` is set): one
+process, one loop. It follows the learner's weight announcements like a rollout worker that never joins a
+broadcast: every `eval.every` versions it loads the newest snapshot the learner wrote, evaluates it on
+held-out problems (`services/common/evaluation.py`), scores the answers through the reward service's
+verifiers over HTTP, and writes one `EvalRecord` to the telemetry and to `RUN_DIR/eval.jsonl`.
+
+The learner never waits for it: it reads a file the learner writes anyway, and when an evaluation takes
+longer than `every` steps it skips to the newest version rather than falling behind. It lives beside the
+rollout worker because it drives the same engine and reads the same announcements.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+from sparkrl.proto import EvalRecord, Prompt
+from sparkrl.proto.reward import RewardItem
+from sparkrl.services.common.bus import RedisBus
+from sparkrl.services.common.datasets import file_prompts
+from sparkrl.services.common.evaluation import EvalResult, evaluate_engine, heldout_countdown
+from sparkrl.services.common.reward_client import RewardClient
+from sparkrl.services.common.settings import PromptSettings, SparkSettings, TorchEngineSettings
+from sparkrl.services.common.telemetry import Telemetry
+from sparkrl.services.rollout.announcements import AnnouncementGate
+from sparkrl.services.rollout.catch_up import load_snapshot
+from sparkrl.services.rollout.torch_engine import TorchEngine
+
+log = logging.getLogger("sparkrl.evaluator")
+
+EVAL_FILE = "eval.jsonl"
+
+
+def eval_tasks(cfg: SparkSettings) -> list[Prompt]:
+    """The problems every evaluation of this run uses."""
+    if cfg.eval.task == "countdown":
+        return heldout_countdown(cfg.eval.problems, cfg.prompts.countdown)
+    data = PromptSettings(
+        task="math", path=cfg.eval.path, count=cfg.eval.problems, template=cfg.prompts.template
+    )
+    data.prompt_field, data.answer_field = cfg.prompts.prompt_field, cfg.prompts.answer_field
+    return list(file_prompts(data))
+
+
+class Evaluator:
+    """`step()` evaluates the newest version when it is due; `close()` releases engine, bus and client."""
+
+    def __init__(self, cfg: SparkSettings) -> None:
+        self.cfg, self.settings = cfg, cfg.eval
+        if self.settings.every is None:
+            raise ValueError("the evaluator needs eval.every (evaluate every N policy versions)")
+        self.run_dir = Path(cfg.run_dir)
+        self.bus = RedisBus(cfg.bus)
+        self.telemetry = Telemetry(self.bus)
+        self.gate = AnnouncementGate(self.bus, cfg.sync.secret, self.run_dir)
+        self.rewards = RewardClient(cfg.reward.url)
+        self.tasks = eval_tasks(cfg)
+        self.engine = TorchEngine(
+            cfg.model, TorchEngineSettings(threads=self.settings.threads, max_batch_sequences=256)
+        )
+        self.evaluated: int | None = None  # the last version evaluated
+
+    def step(self) -> bool:
+        """One look at the announcements; True when it evaluated a version."""
+        if self.evaluated is None:  # the initial model: the curve's first point
+            self._evaluate()
+            return True
+        announcement = self.gate.latest()
+        if announcement is None or announcement.version < self.evaluated + self.settings.every:
+            return False
+        snapshot = self.gate.local_snapshot(announcement)
+        if snapshot is None:
+            log.warning("version %d has no snapshot in %s: nothing to evaluate", announcement.version,
+                        self.gate.snapshots)  # fmt: skip
+            self.evaluated = announcement.version
+            return False
+        # The file may hold a newer version than announced, or (sync.snapshot_every > 1) the one we hold.
+        if load_snapshot(self.engine, str(snapshot)) is None:
+            return False
+        self._evaluate()
+        return True
+
+    def finish(self) -> None:
+        """The newest snapshot, when it is newer than the last evaluated (the run's final point)."""
+        announcement = self.gate.latest()
+        snapshot = self.gate.local_snapshot(announcement) if announcement is not None else None
+        if snapshot is not None and load_snapshot(self.engine, str(snapshot)) is not None:
+            self._evaluate()
+
+    def _evaluate(self) -> None:
+        s = self.settings
+        result = evaluate_engine(
+            self.engine, self.tasks, self._score, s.n, s.temperature, s.max_new_tokens, s.seed, progress=False
+        )
+        version = self.engine.policy_version
+        record = _record(result, version)
+        self.telemetry.append(record)
+        with (self.run_dir / EVAL_FILE).open("a") as file:
+            file.write(record.model_dump_json() + "\n")
+        self.evaluated = version
+        log.info("version %d: pass@1 %.3f, pass@%d %.3f, greedy %.3f (%.1fs)", version, result.pass_at[1],
+                 s.n, result.pass_at[s.n], result.greedy, result.seconds)  # fmt: skip
+
+    def _score(self, tasks: list[Prompt], texts: list[str]) -> list[bool]:
+        items = [
+            RewardItem(task=t.task, completion=text, answer=t.answer, task_data=t.task_data)
+            for t, text in zip(tasks, texts, strict=True)
+        ]
+        return [result.status == "correct" for result in self.rewards.score(items)]
+
+    def close(self) -> None:
+        self.engine.close()
+        self.rewards.close()
+        self.bus.close()
+
+
+def _record(result: EvalResult, version: int) -> EvalRecord:
+    return EvalRecord(
+        policy_version=version,
+        time=time.time(),
+        task=result.task,
+        problems=result.problems,
+        n=result.n,
+        temperature=result.temperature,
+        greedy=result.greedy,
+        pass_at={str(k): v for k, v in result.pass_at.items()},
+        seconds=result.seconds,
+    )
+
+
+def main(cfg: SparkSettings, stop: threading.Event) -> None:
+    """Evaluate until `stop` is set (a signal, or the launcher stopping the stack)."""
+    evaluator = Evaluator(cfg)
+    try:
+        while not stop.is_set():
+            if not evaluator.step():
+                stop.wait(cfg.eval.poll_s)
+        if cfg.eval.final:
+            evaluator.finish()
+    finally:
+        evaluator.close()
