@@ -75,6 +75,9 @@ def progress_line(row: StepMetrics | None, max_steps: int | None = None) -> str 
     sync = row.value("sync/seconds")
     if sync is not None:
         parts.append(f"sync {sync:.2f}s")
+    stale = row.value("rollout/dropped_stale_total")
+    if stale:
+        parts.append(f"stale dropped {stale:.0f}")
     return " | ".join(parts)
 
 
@@ -90,6 +93,13 @@ def _wall_seconds(run_dir: Path) -> float | None:
         return round((run_dir / "metrics.jsonl").stat().st_mtime - started, 1)
     except FileNotFoundError:
         return None
+
+
+def _ended(run_dir: Path) -> str | None:
+    """Why the learner ended (its ended.json), when it said."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return str(json.loads((run_dir / "ended.json").read_text())["reason"])
+    return None
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
@@ -114,6 +124,8 @@ def summarize(run_dir: Path | str) -> str:
         "worker_versions": last.get("worker_versions") or {},
         "checkpoints_dir": str(checkpoints),
         "checkpoints": sorted(p.name for p in checkpoints.iterdir()) if checkpoints.is_dir() else [],
+        "groups_dropped_stale": int(_metric(last, "rollout/dropped_stale_total") or 0),
+        "ended": _ended(run_dir),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     wall = summary["wall_seconds"]
@@ -124,6 +136,13 @@ def summarize(run_dir: Path | str) -> str:
             f"  reward mean: {_fmt(summary['reward_mean_first_20pct'])} (first 20% of steps)"
             f" → {_fmt(summary['reward_mean_last_20pct'])} (last 20%)",
             f"  final entropy: {_fmt(summary['final_entropy'])}",
+            f"  groups dropped as stale: {summary['groups_dropped_stale']}"
+            + (
+                " (older than learner.max_staleness when they arrived)"
+                if summary["groups_dropped_stale"]
+                else ""
+            ),
+            f"  ended: {summary['ended'] or 'unknown (the learner wrote no ended.json)'}",
             f"  versions: learner {summary['policy_version']} | workers {versions}",
             f"  checkpoints: {checkpoints}/ ({', '.join(summary['checkpoints']) or 'none'})",
             f"  summary: {run_dir / 'summary.json'}",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -22,6 +23,15 @@ class FeedReport:
     published: int  # new prompts added to the stream
     duplicates: int  # prompt ids already fed earlier (a re-run), skipped by the bus
     seconds: float
+
+
+FEED_DONE = "feed_done"  # named value: the feeder fed all it had (JSON: prompts, epochs, time)
+
+
+def mark_fed(bus: RedisBus, report: FeedReport, epochs: int) -> None:
+    """Tell the learner the data is all in the stream: once it is trained, the run is over."""
+    done = {"prompts": report.published + report.duplicates, "epochs": epochs, "time": time.time()}
+    bus.set_value(FEED_DONE, json.dumps(done))
 
 
 def feed_prompts(

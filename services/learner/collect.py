@@ -9,6 +9,7 @@ of a failed step come back through `give_back`.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
@@ -16,12 +17,14 @@ from dataclasses import dataclass, field
 
 from sparkrl.proto import TrajectoryGroup, decode_group
 from sparkrl.services.common.bus import Entry, RedisBus
+from sparkrl.services.common.feeder import FEED_DONE
 from sparkrl.services.common.recovery import TRAINED_PREFIX
 from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner.validate import ModelLimits, group_problem
 
 CONSUMER = "learner"
 STARVED_LOG_S = 30.0  # how often a learner waiting for groups says so
+EXHAUSTED_CHECK_S = 1.0  # how often a learner waiting for groups looks whether the data ran out
 
 log = logging.getLogger("sparkrl.learner")
 
@@ -50,6 +53,7 @@ class BatchCollector:
     acked: int = 0  # entries acknowledged here (dropped or already trained), since start
     dead_lettered: int = 0  # groups the model cannot take, since start
     void_versions: list[list[int]] = field(default_factory=list)  # see TrainState.void_versions
+    exhausted: str | None = None  # why no more data will come (the feed is done and all of it is read)
 
     def fill(self, version: int, interrupted: Callable[[], bool]) -> Batch | None:
         """Read until the batch is full (then hand it over and start the next), or None as soon as
@@ -62,11 +66,19 @@ class BatchCollector:
         """
         need = self.cfg.prompts_per_step
         self.read_ahead(version)
-        since = said = time.monotonic()
+        since = said = checked = time.monotonic()
         while len(self.groups) < need:
             if interrupted():
                 return None
             self._read(version, need - len(self.groups), block_ms=None)
+            if time.monotonic() - checked > EXHAUSTED_CHECK_S:
+                checked = time.monotonic()
+                self.exhausted = self._data_exhausted()
+                if self.exhausted is not None:  # the last, partial step: what is held (nothing: no step)
+                    need = len(self.groups)
+                    if not need:
+                        return None
+                    break
             if time.monotonic() - said > STARVED_LOG_S:
                 said = time.monotonic()
                 self._say_starved(need, said - since)
@@ -91,6 +103,20 @@ class BatchCollector:
         self.groups, self.entries = [self.groups[i] for i in kept], [self.entries[i] for i in kept]
         self.seen, self.dropped = {g.group_id for g in self.groups}, 0
         return batch
+
+    def _data_exhausted(self) -> str | None:
+        """Why nothing more will come, or None: the feeder fed all it had, no prompt is unread or in a
+        worker's hands (a worker acknowledges its prompt once the group is published), and no group is
+        left in the trajectory stream but the ones held here."""
+        raw = self.bus.get_value(FEED_DONE)
+        if raw is None:
+            return None
+        prompts, trajectories = self.bus.pending_info("prompts"), self.bus.pending_info("trajectories")
+        if prompts.lag or prompts.pending or trajectories.lag or trajectories.pending > len(self.entries):
+            return None
+        done = json.loads(raw)
+        epochs = f"{done['epochs']} epoch{'s' if done['epochs'] != 1 else ''}"
+        return f"the data ran out: all {done['prompts']} prompts fed ({epochs}) were sampled and trained"
 
     def _say_starved(self, need: int, waited_s: float) -> None:
         """A learner waiting long for groups says so, and what the prompt stream holds: an empty one with

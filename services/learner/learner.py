@@ -32,7 +32,7 @@ from sparkrl.services.learner.checkpoint import (
 )
 from sparkrl.services.learner.collect import Batch, BatchCollector
 from sparkrl.services.learner.control import LearnerControl, hparams_in_force
-from sparkrl.services.learner.exploration import exploration_stats
+from sparkrl.services.learner.exploration import exploration_stats, spark_tokens
 from sparkrl.services.learner.journal import Journal
 from sparkrl.services.learner.metrics import LearnerMetrics
 from sparkrl.services.learner.publisher import WeightPublisher
@@ -47,6 +47,7 @@ from sparkrl.services.learner.validate import ModelLimits
 log = logging.getLogger("sparkrl.learner")
 
 PAUSED_POLL_S = 0.2  # how often a paused learner looks at the control stream
+TOP_SPARKS = 10  # sparks per step row, the most frequent
 
 
 def compute_update(
@@ -129,6 +130,7 @@ class Learner:
     waited_data: float = field(default=0.0, init=False)  # seconds in `fill` since the last step
     waited_fleet: float = field(default=0.0, init=False)  # seconds in `fleet_in_reach` since the last step
     failures: dict[str, int] = field(default_factory=dict)  # group id → failed steps it was in
+    ended: str | None = field(default=None, init=False)  # why the run is over, once it is
 
     def __post_init__(self) -> None:
         self.collector = BatchCollector(self.bus, self.cfg, ModelLimits.of(self.engine.module, self.cfg))
@@ -141,6 +143,10 @@ class Learner:
         if self.stop.is_set() or self.stop_command is not None:
             return False
         if cfg.max_steps is not None and state.step >= cfg.max_steps:
+            self.ended = f"learner.max_steps ({cfg.max_steps}) reached"
+            return False
+        if self.collector.exhausted is not None and not self.collector.groups:
+            self.ended = self.collector.exhausted
             return False
         todo = self.control.boundary(state.step)
         for command in todo.checkpoints:
@@ -169,7 +175,7 @@ class Learner:
         self.waited_data += time.perf_counter() - mark
         if batch is not None:
             self.train(batch)
-        return True
+        return True  # after a last partial step, or none, the next turn sees the data ran out
 
     def fleet_in_reach(self) -> bool:
         """A slow broadcast costs time, not data: before a step after which the fleet's groups would be too
@@ -276,6 +282,7 @@ class Learner:
             hparams_in_force(self.engine, cfg),
             timings | fleet_timings(fleet.values()),
             exploration_stats(batch.groups, cfg.proxy_kappa),
+            self._top_sparks(batch),
         )
         self.run_log.write_step(row, state)
         self.telemetry.append(row)
@@ -284,6 +291,13 @@ class Learner:
         if state.step % cfg.checkpoint_every == 0:
             self.checkpoint(None)
         return row
+
+    def _top_sparks(self, batch: Batch) -> dict[str, int]:
+        top: dict[str, int] = {}
+        for token_id, count in spark_tokens(batch.groups).most_common(TOP_SPARKS):
+            text = self.tokenizer.decode([token_id])  # two ids may decode alike: their counts add up
+            top[text] = top.get(text, 0) + count
+        return top
 
     def checkpoint(self, tag: str | None) -> Path:
         previous = self.reporter.report.phase

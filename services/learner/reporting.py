@@ -54,6 +54,7 @@ def step_row(
     hparams: dict[str, HparamValue],
     timings: dict[str, float] | None = None,
     exploration: dict[str, float] | None = None,
+    top_sparks: dict[str, int] | None = None,
 ) -> StepMetrics:
     """The step's row. `stats` are train_step's (loss statistics); `depth` is (trajectories, prompts);
     `timings` (seconds by part: the learner's, and the fleet's `worker_*`) become `time/<part>_s`;
@@ -84,6 +85,7 @@ def step_row(
         "time/step_seconds": seconds,
         "time/tokens_per_s": tokens / seconds if seconds > 0 else None,
     }
+    metrics["rollout/dropped_stale_total"] = float(state.groups_dropped_stale)
     metrics |= {f"time/{part}_s": value for part, value in (timings or {}).items()}
     metrics |= exploration or {}
     return StepMetrics(
@@ -93,6 +95,7 @@ def step_row(
         metrics={name: _finite(value) for name, value in metrics.items()},
         worker_versions=fleet,
         hparams=hparams,
+        top_sparks=top_sparks or {},
     )
 
 
@@ -220,3 +223,12 @@ class RunLog:
     def close(self) -> None:
         for file in (self.metrics, self.trained, self.weights):
             file.close()
+
+
+ENDED_FILE = "ended.json"
+
+
+def write_ended(run_dir: Path, reason: str, step: int) -> None:
+    """Why the run ended (`learner.max_steps` reached, the data ran out, a stop command, a signal), for
+    the launcher's summary."""
+    (run_dir / ENDED_FILE).write_text(json.dumps({"reason": reason, "step": step, "time": time.time()}))

@@ -31,7 +31,7 @@ from sparkrl.services.learner.journal import Journal
 from sparkrl.services.learner.learner import Learner, Setup
 from sparkrl.services.learner.metrics import LearnerMetrics
 from sparkrl.services.learner.publisher import SNAPSHOT_NAME, WeightPublisher
-from sparkrl.services.learner.reporting import Reporter, RunLog, StatusSource
+from sparkrl.services.learner.reporting import Reporter, RunLog, StatusSource, write_ended
 from sparkrl.services.learner.resume import last_announced_version, void_discarded_versions
 from sparkrl.services.learner.startup import clear_stale_locks, watchdog
 from sparkrl.services.learner.trainer import build_engine, init_distributed
@@ -168,13 +168,15 @@ def close(service: LearnerService) -> None:
         where = f"; checkpoint {loop.reporter.report.last_checkpoint}" if keep_final else ""
         loop.control.answer(command, "applied", f"stopped at step {state.step}{where}", state.step)
     loop.publisher.close()
+    ended = loop.ended or ("a stop command" if command is not None else "stopped (signal)")
+    write_ended(loop.run_dir, ended, state.step)
     loop.reporter.update(phase="stopped")
     loop.reporter.close()
     service.files.close()
     service.server.close()
     loop.run_log.close()
     service.bus.close()
-    log.info("learner stopped at step %d (policy version %d)", state.step, state.policy_version)
+    log.info("learner stopped at step %d (policy version %d): %s", state.step, state.policy_version, ended)
 
 
 def main(
