@@ -22,6 +22,7 @@ from sparkrl.services.common.engine_settings import (
     VllmEngineSettings,
 )
 from sparkrl.services.common.eval_settings import EvalSettings
+from sparkrl.services.common.learner_knobs import AdvantageSettings, KlSettings, ScheduleSettings
 from sparkrl.services.common.loss_settings import (
     ClipCovLoss,
     ClipHigherLoss,
@@ -40,6 +41,7 @@ from sparkrl.services.common.sync_settings import WeightSyncSettings
 # The loss, sampling/engine, sync and ray sections live in their own files; they are re-exported here,
 # the tree's one import point.
 __all__ = [
+    "AdvantageSettings",
     "ClipCovLoss",
     "ClipHigherLoss",
     "EightyTwentyLoss",
@@ -47,11 +49,13 @@ __all__ = [
     "EvalSettings",
     "GspoLoss",
     "KlCovLoss",
+    "KlSettings",
     "LossSettings",
     "LpRegLoss",
     "PpoClipLoss",
     "RaySettings",
     "SamplingSettings",
+    "ScheduleSettings",
     "TorchEngineSettings",
     "VllmEngineSettings",
     "WeightSyncSettings",
@@ -261,7 +265,19 @@ class LearnerSettings(Section):
         "corrects rollout/learner mismatch).",
     )
     tis_cap: float | None = Field(2.0, gt=0, description="Cap of truncated IS weights; None: no correction.")
-    lr: float = Field(1e-6, gt=0, description="Learning rate (constant).")
+    lr: float = Field(1e-6, gt=0, description="Learning rate (the base of `schedule`).")
+    schedule: ScheduleSettings = Field(default_factory=ScheduleSettings, description="lr warm-up and decay.")
+    kl: KlSettings = Field(default_factory=KlSettings, description="KL penalty to the initial model.")
+    advantage: AdvantageSettings = Field(
+        default_factory=AdvantageSettings, description="Rewards → advantages."
+    )
+    updates_per_rollout: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Optimizer steps per learner step: the step's groups split into this many mini-batches, "
+        "each its own update, π_old fixed for the whole step (the paper's off-policy setting: 8).",
+    )
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
@@ -300,6 +316,14 @@ class LearnerSettings(Section):
     keep_checkpoints: int = Field(2, ge=1, description="Older checkpoints are deleted.")
     seed: int = Field(0, description="Seed of the learner's randomness (Clip-Cov's choice).")
     metrics: MetricsEndpoint = Field(default_factory=MetricsEndpoint, description="/metrics and /healthz.")
+
+    @model_validator(mode="after")
+    def _decay_needs_an_end(self) -> LearnerSettings:
+        if self.schedule.kind != "constant" and self.max_steps is None:
+            raise ValueError(
+                f"learner.schedule.kind {self.schedule.kind} decays to learner.max_steps: set it"
+            )
+        return self
 
 
 class SparkSettings(BaseSettings):

@@ -32,6 +32,23 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Ten
     return ((grouped - mean) / (std + eps)).view(N)
 
 
+def step_advantages(
+    group_rewards: list[Tensor], std_normalize: bool = True, level: str = "group", eps: float = 1e-6
+) -> list[Tensor]:
+    """Advantages of a step's groups (each [n_g]) under `learner.advantage`: reward − group mean, divided
+    by the group's std (GRPO, `group_advantages`), by the std of all the step's rewards (`level="batch"`),
+    or by nothing (`std_normalize=False`, Dr. GRPO). A group of one gets 0 in every mode."""
+    if std_normalize and level == "group":
+        return [group_advantages(r, group_size=len(r), eps=eps) for r in group_rewards]
+    rewards = [r.to(torch.promote_types(r.dtype, torch.float32)) for r in group_rewards]
+    centered = [r - r.mean() if len(r) > 1 else torch.zeros_like(r) for r in rewards]
+    if not std_normalize:
+        return centered
+    every = torch.cat(rewards)
+    std = every.std() if len(every) > 1 else torch.tensor(0.0)
+    return [c / (std + eps) for c in centered]
+
+
 def _log_is_ratio(learner_old_logp: Tensor, rollout_logp: Tensor, valid: Tensor) -> Tensor:
     """log(π_learner_old / π_rollout) [B, T] in float32, 0 on masked tokens (padding may hold −inf)."""
     log_w = learner_old_logp.detach().float() - rollout_logp.detach().float()

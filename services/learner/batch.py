@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from sparkrl.proto import TrajectoryGroup
-from sparkrl.services.learner.advantages import group_advantages
+from sparkrl.services.learner.advantages import step_advantages
 
 
 @dataclass(frozen=True)
@@ -50,12 +50,14 @@ class MicroBatch:
         return MicroBatch(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
 
 
-def samples_from_groups(groups: list[TrajectoryGroup], eps: float = 1e-6) -> list[Sample]:
-    """Flatten groups into samples with GRPO advantages (normalized within each group)."""
+def samples_from_groups(
+    groups: list[TrajectoryGroup], eps: float = 1e-6, std_normalize: bool = True, level: str = "group"
+) -> list[Sample]:
+    """Flatten groups into samples with their advantages (GRPO's by default: normalized within each
+    group; see `step_advantages` for the other modes)."""
     samples = []
-    for group in groups:
-        rewards = torch.tensor(group.rewards, dtype=torch.float32)
-        advantages = group_advantages(rewards, group_size=len(group.rewards), eps=eps)
+    rewards = [torch.tensor(group.rewards, dtype=torch.float32) for group in groups]
+    for group, advantages in zip(groups, step_advantages(rewards, std_normalize, level, eps), strict=True):
         prompt = torch.from_numpy(group.prompt_token_ids.astype("int64"))
         for completion, advantage in zip(group.completions, advantages.tolist(), strict=True):
             token_ids = torch.from_numpy(completion.token_ids.astype("int64"))

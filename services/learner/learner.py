@@ -40,38 +40,14 @@ from sparkrl.services.learner.reporting import Reporter, RunLog, fleet_timings, 
 from sparkrl.services.learner.trainer import (
     old_policy,
     token_logp_and_entropy,
-    train_step,
 )
+from sparkrl.services.learner.update import compute_update
 from sparkrl.services.learner.validate import ModelLimits
 
 log = logging.getLogger("sparkrl.learner")
 
 PAUSED_POLL_S = 0.2  # how often a paused learner looks at the control stream
 TOP_SPARKS = 10  # sparks per step row, the most frequent
-
-
-def compute_update(
-    engine: DeepSpeedEngine,
-    batch: Batch,
-    cfg: LearnerSettings,
-    pad_id: int,
-    timings: dict[str, float] | None = None,
-) -> dict[str, float]:
-    """old policy for every micro-batch (before any update), then one optimizer step; `timings` gets
-    the seconds of `collate`, `old_policy`, `forward_backward` and `optimizer`."""
-    timings = timings if timings is not None else {}
-    started = time.perf_counter()
-    device = engine.device
-    batches = [
-        mb.to(device)
-        for mb in micro_batches(samples_from_groups(batch.groups), cfg.micro_batch_tokens, pad_id)
-    ]
-    collated = time.perf_counter()
-    engine.eval()
-    olds = [old_policy(engine.module, mb, cfg) for mb in batches]
-    engine.train()
-    timings["collate"], timings["old_policy"] = collated - started, time.perf_counter() - collated
-    return train_step(engine, batches, olds, cfg, timings)
 
 
 @torch.no_grad()
@@ -100,7 +76,7 @@ def finish_step(bus: RedisBus, batch: Batch, state: TrainState) -> int:
     return acked
 
 
-Setup = tuple[DeepSpeedEngine, PreTrainedTokenizerBase, TrainState, bool]
+Setup = tuple[DeepSpeedEngine, PreTrainedTokenizerBase, TrainState, bool, torch.nn.Module | None]
 
 
 @dataclass
@@ -124,6 +100,7 @@ class Learner:
     stop: threading.Event
     journal: Journal
     wipes: WipeWatch  # a Redis that lost its data is noticed at the next boundary, and rebuilt
+    reference: torch.nn.Module | None = None  # the frozen initial model of learner.kl (None: no KL term)
     collector: BatchCollector = field(init=False)
     saved_step: int = field(init=False)  # the step of the newest checkpoint
     stop_command: ControlCommand | None = field(default=None, init=False)  # the one that ended the run
@@ -251,7 +228,9 @@ class Learner:
         timings = {"wait_data": self.waited_data, "wait_fleet": self.waited_fleet}
         self.waited_data = self.waited_fleet = 0.0
         try:
-            stats = compute_update(self.engine, batch, cfg, self.pad_id, timings)
+            stats = compute_update(
+                self.engine, batch, cfg, self.pad_id, state.step + 1, self.reference, timings
+            )
         except Exception as exc:  # a bad batch must cost its step, not the process (and every restart)
             self.failed_step(batch, exc)
             return None

@@ -31,6 +31,7 @@ from sparkrl.services.learner.journal import Journal
 from sparkrl.services.learner.learner import Learner, Setup
 from sparkrl.services.learner.metrics import LearnerMetrics
 from sparkrl.services.learner.publisher import SNAPSHOT_NAME, WeightPublisher
+from sparkrl.services.learner.reference import frozen_copy
 from sparkrl.services.learner.reporting import Reporter, RunLog, StatusSource, write_ended
 from sparkrl.services.learner.resume import last_announced_version, void_discarded_versions
 from sparkrl.services.learner.startup import clear_stale_locks, watchdog
@@ -52,12 +53,14 @@ def setup_engine(cfg: SparkSettings, resume: bool) -> Setup:
     init_distributed(lc, cfg.sync.host)
     tokenizer = load_tokenizer(cfg.model)
     engine = build_engine(load_model(cfg.model, lc.dtype, _device(lc), lc.attention), lc)
+    # The KL reference is the initial model (cfg.model), also when resuming: copied before the checkpoint.
+    reference = frozen_copy(engine.module) if lc.kl.coef > 0 else None
     checkpoint = latest_checkpoint(Path(cfg.run_dir)) if resume else None
     if resume and checkpoint is None:
         log.warning("--resume: no checkpoint under %s; starting fresh", cfg.run_dir)
     if checkpoint is None:
-        return engine, tokenizer, TrainState(started_at=time.time()), False
-    return engine, tokenizer, load_checkpoint(engine, checkpoint), True
+        return engine, tokenizer, TrainState(started_at=time.time()), False, reference
+    return engine, tokenizer, load_checkpoint(engine, checkpoint), True, reference
 
 
 @dataclass
@@ -86,7 +89,7 @@ def build(
     snapshot = run_dir / "snapshots" / SNAPSHOT_NAME
     files = WeightFileServer(cfg.sync.host, cfg.sync.http_port, Path(cfg.model), snapshot, cfg.sync.secret)
     files.start()
-    engine, tokenizer, state, resumed = setup_engine(cfg, resume)
+    engine, tokenizer, state, resumed, reference = setup_engine(cfg, resume)
     guard.cancel()
     engine_built()
     journal = Journal(run_dir)
@@ -129,6 +132,7 @@ def build(
         stop=stop,
         journal=journal,
         wipes=WipeWatch(bus, run_dir / "trained_groups.jsonl"),
+        reference=reference,
     )
     publisher.start()
     reporter.update(hparams=hparams_in_force(engine, lc))

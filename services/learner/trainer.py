@@ -26,6 +26,7 @@ from sparkrl.services.learner.advantages import truncated_is_weights
 from sparkrl.services.learner.batch import MicroBatch
 from sparkrl.services.learner.losses import LossInputs, entropy_has_gradient, policy_loss
 from sparkrl.services.learner.proxy import proxy_logp_from_logits, proxy_logp_from_topk
+from sparkrl.services.learner.reference import kl_to_reference
 
 
 def init_distributed(cfg: LearnerSettings, sync_host: str = "127.0.0.1") -> None:
@@ -124,6 +125,7 @@ class OldPolicy:
     proxy_logp: Tensor
     is_weights: Tensor | None
     proxy_inexact: int  # positions where the top-k proxy is only approximate
+    ref_logp: Tensor | None = None  # the frozen reference's log-probs (learner.kl), else None
 
 
 def autocast(cfg: LearnerSettings) -> torch.autocast:
@@ -142,9 +144,11 @@ def _bf16_autocast(setting: str, device: str) -> bool:
 
 
 @torch.no_grad()
-def old_policy(model: torch.nn.Module, mb: MicroBatch, cfg: LearnerSettings) -> OldPolicy:
+def old_policy(
+    model: torch.nn.Module, mb: MicroBatch, cfg: LearnerSettings, reference: torch.nn.Module | None = None
+) -> OldPolicy:
     """old_logp and the Lp-Reg proxy, from the rollout's numbers or from a pass of the current weights
-    (before this step's update, so they are π_old for the step)."""
+    (before this step's update, so they are π_old for the step); with a `reference`, its log-probs."""
     need_pass = cfg.old_logp_source == "recompute" or cfg.proxy_source == "logits"
     learner_logp, logits = (None, None)
     if need_pass:
@@ -164,7 +168,11 @@ def old_policy(model: torch.nn.Module, mb: MicroBatch, cfg: LearnerSettings) -> 
             is_weights = truncated_is_weights(learner_logp, mb.rollout_logp, mb.mask, cap=cfg.tis_cap)
     else:
         old_logp = mb.rollout_logp
-    return OldPolicy(old_logp, proxy, is_weights, inexact)
+    ref_logp = None
+    if reference is not None:
+        with autocast(cfg):
+            ref_logp = token_logp_and_entropy(reference, mb, entropy_grad=False)[0]
+    return OldPolicy(old_logp, proxy, is_weights, inexact, ref_logp)
 
 
 def step_and_grad_norm(engine: deepspeed.DeepSpeedEngine) -> float:
@@ -206,6 +214,11 @@ def train_step(
             is_weights=old.is_weights,
         )
         loss, stats = policy_loss(cfg.loss.name, inputs, **hparams)
+        if old.ref_logp is not None and cfg.kl.coef > 0:
+            kl = kl_to_reference(logp, old.ref_logp, cfg.kl.estimator)
+            kl_mean = (kl * mb.mask).sum() / mb.mask.sum().clamp(min=1)
+            loss = loss + cfg.kl.coef * kl_mean
+            stats = {**stats, "kl_ref": kl_mean.detach()}
         share = mb.num_tokens / total_tokens
         engine.backward(loss * share, scale_wrt_gas=False)
         sums["loss"] += float(loss.detach()) * share

@@ -1,0 +1,42 @@
+"""The learner's optimisation knobs beyond the loss: the `learner.schedule`, `learner.kl` and
+`learner.advantage` sections; re-exported by `settings.py`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from sparkrl.services.common.settings_section import Section
+
+
+class ScheduleSettings(Section):
+    """The learning rate over the run: a linear warm-up, then constant, linear or cosine decay to
+    `min_lr_ratio` × `learner.lr` at `learner.max_steps`. A live `lr` change moves the base rate."""
+
+    kind: Literal["constant", "linear", "cosine"] = Field("constant", description="Shape after the warm-up.")
+    warmup_steps: int = Field(0, ge=0, description="Steps of linear warm-up from 0 (0: none).")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Where linear/cosine decay ends, × learner.lr.")
+
+
+class KlSettings(Section):
+    """A KL penalty to the frozen initial model (the reference), added to any loss: `coef` × the token
+    mean of the estimator (Schulman's k1 = log π − log π_ref, k2 = ½(log π − log π_ref)², k3 =
+    π_ref/π − log(π_ref/π) − 1). The reference is a second copy of the model on the learner."""
+
+    coef: float = Field(0.0, ge=0, description="Weight of the KL term (0: off, no reference is loaded).")
+    estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Per-token KL estimator.")
+
+
+class AdvantageSettings(Section):
+    """How rewards become advantages: GRPO's group normalization, its variants, and what to leave out."""
+
+    std_normalize: bool = Field(
+        True, description="Divide by the group's reward std (False: Dr. GRPO's reward − group mean)."
+    )
+    level: Literal["group", "batch"] = Field(
+        "group", description="The std of the group, or of the whole step's rewards (mean stays per group)."
+    )
+    drop_equal_groups: bool = Field(
+        False, description="Leave groups whose rewards are all equal (no signal) out of the step's loss."
+    )

@@ -1,0 +1,92 @@
+"""One learner step's update: the step's groups → advantages → π_old (and the KL reference) for every
+micro-batch, before any update → `updates_per_rollout` optimizer steps, one per mini-batch, at the
+scheduled learning rate.
+
+With one update per rollout (the default) this is one optimizer step over all the step's tokens. With N,
+the groups are split into N mini-batches (contiguous, at group boundaries) and each is its own update
+against the same π_old: from the second on, the ratio moves off 1 and the loss's clipping is what
+keeps the step near π_old (the paper's off-policy setting uses 8). The policy version still advances
+once per learner step: the fleet gets one new version per rollout batch.
+"""
+
+from __future__ import annotations
+
+import time
+
+from deepspeed import DeepSpeedEngine
+from torch import nn
+
+from sparkrl.proto import TrajectoryGroup
+from sparkrl.services.common.settings import LearnerSettings
+from sparkrl.services.learner.batch import Sample, micro_batches, samples_from_groups
+from sparkrl.services.learner.collect import Batch
+from sparkrl.services.learner.control import set_lr
+from sparkrl.services.learner.schedule import lr_factor
+from sparkrl.services.learner.trainer import old_policy, train_step
+
+ADDITIVE = ("reg_tokens", "reg_tokens_pos", "proxy_inexact", "tokens")  # counts add up over updates
+
+
+def _equal_rewards(group: TrajectoryGroup) -> bool:
+    return len(set(group.rewards)) <= 1
+
+
+def split_groups(groups: list[TrajectoryGroup], parts: int) -> list[list[TrajectoryGroup]]:
+    """`groups` in `parts` contiguous runs of near-equal size (fewer when there are fewer groups)."""
+    parts = max(1, min(parts, len(groups)))
+    bounds = [round(i * len(groups) / parts) for i in range(parts + 1)]
+    return [groups[bounds[i] : bounds[i + 1]] for i in range(parts)]
+
+
+def compute_update(
+    engine: DeepSpeedEngine,
+    batch: Batch,
+    cfg: LearnerSettings,
+    pad_id: int,
+    step: int,
+    reference: nn.Module | None = None,
+    timings: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """π_old for every micro-batch (before any update), then the step's optimizer steps; `step` is the
+    learner step being taken (1-based, for the schedule). `timings` gets the seconds of `collate`,
+    `old_policy`, `forward_backward` and `optimizer` (summed over the updates)."""
+    timings = timings if timings is not None else {}
+    started = time.perf_counter()
+    adv = cfg.advantage
+    groups = [g for g in batch.groups if not (adv.drop_equal_groups and _equal_rewards(g))]
+    extra = {"equal_groups_dropped": float(len(batch.groups) - len(groups))}
+    # Advantages over the whole step (a batch-level std is the step's), then cut at group boundaries.
+    samples = samples_from_groups(groups, std_normalize=adv.std_normalize, level=adv.level)
+    minis: list[list[Sample]] = []
+    for part in split_groups(groups, cfg.updates_per_rollout):
+        count = sum(len(group.completions) for group in part)
+        minis.append(samples[:count])
+        samples = samples[count:]
+    device = engine.device
+    batches = [[mb.to(device) for mb in micro_batches(m, cfg.micro_batch_tokens, pad_id)] for m in minis if m]
+    collated = time.perf_counter()
+    engine.eval()
+    olds = [[old_policy(engine.module, mb, cfg, reference) for mb in mini] for mini in batches]
+    engine.train()
+    timings["collate"], timings["old_policy"] = collated - started, time.perf_counter() - collated
+    set_lr(engine, cfg.lr * lr_factor(step, cfg.schedule, cfg.max_steps))
+    if not batches:  # every group had equal rewards and was left out: nothing to learn from
+        return extra | {"tokens": 0.0, "updates": 0.0}
+    per_update = []
+    for mini, old in zip(batches, olds, strict=True):
+        part: dict[str, float] = {}
+        per_update.append(train_step(engine, mini, old, cfg, part))
+        for key, seconds in part.items():
+            timings[key] = timings.get(key, 0.0) + seconds
+    return _merge(per_update) | extra | {"updates": float(len(per_update))}
+
+
+def _merge(stats: list[dict[str, float]]) -> dict[str, float]:
+    """Counts add up over the updates; rates and losses are averaged by token share."""
+    total = sum(s.get("tokens", 0.0) for s in stats) or 1.0
+    merged: dict[str, float] = {}
+    for s in stats:
+        weight = s.get("tokens", 0.0) / total
+        for key, value in s.items():
+            merged[key] = merged.get(key, 0.0) + (value if key in ADDITIVE else value * weight)
+    return merged

@@ -1,0 +1,108 @@
+"""The knobs TRL and verl users reach for, each against hand-computed values: the lr schedule, the KL
+estimators to a reference, the advantage modes, mini-batch splitting, and one real run with all of them."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from torch.testing import assert_close
+
+from sparkrl.proto.testing import random_group
+from sparkrl.services.common.settings import LearnerSettings, ScheduleSettings
+from sparkrl.services.learner.advantages import step_advantages
+from sparkrl.services.learner.reference import kl_to_reference
+from sparkrl.services.learner.schedule import lr_factor
+from sparkrl.services.learner.update import split_groups
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_lr_schedule_by_hand() -> None:
+    cosine = ScheduleSettings(kind="cosine", warmup_steps=4, min_lr_ratio=0.1)
+    assert [lr_factor(s, cosine, 12) for s in (1, 2, 4)] == [0.25, 0.5, 1.0]  # warm-up
+    # step 5: p = (5 − 4) / (12 − 4) = 1/8 → 0.1 + 0.9 · ½(1 + cos(π/8))
+    assert lr_factor(5, cosine, 12) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 8)))
+    assert lr_factor(12, cosine, 12) == pytest.approx(0.1) and lr_factor(20, cosine, 12) == pytest.approx(0.1)
+    linear = ScheduleSettings(kind="linear", warmup_steps=4, min_lr_ratio=0.1)
+    assert lr_factor(8, linear, 12) == pytest.approx(0.55)  # p = 1/2
+    assert lr_factor(1, ScheduleSettings(), None) == 1.0 == lr_factor(1000, ScheduleSettings(), None)
+    with pytest.raises(ValueError, match=r"decays to learner\.max_steps"):
+        LearnerSettings(schedule={"kind": "cosine"})
+    with pytest.raises(ValueError):
+        lr_factor(0, cosine, 12)
+
+
+def test_kl_estimators_by_hand() -> None:
+    logp = torch.tensor([[math.log(0.5), math.log(0.25)]], requires_grad=True)
+    ref = torch.tensor([[math.log(0.25), math.log(0.25)]])
+    d = math.log(2.0)  # log π − log π_ref at the first token; 0 at the second
+    assert_close(kl_to_reference(logp, ref, "k1"), torch.tensor([[d, 0.0]]))
+    assert_close(kl_to_reference(logp, ref, "k2"), torch.tensor([[0.5 * d * d, 0.0]]))
+    k3 = kl_to_reference(logp, ref, "k3")
+    assert_close(k3, torch.tensor([[0.5 + d - 1.0, 0.0]]))  # π_ref/π = ½
+    k3.sum().backward()  # d k3 / d logp = 1 − π_ref/π
+    assert_close(logp.grad, torch.tensor([[0.5, 0.0]]))
+    far = kl_to_reference(torch.tensor([[-30.0]]), torch.tensor([[0.0]]), "k3")
+    assert far.item() == 10.0  # clamped: one token far off the reference cannot swamp a step
+    with pytest.raises(ValueError, match="unknown KL estimator"):
+        kl_to_reference(logp, ref, "k4")
+
+
+def test_advantage_modes_by_hand() -> None:
+    rewards = [torch.tensor([1.0, 0.0, 0.0]), torch.tensor([1.0, 1.0, 1.0]), torch.tensor([1.0])]
+    group = step_advantages(rewards)  # GRPO: std of [1, 0, 0] (unbiased) = 1/√3
+    assert_close(group[0], torch.tensor([2 / 3, -1 / 3, -1 / 3]) * math.sqrt(3), atol=1e-5, rtol=0)
+    assert_close(group[1], torch.zeros(3)) and assert_close(group[2], torch.zeros(1))
+    dr = step_advantages(rewards, std_normalize=False)  # Dr. GRPO: reward − group mean
+    assert_close(dr[0], torch.tensor([2 / 3, -1 / 3, -1 / 3]))
+    batch = step_advantages(rewards, level="batch")  # the std of all seven rewards (five 1s, two 0s)
+    every = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    assert_close(batch[0], torch.tensor([2 / 3, -1 / 3, -1 / 3]) / (every.std() + 1e-6))
+    assert_close(batch[1], torch.zeros(3)) and assert_close(batch[2], torch.zeros(1))
+
+
+def test_groups_split_into_contiguous_mini_batches() -> None:
+    rng = __import__("numpy").random.default_rng(0)
+    groups = [random_group(rng, n=2, T=3, k=2, vocab_size=50) for _ in range(5)]
+    parts = split_groups(groups, 2)
+    assert [len(p) for p in parts] == [2, 3] and [g for p in parts for g in p] == groups
+    assert [len(p) for p in split_groups(groups, 8)] == [1] * 5  # never more parts than groups
+    assert split_groups(groups, 1) == [groups]
+
+
+def test_a_run_with_kl_two_updates_per_rollout_and_a_cosine_schedule(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    run_dir, lr = tmp_path / "run", 1e-4
+    overrides = [
+        f"model={tiny_model_dir}", "learner.max_steps=4", f"learner.lr={lr}", "learner.kl.coef=0.1",
+        "learner.updates_per_rollout=2", "learner.schedule.kind=cosine", "learner.schedule.warmup_steps=1",
+        "learner.advantage.drop_equal_groups=true",
+    ]  # fmt: skip
+    command = [sys.executable, "-m", "sparkrl.cli", "up", "--preset", "smoke", "--run-dir", str(run_dir)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_")}
+    done = subprocess.run(
+        [*command, *(a for o in overrides for a in ("--set", o))],
+        capture_output=True, text=True, timeout=400, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    schedule = ScheduleSettings(kind="cosine", warmup_steps=1)
+    for row in rows:
+        m = row["metrics"]
+        assert row["hparams"]["lr"] == pytest.approx(lr * lr_factor(row["step"], schedule, 4))
+        kept = m["rollout/groups"] - m["loss/equal_groups_dropped"]
+        assert m["loss/updates"] == min(2, kept)  # one optimizer step per mini-batch
+        if kept:
+            assert m["loss/kl_ref"] is not None and m["loss/kl_ref"] >= 0  # k3 ≥ 0
+    assert rows[0]["hparams"]["lr"] == pytest.approx(lr)  # warm-up of one step: the full rate at step 1
