@@ -14,11 +14,29 @@ from typing import Annotated
 import typer
 
 from sparkrl.services.common.logs import setup_logging
-from sparkrl.services.common.settings import SparkSettings, load_settings
+from sparkrl.services.common.settings import SparkSettings, describe_settings_error, load_settings
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help=__doc__.splitlines()[0]
 )
+
+
+def _version(value: bool) -> None:
+    if value:
+        from sparkrl import __version__
+
+        typer.echo(f"sparkrl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """sparkrl: distributed RL from verifiable rewards with Lp-Reg."""
+
 
 Preset = Annotated[
     str | None, typer.Option("--preset", "-p", help="configs/<NAME>.yaml, or a path to a YAML settings file.")
@@ -35,7 +53,7 @@ def _settings(preset: str | None, overrides: list[str] | None) -> SparkSettings:
     try:
         return load_settings(preset, overrides)
     except (ValueError, FileNotFoundError) as exc:
-        raise typer.BadParameter(str(exc)) from exc
+        raise typer.BadParameter(describe_settings_error(exc)) from exc
 
 
 @app.command()
@@ -288,179 +306,12 @@ def build_tiny_model(
     typer.echo(ensure_tiny_model(out, seed=seed, recipe_name=recipe))
 
 
-# ── clients of the control API ───────────────────────────────────────────────────────────────────────
-
-Url = Annotated[str | None, typer.Option(help="Control API base URL (env SPARKRL_CONTROL__URL).")]
-Token = Annotated[str | None, typer.Option(help="Bearer token (env SPARKRL_CONTROL__TOKEN).")]
-RunDir = Annotated[
-    Path | None, typer.Option("--run-dir", help="Take the URL and token from a `sparkrl up` run directory.")
-]
-Json = Annotated[bool, typer.Option("--json", help="Print the API's JSON answer.")]
-
-
-def _client_call(
-    url: str | None, token: str | None, run_dir: Path | None, method: str, path: str, body: dict | None = None
-) -> dict:
-    from sparkrl.client import ClientError, call, resolve_endpoint
-
-    try:
-        return call(resolve_endpoint(url, token, run_dir), method, path, body)
-    except ClientError as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from exc
-
-
-def _command(
-    url: str | None,
-    token: str | None,
-    run_dir: Path | None,
-    path: str,
-    body: dict | None,
-    as_json: bool,
-    method: str = "POST",
-) -> None:
-    import json
-
-    from sparkrl.client import format_command
-
-    answer = _client_call(url, token, run_dir, method, path, body)
-    typer.echo(json.dumps(answer, indent=2) if as_json else format_command(answer))
-
-
-@app.command()
-def status(url: Url = None, token: Token = None, run_dir: RunDir = None, as_json: Json = False) -> None:
-    """Show the learner, the hyperparameters in force and every worker's version, lag and sync."""
-    import json
-
-    from sparkrl.client import format_status
-
-    state = _client_call(url, token, run_dir, "GET", "/api/v1/status")
-    workers = _client_call(url, token, run_dir, "GET", "/api/v1/workers")
-    typer.echo(
-        json.dumps({"status": state, "workers": workers}, indent=2)
-        if as_json
-        else format_status(state, workers)
-    )
-
-
-@app.command()
-def pause(
-    url: Url = None,
-    token: Token = None,
-    run_dir: RunDir = None,
-    reason: Annotated[str | None, typer.Option(help="Why, for the logs.")] = None,
-    as_json: Json = False,
-) -> None:
-    """Pause: the learner stops taking trajectories, workers stop taking prompts; nothing is lost."""
-    _command(url, token, run_dir, "/api/v1/pause", {"reason": reason} if reason else None, as_json)
-
-
-@app.command()
-def resume(url: Url = None, token: Token = None, run_dir: RunDir = None, as_json: Json = False) -> None:
-    """Resume after a pause."""
-    _command(url, token, run_dir, "/api/v1/resume", None, as_json)
-
-
-@app.command()
-def stop(
-    url: Url = None,
-    token: Token = None,
-    run_dir: RunDir = None,
-    checkpoint: Annotated[bool, typer.Option(help="Write a final checkpoint.")] = True,
-    as_json: Json = False,
-) -> None:
-    """Stop the run cleanly: the learner finishes its step, checkpoints, and exits; the workers too."""
-    _command(url, token, run_dir, "/api/v1/stop", {"checkpoint": checkpoint}, as_json)
-
-
-@app.command()
-def checkpoint(
-    url: Url = None,
-    token: Token = None,
-    run_dir: RunDir = None,
-    tag: Annotated[str | None, typer.Option(help="Folder name (default: step-NNNNNN).")] = None,
-    as_json: Json = False,
-) -> None:
-    """Write a checkpoint at the next step boundary."""
-    _command(url, token, run_dir, "/api/v1/checkpoint", {"tag": tag} if tag else None, as_json)
-
-
-@app.command("set")
-def set_hparams(
-    assignments: Annotated[
-        list[str], typer.Argument(help="name=value … (lr, beta, rho, kappa, temperature …)")
-    ],
-    url: Url = None,
-    token: Token = None,
-    run_dir: RunDir = None,
-    as_json: Json = False,
-) -> None:
-    """Change hyperparameters live, e.g. `sparkrl set lr=2e-6 beta=0.5 temperature=0.9`."""
-    from sparkrl.client import ClientError, parse_assignments
-
-    try:
-        values = parse_assignments(assignments)
-    except ClientError as exc:
-        raise typer.BadParameter(str(exc)) from exc
-    _command(url, token, run_dir, "/api/v1/hyperparameters", values, as_json, method="PATCH")
-
-
-@app.command()
-def dead(
-    preset: Preset = None,
-    overrides: Overrides = None,
-    run_dir: RunDir = None,
-    requeue: Annotated[
-        list[str] | None,
-        typer.Option(help="Put this dead letter back into its stream (an id of the listing)."),
-    ] = None,
-    count: Annotated[int, typer.Option(min=1, max=10_000, help="How many to list, newest first.")] = 20,
-) -> None:
-    """The dead-letter stream: what was set aside and why; `--requeue ID` delivers one again."""
-    import datetime
-
-    from sparkrl.services.common.bus import RedisBus
-
-    if run_dir is not None:
-        preset = str(run_dir / "config" / "learner.yaml")
-    cfg = _settings(preset, overrides)
-    if run_dir is None and "url" not in cfg.bus.model_fields_set:
-        # This command writes (--requeue): never into a Redis it was not pointed at.
-        raise typer.BadParameter(
-            "say which Redis: --run-dir RUN_DIR (a live `sparkrl up`) or --set bus.url=..."
-        )
-    with RedisBus(cfg.bus) as bus:
-        for record_id in requeue or []:
-            new_id = bus.requeue_dead_letter(record_id)
-            if new_id is None:
-                typer.echo(f"error: no dead letter {record_id} in {bus.stream_key('dead')}", err=True)
-                raise typer.Exit(1)
-            typer.echo(f"requeued {record_id} as {new_id}")
-        if requeue:
-            return
-        letters = bus.dead_letters(count)
-        typer.echo(
-            f"{bus.dead_letter_count()} dead letters in {bus.stream_key('dead')}" + (":" if letters else "")
-        )
-        for d in letters:
-            when = datetime.datetime.fromtimestamp(d.time_ms / 1000).isoformat(timespec="seconds")
-            stream = d.stream.rsplit(":", 1)[-1]
-            typer.echo(
-                f"{d.record_id}  {when}  {stream:<12} {d.item_id}  deliveries {d.deliveries}\n    {d.reason}"
-            )
-
-
-@app.command()
-def report(run_dir: Annotated[Path, typer.Argument(help="The run directory.")]) -> None:
-    """Charts (reward, entropy, regularized tokens, worker versions and lag, sync seconds) and report.md."""
-    from sparkrl.report import write_report
-
-    try:
-        typer.echo(write_report(run_dir))
-    except (FileNotFoundError, ValueError) as exc:
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1) from exc
-
+# The clients (control API, dead letters, report, config) live in cli_clients.py; importing it
+# registers them on `app`.
+from sparkrl import cli_clients  # noqa: E402, F401
 
 if __name__ == "__main__":
-    app()
+    # `python -m sparkrl.cli` runs this file as __main__; the clients registered on the module's own `app`.
+    from sparkrl.cli import app as _app
+
+    _app()

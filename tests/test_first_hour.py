@@ -2,7 +2,8 @@
 
 Numbered as in the issue: (3) the README's math command, run as printed; (5) a finite dataset ends the
 run with a message, stale drops shown; (8) a value means the same whichever way it arrives; (9) `sparkrl
-prompts` never writes into a Redis it was not pointed at.
+prompts` never writes into a Redis it was not pointed at; (10) completions to read, verdicts counted,
+and settings errors without library noise.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from sparkrl.proto import Prompt, decode_message
 from sparkrl.services.common.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
+STATUSES = ("correct", "incorrect", "no_answer", "timeout", "error")
 README_REDIS = "redis://127.0.0.1:6380/0"  # the address the README's example names
 
 
@@ -90,6 +92,15 @@ def test_5_a_finite_dataset_ends_the_run_with_a_message(tiny_model_dir: Path, tm
     ended = json.loads((run_dir / "ended.json").read_text())
     assert ended["step"] == len(rows) and ended["reason"].startswith("the data ran out")
 
+    # (10) What the model says: a few completions per step, and the verdicts counted in every row.
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert samples and {s["step"] for s in samples} <= {r["step"] for r in rows}
+    assert all(s["prompt"].startswith("Use ") and isinstance(s["completion"], str) for s in samples)
+    assert all(s["status"] in STATUSES and s["reward"] in (0.0, 1.0) for s in samples)
+    for row in rows:
+        counted = sum(row["metrics"][f"rollout/status_{status}"] for status in STATUSES)
+        assert counted == row["metrics"]["rollout/groups"] * 4  # smoke: 4 samples a group
+
 
 def test_8_a_variant_switch_is_the_same_whichever_way_it_arrives(monkeypatch: pytest.MonkeyPatch) -> None:
     for key in [k for k in os.environ if k.startswith("SPARKRL_")]:
@@ -109,6 +120,13 @@ def test_8_a_variant_switch_is_the_same_whichever_way_it_arrives(monkeypatch: py
     monkeypatch.setenv("SPARKRL_LEARNER__LOSS__RHO", "0.5")
     with pytest.raises(ValueError, match="rho"):
         load_settings("demo", ["learner.loss.name=grpo"])
+
+
+def test_10_a_bad_setting_is_one_plain_line_per_problem() -> None:
+    done = _cli("learner", "--preset", "demo", "--set", "learner.lr=-1", "--set", "learner.loss.name=nope")
+    assert done.returncode == 2
+    assert "learner.lr: Input should be greater than 0 (got -1)" in done.stderr
+    assert "errors.pydantic.dev" not in done.stderr and "Traceback" not in done.stderr
 
 
 def test_9_prompts_refuses_a_redis_it_was_not_pointed_at() -> None:

@@ -315,6 +315,9 @@ class LearnerSettings(Section):
     checkpoint_every: int = Field(50, ge=1, description="Checkpoint every N steps (and on stop).")
     keep_checkpoints: int = Field(2, ge=1, description="Older checkpoints are deleted.")
     seed: int = Field(0, description="Seed of the learner's randomness (Clip-Cov's choice).")
+    samples_per_step: int = Field(
+        4, ge=0, le=1000, description="Completions per step written to RUN_DIR/samples.jsonl (0: none)."
+    )
     metrics: MetricsEndpoint = Field(default_factory=MetricsEndpoint, description="/metrics and /healthz.")
 
     @model_validator(mode="after")
@@ -473,3 +476,19 @@ def write_resolved(settings: SparkSettings, path: Path) -> Path:
         file.write(yaml.safe_dump(settings.model_dump(mode="json"), sort_keys=False))
     os.chmod(path, 0o600)
     return path
+
+
+def describe_settings_error(exc: Exception) -> str:
+    """A settings error for people: one line per problem, `path: what is wrong (got value)`, without
+    pydantic's documentation links."""
+    from pydantic import ValidationError
+
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    lines = [f"{exc.error_count()} invalid setting{'s' if exc.error_count() != 1 else ''}:"]
+    for error in exc.errors():
+        path = ".".join(str(part) for part in error["loc"])
+        got = error.get("input")
+        shown = "" if isinstance(got, dict) or error["type"] == "missing" else f" (got {got!r})"
+        lines.append(f"  {path}: {error['msg']}{shown}")
+    return "\n".join(lines)

@@ -36,7 +36,7 @@ from sparkrl.services.learner.exploration import exploration_stats, spark_tokens
 from sparkrl.services.learner.journal import Journal
 from sparkrl.services.learner.metrics import LearnerMetrics
 from sparkrl.services.learner.publisher import WeightPublisher
-from sparkrl.services.learner.reporting import Reporter, RunLog, fleet_timings, step_row
+from sparkrl.services.learner.reporting import Reporter, RunLog, fleet_timings, sample_rows, step_row
 from sparkrl.services.learner.trainer import (
     old_policy,
     token_logp_and_entropy,
@@ -264,6 +264,7 @@ class Learner:
             self._top_sparks(batch),
         )
         self.run_log.write_step(row, state)
+        self.run_log.write_samples(sample_rows(state.step, batch.groups, cfg.samples_per_step))
         self.telemetry.append(row)
         self.metrics.observe_step(row, len(batch.groups), acked)
         self.reporter.update(row=row)

@@ -20,7 +20,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from sparkrl.proto import HparamValue, LearnerStatus, StateEvent, StepMetrics, SyncEvent, WorkerStatus
+from sparkrl.proto import (
+    HparamValue,
+    LearnerStatus,
+    StateEvent,
+    StepMetrics,
+    SyncEvent,
+    TrajectoryGroup,
+    WorkerStatus,
+)
 from sparkrl.services.common.bus import QueueDepth
 from sparkrl.services.common.telemetry import LEARNER, LEARNER_HEARTBEAT_S, Telemetry
 from sparkrl.services.learner.checkpoint import TrainState
@@ -86,6 +94,7 @@ def step_row(
         "time/tokens_per_s": tokens / seconds if seconds > 0 else None,
     }
     metrics["rollout/dropped_stale_total"] = float(state.groups_dropped_stale)
+    metrics |= status_counts(batch.groups)
     metrics |= {f"time/{part}_s": value for part, value in (timings or {}).items()}
     metrics |= exploration or {}
     return StepMetrics(
@@ -204,6 +213,7 @@ class RunLog:
         self.metrics = (run_dir / "metrics.jsonl").open("a")
         self.trained = (run_dir / "trained_groups.jsonl").open("a")
         self.weights = (run_dir / "weights.jsonl").open("a")
+        self.samples = (run_dir / "samples.jsonl").open("a")
         self._weights_lock = threading.Lock()  # the publisher thread writes sync events
 
     def write_step(self, row: StepMetrics, state: TrainState) -> None:
@@ -215,17 +225,55 @@ class RunLog:
         reward = row.value("rollout/reward_mean") or 0.0
         log.info("step %d: reward %.3f loss %s", row.step, reward, "n/a" if loss is None else f"{loss:.4g}")
 
+    def write_samples(self, rows: list[dict[str, object]]) -> None:
+        for row in rows:
+            self.samples.write(json.dumps(row, default=str) + "\n")
+        self.samples.flush()
+
     def write_sync(self, event: SyncEvent) -> None:
         with self._weights_lock:
             self.weights.write(event.model_dump_json() + "\n")
             self.weights.flush()
 
     def close(self) -> None:
-        for file in (self.metrics, self.trained, self.weights):
+        for file in (self.metrics, self.trained, self.weights, self.samples):
             file.close()
 
 
 ENDED_FILE = "ended.json"
+STATUSES = ("correct", "incorrect", "no_answer", "timeout", "error")
+
+
+def status_counts(groups: list[TrajectoryGroup]) -> dict[str, float]:
+    """`rollout/status_<status>`: the step's completions by the reward service's verdict."""
+    counts = dict.fromkeys(STATUSES, 0)
+    for group in groups:
+        for detail in group.reward_details or []:
+            if detail is not None and detail.status in counts:
+                counts[detail.status] += 1
+    return {f"rollout/status_{status}": float(count) for status, count in counts.items()}
+
+
+def sample_rows(step: int, groups: list[TrajectoryGroup], count: int) -> list[dict[str, object]]:
+    """The first completion of each of the step's first `count` groups, for people to read: prompt,
+    completion, reward, verdict."""
+    rows = []
+    for group in groups[:count]:
+        if not group.completions:
+            continue
+        detail = group.reward_details[0] if group.reward_details else None
+        rows.append(
+            {
+                "step": step,
+                "group_id": group.group_id,
+                "prompt": group.prompt.text if group.prompt.text is not None else group.prompt.messages,
+                "completion": group.completions[0].text,
+                "reward": group.rewards[0],
+                "status": detail.status if detail is not None else None,
+                "detail": detail.detail if detail is not None else None,
+            }
+        )
+    return rows
 
 
 def write_ended(run_dir: Path, reason: str, step: int) -> None:

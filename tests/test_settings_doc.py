@@ -1,0 +1,36 @@
+"""The settings described from their models: the README's reference is current, `sparkrl config show`
+is the resolved tree (valid YAML, every leaf described), `sparkrl --version`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import yaml
+
+from sparkrl import __version__
+from sparkrl.services.common.settings import SparkSettings, load_settings
+from sparkrl.settings_doc import README, fields, readme_with_reference
+
+
+def test_the_readme_reference_is_current() -> None:
+    text = README.read_text()
+    assert readme_with_reference(text) == text, "run `python -m sparkrl.settings_doc --write`"
+    paths = [path for path, *_ in fields(SparkSettings)]
+    for path in ("learner.schedule.kind", "learner.kl.coef", "eval.every", "prompts.countdown.min_count",
+                 "learner.loss[lp_reg].rho", "rollout.engine[vllm].gpu_memory_utilization"):  # fmt: skip
+        assert path in paths and f"`{path}`" in text
+
+
+def test_config_show_is_the_resolved_tree_with_descriptions() -> None:
+    command = [sys.executable, "-m", "sparkrl.cli", "config", "show", "--preset", "demo"]
+    done = subprocess.run([*command, "--set", "learner.lr=0.01"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    shown = yaml.safe_load(done.stdout)
+    expected = load_settings("demo", ["learner.lr=0.01"]).model_dump(mode="json")
+    assert shown == expected and shown["learner"]["lr"] == 0.01
+    assert "lr: 0.01  # Learning rate" in done.stdout
+    version = subprocess.run(
+        [sys.executable, "-m", "sparkrl.cli", "--version"], capture_output=True, text=True
+    )
+    assert version.stdout.strip() == f"sparkrl {__version__}"
