@@ -217,6 +217,7 @@ def up(
         raise typer.BadParameter("--resume continues the run in RUN_DIR, --overwrite deletes it: pick one")
     from sparkrl.plan import prepare_run_dir
 
+    _preflight(cfg)
     try:
         prepare_run_dir(Path(cfg.run_dir), resume, overwrite)
     except ValueError as exc:
@@ -228,6 +229,29 @@ def up(
     from sparkrl.launcher import run_stack
 
     raise typer.Exit(run_stack(cfg, workers, private_redis, preset, resume))
+
+
+def _preflight(cfg: SparkSettings) -> None:
+    """Exit 2 with one line per problem, before anything is spawned."""
+    from sparkrl.preflight import check as find_problems
+
+    problems = find_problems(cfg)
+    for problem in problems:
+        typer.echo(f"error: {problem}", err=True)
+    if problems:
+        typer.echo(
+            f"{len(problems)} problem(s): nothing was started (`sparkrl check` checks again)", err=True
+        )
+        raise typer.Exit(2)
+
+
+@app.command()
+def check(preset: Preset = None, overrides: Overrides = None) -> None:
+    """What `sparkrl up` checks before it starts anything: model, data, context, engine, GPUs, sync."""
+    cfg = _settings(preset, overrides)
+    _preflight(cfg)
+    typer.echo(f"ok: model {cfg.model}, {cfg.prompts.task} prompts, {cfg.rollout.engine.kind} engine, "
+               f"{cfg.sync.backend} sync — `sparkrl up` would start")  # fmt: skip
 
 
 @app.command()

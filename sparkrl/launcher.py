@@ -84,7 +84,7 @@ def _spawn(spec: ServiceSpec) -> subprocess.Popen[bytes]:
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=_child_env(),
+            env=_child_env() | dict(spec.env),
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )

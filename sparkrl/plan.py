@@ -68,6 +68,7 @@ class ServiceSpec:
     config_path: Path
     config: SparkSettings | str  # the resolved tree, or (redis) the literal redis.conf text
     log_path: Path
+    env: tuple[tuple[str, str], ...] = ()  # set in its environment (CUDA_VISIBLE_DEVICES)
 
 
 @dataclass(frozen=True)
@@ -164,14 +165,23 @@ def _redis_conf(bus: BusSettings, data_dir: Path) -> str:
     )
 
 
-def _service(run_dir: Path, name: str, role: Role, config: SparkSettings | str, *extra: str) -> ServiceSpec:
+def _service(
+    run_dir: Path,
+    name: str,
+    role: Role,
+    config: SparkSettings | str,
+    *extra: str,
+    python: str | None = None,
+    gpus: list[int] | None = None,
+) -> ServiceSpec:
     if role == "redis":
         config_path = run_dir / "config" / "redis.conf"
         command: tuple[str, ...] = (shutil.which("redis-server") or "redis-server", str(config_path))
     else:
         config_path = run_dir / "config" / f"{name}.yaml"
-        command = (sys.executable, "-m", "sparkrl.cli", role, "--preset", str(config_path), *extra)
-    return ServiceSpec(name, role, command, config_path, config, run_dir / "logs" / f"{name}.log")
+        command = (python or sys.executable, "-m", "sparkrl.cli", role, "--preset", str(config_path), *extra)
+    env = (("CUDA_VISIBLE_DEVICES", ",".join(map(str, gpus))),) if gpus else ()
+    return ServiceSpec(name, role, command, config_path, config, run_dir / "logs" / f"{name}.log", env)
 
 
 def plan_stack(
@@ -194,15 +204,26 @@ def plan_stack(
         services.append(_service(run_dir, "redis", "redis", _redis_conf(root.bus, run_dir / "redis")))
     services.append(_service(run_dir, "control", "control", root))
     services.append(_service(run_dir, "reward", "reward", root))
-    services.append(_service(run_dir, "learner", "learner", root, *(["--resume"] if resume else [])))
+    resume_flag = ["--resume"] if resume else []
+    services.append(_service(run_dir, "learner", "learner", root, *resume_flag, gpus=root.learner.gpus))
     for index in range(workers):
         worker = root.model_copy(deep=True)
         worker.rollout.worker_id = f"worker-{index}"
         if worker.rollout.metrics.port == 0:
             worker.rollout.metrics.port = ports[5 + index]
         # The id is in the file (which alone reproduces the worker) and on the command line, for `ps`.
+        gpus = root.rollout.gpus
         services.append(
-            _service(run_dir, f"worker-{index}", "rollout", worker, "--worker-id", f"worker-{index}")
+            _service(
+                run_dir,
+                f"worker-{index}",
+                "rollout",
+                worker,
+                "--worker-id",
+                f"worker-{index}",
+                python=root.rollout.python,
+                gpus=[gpus[index % len(gpus)]] if gpus else None,
+            )
         )
     if cfg.eval.every is not None:
         services.append(_service(run_dir, "evaluator", "evaluator", root))

@@ -172,6 +172,16 @@ class RolloutSettings(Section):
     """A rollout worker: engine, sampling, and its calls to the reward service."""
 
     worker_id: str | None = Field(None, description="Stable id (consumer name); None: hostname-pid.")
+    python: str | None = Field(
+        None,
+        description="The interpreter `sparkrl up` starts workers with (a separate environment holding the "
+        "`vllm` extra); None: the launcher's own.",
+    )
+    gpus: list[int] = Field(
+        default_factory=list,
+        description="GPUs for the workers, one each in turn (CUDA_VISIBLE_DEVICES); must not overlap "
+        "learner.gpus. Empty: no placement.",
+    )
     engine: EngineSettings = Field(default_factory=TorchEngineSettings, description="Generation engine.")
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
     prompts_per_batch: int = Field(
@@ -283,6 +293,10 @@ class LearnerSettings(Section):
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Training dtype (bf16 on GPU).")
     device: str = Field("cpu", description="`cpu` or `cuda` (DeepSpeed's accelerator).")
+    gpus: list[int] = Field(
+        default_factory=list,
+        description="GPUs the learner may use (CUDA_VISIBLE_DEVICES); empty: no placement.",
+    )
     autocast: Literal["off", "bfloat16", "auto"] = Field(
         "off",
         description="Forward/backward under torch.autocast in bf16: weights, gradients and optimizer stay "

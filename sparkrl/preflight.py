@@ -1,0 +1,185 @@
+"""`sparkrl check` (and the first thing `sparkrl up` does): what would fail later, found before anything is
+spawned, each as one line that names the setting and the fix.
+
+Checked: the model directory and its tokenizer load; the prompt file exists and has the fields; the
+prompts and the longest completion fit the model's context; the rollout engine imports in the interpreter
+that will run the workers (`rollout.python` for a separate vLLM environment); requested GPUs exist and
+the learner's do not overlap the workers'; the sync backend is there; the top-k fits the vocabulary.
+Cheap by design: config files and the tokenizer, never the weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from sparkrl.services.common.settings import SparkSettings
+
+ENGINE_MODULES = {"torch": "torch", "vllm": "vllm"}
+CONTEXT_SAMPLE = 2000  # prompts looked at for the longest (a file's first rows, or generated ones)
+LONGEST = 20  # of those, the longest by characters are tokenized
+CHAT_TEMPLATE_ALLOWANCE = 64  # tokens a chat template adds around a prompt, at most (roles, markers)
+
+
+def _read(path: Path) -> str | None:
+    return path.read_text() if path.is_file() else None
+
+
+@dataclass(frozen=True)
+class Problem:
+    setting: str
+    message: str  # what is wrong and how to fix it
+
+    def __str__(self) -> str:
+        return f"{self.setting}: {self.message}"
+
+
+def _model(cfg: SparkSettings) -> tuple[list[Problem], dict | None, object | None]:
+    path = Path(cfg.model)
+    if not (path / "config.json").is_file():
+        where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        fix = "point model at a Hugging Face model directory"
+        if path.name == "tiny-countdown":
+            fix = "build it first: sparkrl build-tiny-model --out " + str(path.parent)
+        return [Problem("model", f"{path}{where} has no config.json: {fix}")], None, None
+    config = json.loads((path / "config.json").read_text())
+    try:
+        if (path / "tokenizer.json").is_file():  # the fast tokenizer alone: no transformers import (~4 s)
+            from tokenizers import Tokenizer
+
+            tokenizer: object = Tokenizer.from_file(str(path / "tokenizer.json"))
+        else:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # whatever the tokenizer files say is wrong, said once
+        return [Problem("model", f"the tokenizer in {path} does not load: {exc}"[:400])], config, None
+    return [], config, tokenizer
+
+
+def _prompt_texts(cfg: SparkSettings) -> tuple[list[Problem], list[str]]:
+    from sparkrl.services.common.datasets import DatasetError, iter_prompts
+
+    p = cfg.prompts
+    if p.task == "math" and p.path is None:
+        return [Problem("prompts.path", "task math reads a file: set prompts.path (jsonl or parquet)")], []
+    if p.path is not None and not Path(p.path).is_file():
+        where = "" if Path(p.path).is_absolute() else f" (relative to {Path.cwd()})"
+        return [Problem("prompts.path", f"{p.path}{where} does not exist: point it at your prompt file")], []
+    texts = []
+    try:
+        for index, prompt in enumerate(iter_prompts(p)):
+            if index >= CONTEXT_SAMPLE:
+                break
+            texts.append(prompt.text or "\n".join(m.content for m in prompt.messages or []))
+    except DatasetError as exc:
+        return [Problem("prompts.prompt_field / prompts.answer_field", f"{exc}: map the file's fields")], []
+    return [], texts
+
+
+def _tokens(tokenizer: object, text: str) -> int:
+    if hasattr(tokenizer, "encode") and not hasattr(tokenizer, "apply_chat_template"):  # `tokenizers`
+        return len(tokenizer.encode(text).ids)  # type: ignore[attr-defined]
+    from sparkrl.services.common.modeling import apply_chat_template_if_any
+
+    return len(apply_chat_template_if_any(tokenizer, text))  # type: ignore[arg-type]
+
+
+def _context(cfg: SparkSettings, config: dict, tokenizer: object, texts: list[str]) -> list[Problem]:
+    limit = config.get("max_position_embeddings")
+    if not limit or not texts:
+        return []
+    template = json.loads(_read(Path(cfg.model) / "tokenizer_config.json") or "{}").get("chat_template")
+    allowance = CHAT_TEMPLATE_ALLOWANCE if template else 0  # roles and markers the template adds
+    longest = max(_tokens(tokenizer, text) for text in sorted(texts, key=len)[-LONGEST:]) + allowance
+    need = longest + cfg.rollout.sampling.max_new_tokens
+    if need <= limit:
+        return []
+    return [
+        Problem(
+            "rollout.sampling.max_new_tokens",
+            f"the longest prompt ({longest} tokens) + max_new_tokens ({cfg.rollout.sampling.max_new_tokens}) "
+            f"= {need} exceeds the model's context ({limit}): lower max_new_tokens or shorten the prompts",
+        )
+    ]
+
+
+def _engine(cfg: SparkSettings) -> list[Problem]:
+    kind = cfg.rollout.engine.kind
+    if cfg.rollout.python is None:  # the workers run in this interpreter: look here, without importing
+        if importlib.util.find_spec(ENGINE_MODULES[kind]) is not None:
+            return []
+        fix = "install the `vllm` extra in its own environment and set rollout.python to its interpreter"
+        return [Problem("rollout.engine.kind", f"{kind} is not installed in {sys.executable}: {fix}")]
+    python = cfg.rollout.python
+    probe = subprocess.run(
+        [python, "-c", f"import {ENGINE_MODULES[kind]}"], capture_output=True, text=True, timeout=120
+    )
+    if probe.returncode == 0:
+        return []
+    last = (probe.stderr.strip().splitlines() or ["it failed"])[-1]
+    fix = "set rollout.python to the interpreter of an environment with `pip install sparkrl[vllm]`"
+    return [Problem("rollout.engine.kind", f"{kind} does not import in {python} ({last}): {fix}")]
+
+
+def _devices(cfg: SparkSettings) -> list[Problem]:
+    problems = []
+    engine = cfg.rollout.engine
+    gpu_engine = engine.kind == "vllm" or getattr(engine, "device", "cpu").startswith("cuda")
+    wants_gpu = cfg.learner.device != "cpu" or gpu_engine or bool(cfg.learner.gpus or cfg.rollout.gpus)
+    if not wants_gpu:
+        return []
+    overlap = sorted(set(cfg.learner.gpus) & set(cfg.rollout.gpus))
+    if overlap:
+        problems.append(Problem("rollout.gpus", f"shares GPUs {overlap} with learner.gpus: one each"))
+    import torch
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        who = "learner.device" if cfg.learner.device != "cpu" else "rollout.engine"
+        problems.append(Problem(who, "asks for a GPU and this machine has none: use the CPU settings (demo)"))
+        return problems
+    for name, gpus in (("learner.gpus", cfg.learner.gpus), ("rollout.gpus", cfg.rollout.gpus)):
+        missing = [g for g in gpus if g >= count]
+        if missing:
+            problems.append(Problem(name, f"GPUs {missing} do not exist (this machine has {count})"))
+    if cfg.learner.device != "cpu" and gpu_engine and not (cfg.learner.gpus and cfg.rollout.gpus):
+        problems.append(
+            Problem(
+                "learner.gpus / rollout.gpus",
+                "the learner and the workers all default to GPU 0: place them, e.g. learner.gpus=[0] "
+                "rollout.gpus=[1]",
+            )
+        )
+    return problems
+
+
+def _sync(cfg: SparkSettings) -> list[Problem]:
+    if cfg.sync.backend != "nccl":
+        return []
+    import torch.distributed as dist
+
+    if not dist.is_nccl_available():
+        return [Problem("sync.backend", "nccl is not built into this torch (a CPU build): use gloo")]
+    if cfg.learner.device == "cpu":
+        return [Problem("sync.backend", "nccl sends GPU tensors; the learner is on the CPU: use gloo")]
+    return []
+
+
+def check(cfg: SparkSettings) -> list[Problem]:
+    """Every problem found; empty: good to go."""
+    problems, config, tokenizer = _model(cfg)
+    found, texts = _prompt_texts(cfg)
+    problems += found
+    if config is not None and tokenizer is not None:
+        problems += _context(cfg, config, tokenizer, texts)
+        vocab = config.get("vocab_size")
+        if vocab and cfg.rollout.sampling.topk_logprobs > vocab:
+            problems.append(
+                Problem("rollout.sampling.topk_logprobs", f"exceeds the vocabulary ({vocab}): lower it")
+            )
+    return problems + _engine(cfg) + _devices(cfg) + _sync(cfg)
