@@ -7,4 +7,4 @@ so a built wheel carries all of them without a hand-kept list.
 from setuptools import find_packages, setup
 
 subpackages = find_packages(include=["proto", "proto.*", "services", "services.*"])
-setup(packages=["sparkrl", *(f"sparkrl.{name}" for name in subpackages)])
+setup(packages=["sparkrl", "sparkrl.configs", *(f"sparkrl.{name}" for name in subpackages)])

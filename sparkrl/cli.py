@@ -315,7 +315,12 @@ def eval_model(
 
 @app.command("build-tiny-model")
 def build_tiny_model(
-    out: Annotated[Path, typer.Option(help="Cache folder; the model lands in a subfolder.")] = Path(".cache"),
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="Cache folder (default: sparkrl's cache, where presets look); the model goes in a subfolder."
+        ),
+    ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the weights and the warm-up data.")] = 0,
     recipe: Annotated[
         str, typer.Option(help="tiny (the demo's) or explore (configs/explore.yaml's harder countdown).")
@@ -327,7 +332,9 @@ def build_tiny_model(
 
     if recipe not in RECIPES:
         raise typer.BadParameter(f"{recipe!r} is not one of {sorted(RECIPES)}", param_hint="--recipe")
-    typer.echo(ensure_tiny_model(out, seed=seed, recipe_name=recipe))
+    from sparkrl.services.common.paths import cache_dir
+
+    typer.echo(ensure_tiny_model(out or cache_dir(), seed=seed, recipe_name=recipe))
 
 
 # The clients (control API, dead letters, report, config) live in cli_clients.py; importing it

@@ -27,6 +27,7 @@ from sparkrl.plan import STOP_TIERS, Role, ServiceSpec, StackPlan, plan_stack, w
 from sparkrl.run_report import progress_line, summarize, tail_bytes
 from sparkrl.services.common.bus import BusError, RedisBus
 from sparkrl.services.common.bus._text import mask_password
+from sparkrl.services.common.paths import cache_dir
 from sparkrl.services.common.settings import SparkSettings
 from sparkrl.services.common.telemetry import Telemetry
 
@@ -71,6 +72,8 @@ def _child_env() -> dict[str, str]:
     for name in _DIST_ENV:
         env.pop(name, None)
     env["PYTHONUNBUFFERED"] = "1"  # log lines reach the file (and a failure report) as they happen
+    # DeepSpeed's compiled op lives in sparkrl's cache (built once, whatever the working directory).
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions"))
     return env
 
 

@@ -7,12 +7,13 @@ Variants (engine, loss) are discriminated unions, so a typo fails when the confi
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, Field, SecretStr, model_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from sparkrl.services.common.engine_settings import (
@@ -34,6 +35,7 @@ from sparkrl.services.common.loss_settings import (
     LpRegLoss,
     PpoClipLoss,
 )
+from sparkrl.services.common.paths import resolve_model_path
 from sparkrl.services.common.ray_settings import RaySettings
 from sparkrl.services.common.settings_section import Section
 from sparkrl.services.common.sync_settings import WeightSyncSettings
@@ -61,7 +63,15 @@ __all__ = [
     "WeightSyncSettings",
 ]
 
-CONFIGS_DIR = Path(__file__).resolve().parents[2] / "configs"
+def _configs_dir() -> Path:
+    """The presets: package data (so a wheel has them); a checkout installed before they were, its own."""
+    try:
+        return Path(str(importlib.resources.files("sparkrl.configs")))
+    except ModuleNotFoundError:
+        return Path(__file__).resolve().parents[2] / "configs"
+
+
+CONFIGS_DIR = _configs_dir()
 
 
 class BusSettings(Section):
@@ -375,6 +385,11 @@ class SparkSettings(BaseSettings):
         default_factory=EvalSettings, description="Held-out evaluation while training."
     )
     ray: RaySettings = Field(default_factory=RaySettings, description="`sparkrl up --ray` only.")
+
+    @field_validator("model")
+    @classmethod
+    def _model_from_the_cache(cls, model: str) -> str:
+        return resolve_model_path(model)  # `.cache/tiny-countdown` from any working directory
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -1,0 +1,1 @@
+"""The presets (`--preset NAME` → NAME.yaml here), shipped as package data."""
