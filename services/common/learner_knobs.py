@@ -40,3 +40,18 @@ class AdvantageSettings(Section):
     drop_equal_groups: bool = Field(
         False, description="Leave groups whose rewards are all equal (no signal) out of the step's loss."
     )
+
+
+class TrackingSettings(Section):
+    """Experiment tracking of the step rows (every `metrics.jsonl` value and the lr): TensorBoard event
+    files in RUN_DIR/tensorboard, Weights & Biases (offline by default: RUN_DIR/wandb, `wandb sync` it
+    later), MLflow (a local file store in RUN_DIR/mlruns unless `mlflow_uri`). Needs the `tracking` extra."""
+
+    to: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=list, description="Where the step rows go besides metrics.jsonl (empty: nowhere)."
+    )
+    project: str = Field("sparkrl", min_length=1, description="wandb project / MLflow experiment name.")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline", description="wandb: write locally (offline) or stream to the server (online)."
+    )
+    mlflow_uri: str | None = Field(None, description="MLflow tracking URI; None: RUN_DIR/mlruns (files).")

@@ -23,7 +23,12 @@ from sparkrl.services.common.engine_settings import (
     VllmEngineSettings,
 )
 from sparkrl.services.common.eval_settings import EvalSettings
-from sparkrl.services.common.learner_knobs import AdvantageSettings, KlSettings, ScheduleSettings
+from sparkrl.services.common.learner_knobs import (
+    AdvantageSettings,
+    KlSettings,
+    ScheduleSettings,
+    TrackingSettings,
+)
 from sparkrl.services.common.loss_settings import (
     ClipCovLoss,
     ClipHigherLoss,
@@ -59,9 +64,11 @@ __all__ = [
     "SamplingSettings",
     "ScheduleSettings",
     "TorchEngineSettings",
+    "TrackingSettings",
     "VllmEngineSettings",
     "WeightSyncSettings",
 ]
+
 
 def _configs_dir() -> Path:
     """The presets: package data (so a wheel has them); a checkout installed before they were, its own."""
@@ -339,6 +346,9 @@ class LearnerSettings(Section):
     checkpoint_every: int = Field(50, ge=1, description="Checkpoint every N steps (and on stop).")
     keep_checkpoints: int = Field(2, ge=1, description="Older checkpoints are deleted.")
     seed: int = Field(0, description="Seed of the learner's randomness (Clip-Cov's choice).")
+    tracking: TrackingSettings = Field(
+        default_factory=TrackingSettings, description="TensorBoard/wandb/MLflow."
+    )
     samples_per_step: int = Field(
         4, ge=0, le=1000, description="Completions per step written to RUN_DIR/samples.jsonl (0: none)."
     )

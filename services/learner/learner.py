@@ -37,6 +37,7 @@ from sparkrl.services.learner.journal import Journal
 from sparkrl.services.learner.metrics import LearnerMetrics
 from sparkrl.services.learner.publisher import WeightPublisher
 from sparkrl.services.learner.reporting import Reporter, RunLog, fleet_timings, sample_rows, step_row
+from sparkrl.services.learner.tracking import Tracker
 from sparkrl.services.learner.trainer import (
     old_policy,
     token_logp_and_entropy,
@@ -101,6 +102,7 @@ class Learner:
     journal: Journal
     wipes: WipeWatch  # a Redis that lost its data is noticed at the next boundary, and rebuilt
     reference: torch.nn.Module | None = None  # the frozen initial model of learner.kl (None: no KL term)
+    tracker: Tracker | None = None  # learner.tracking's backends
     collector: BatchCollector = field(init=False)
     saved_step: int = field(init=False)  # the step of the newest checkpoint
     stop_command: ControlCommand | None = field(default=None, init=False)  # the one that ended the run
@@ -265,6 +267,8 @@ class Learner:
         )
         self.run_log.write_step(row, state)
         self.run_log.write_samples(sample_rows(state.step, batch.groups, cfg.samples_per_step))
+        if self.tracker is not None:
+            self.tracker.log(row)
         self.telemetry.append(row)
         self.metrics.observe_step(row, len(batch.groups), acked)
         self.reporter.update(row=row)

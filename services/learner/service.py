@@ -35,6 +35,7 @@ from sparkrl.services.learner.reference import frozen_copy
 from sparkrl.services.learner.reporting import Reporter, RunLog, StatusSource, write_ended
 from sparkrl.services.learner.resume import last_announced_version, void_discarded_versions
 from sparkrl.services.learner.startup import clear_stale_locks, watchdog
+from sparkrl.services.learner.tracking import Tracker
 from sparkrl.services.learner.trainer import build_engine, init_distributed
 
 log = logging.getLogger("sparkrl.learner")
@@ -133,6 +134,7 @@ def build(
         journal=journal,
         wipes=WipeWatch(bus, run_dir / "trained_groups.jsonl"),
         reference=reference,
+        tracker=Tracker(lc.tracking, run_dir, cfg.model_dump(mode="json")) if lc.tracking.to else None,
     )
     publisher.start()
     reporter.update(hparams=hparams_in_force(engine, lc))
@@ -179,6 +181,8 @@ def close(service: LearnerService) -> None:
     service.files.close()
     service.server.close()
     loop.run_log.close()
+    if loop.tracker is not None:
+        loop.tracker.close()
     service.bus.close()
     log.info("learner stopped at step %d (policy version %d): %s", state.step, state.policy_version, ended)
 
