@@ -24,7 +24,7 @@ import httpx
 import redis
 
 from sparkrl.plan import STOP_TIERS, Role, ServiceSpec, StackPlan, plan_stack, write_configs
-from sparkrl.run_report import progress_line, summarize, tail_bytes
+from sparkrl.run_report import progress_line, startup_line, summarize, tail_bytes
 from sparkrl.services.common.bus import BusError, RedisBus
 from sparkrl.services.common.bus._text import mask_password
 from sparkrl.services.common.paths import cache_dir
@@ -168,12 +168,14 @@ class Stack:
         self.line_open = False
         self.telemetry = None
         self.redis_restarts = []
+        self.started_at: float | None = None  # when start() began: the start-up line's clock
 
     def start(self) -> None:
         """Spawn each service from its written config: Redis first (until it answers PING: everyone talks
         to it), then all the others at once, their imports and model loads overlapping (the reward
         client retries until the service answers); then wait for the reward and control /healthz."""
         atexit.register(self.kill_all)  # last resort if the caller's finally never runs
+        self.started_at = time.monotonic()
         for spec in self.specs:
             if not spec.config_path.is_file():
                 raise FileNotFoundError(f"{spec.config_path} is missing: write_configs(plan) before starting")
@@ -287,10 +289,20 @@ class Stack:
                 update={"socket_timeout_s": 1.0, "reconnect_max_s": 0.2, "block_ms": 100}
             )
             self.telemetry = Telemetry(RedisBus(quick))
+        settings = self.plan.settings
         try:
-            return progress_line(self.telemetry.last_step(), self.plan.settings.learner.max_steps)
+            line = progress_line(self.telemetry.last_step(), settings.learner.max_steps)
+            if line is not None or self.started_at is None:
+                return line
+            learner = self.telemetry.learner()
+            workers = {w: s.state for w, s in self.telemetry.workers().items()}
         except (BusError, redis.RedisError):
             return None
+        extensions = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_dir() / "torch_extensions")
+        built = any((extensions / "deepspeed_shm_comm").glob("*.so"))
+        state = learner.state if learner is not None else None
+        elapsed = time.monotonic() - self.started_at
+        return startup_line(elapsed, state, built, workers, settings.learner.startup_timeout_s)
 
     def shutdown(self) -> None:
         """SIGTERM tier by tier (plan.STOP_TIERS), each given `grace_s`; SIGKILL what is left."""

@@ -81,6 +81,29 @@ def progress_line(row: StepMetrics | None, max_steps: int | None = None) -> str 
     return " | ".join(parts)
 
 
+def startup_line(
+    elapsed_s: float,
+    learner_state: str | None,
+    op_built: bool,
+    workers: dict[str, str],
+    deadline_s: float | None = None,
+) -> str:
+    """Before the first step: what each part of the stack is doing, so a first run's long start (DeepSpeed
+    compiling its op) is not silence. `workers`: id → state from their heartbeats."""
+    if learner_state in (None, "starting"):
+        learner = (
+            "building DeepSpeed's engine" if op_built else "compiling DeepSpeed's op (first run, ~30-60 s)"
+        )
+    else:
+        learner = f"{learner_state}, waiting for the first groups"
+    parts = [f"starting {elapsed_s:.0f}s" + (f" (gives up at {deadline_s:.0f}s)" if deadline_s else "")]
+    parts.append(f"learner: {learner}")
+    parts += [f"{w}: {state}" for w, state in sorted(workers.items(), key=lambda item: _worker_key(item[0]))]
+    if not workers:
+        parts.append("workers: loading the model")
+    return " | ".join(parts)
+
+
 def _mean(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return sum(present) / len(present) if present else None

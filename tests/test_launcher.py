@@ -24,7 +24,7 @@ from sparkrl.launcher import (
     write_configs,
 )
 from sparkrl.proto import StepMetrics
-from sparkrl.run_report import progress_line, summarize
+from sparkrl.run_report import progress_line, startup_line, summarize
 from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.settings import SparkSettings, load_settings, write_resolved
 from sparkrl.services.common.telemetry import Telemetry
@@ -199,6 +199,25 @@ def test_the_progress_line_reads_the_telemetry_channel(redis_url: str, tmp_path:
     assert stack.progress() == progress_line(StepMetrics.model_validate(_record(2, 0.5)), 9)
     assert stack.progress().startswith("step 2/9 | reward 0.50")
     telemetry.bus.close()
+    stack.shutdown()
+
+
+def test_before_the_first_step_the_line_says_what_is_starting(redis_url: str, tmp_path: Path) -> None:
+    # (issue 12, item 2) a first run is not silence while DeepSpeed compiles its op.
+    assert startup_line(12.4, None, False, {}, 900) == (
+        "starting 12s (gives up at 900s) | learner: compiling DeepSpeed's op (first run, ~30-60 s) "
+        "| workers: loading the model"
+    )
+    line = startup_line(3, "training", True, {"worker-10": "generating", "worker-2": "starting"})
+    assert line == (
+        "starting 3s | learner: training, waiting for the first groups | worker-2: starting | "
+        "worker-10: generating"
+    )
+    cfg = SparkSettings(run_dir=str(tmp_path), bus={"url": redis_url}, learner={"max_steps": 9})
+    stack = Stack(plan_stack(cfg, workers=1), services=["learner"])
+    assert stack.progress() is None  # not started: no line
+    stack.started_at = launcher.time.monotonic() - 5
+    assert stack.progress().startswith("starting 5s (gives up at") and "learner: " in stack.progress()
     stack.shutdown()
 
 

@@ -245,8 +245,9 @@ def _warm_up(
     ]
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], betas=(0.9, 0.99), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, recipe))
-    step, reward, history = 0, 0.0, []
-    while step < recipe["max_steps"]:
+    step, reward, history, started = 0, 0.0, [], time.perf_counter()
+    total = recipe["max_steps"]
+    while step < total:
         model.train()
         loss = model(**_sft_batch(tokenizer, rng, recipe["batch_size"], countdown)).loss
         optimizer.zero_grad(set_to_none=True)
@@ -260,7 +261,13 @@ def _warm_up(
                 model, tokenizer, eval_problems, seed=seed + step, max_new_tokens=recipe["max_new_tokens"]
             )
             history.append({"step": step, "loss": round(loss.item(), 4), "eval_reward": reward})
-            print(f"[tiny-model] step {step} loss {loss.item():.3f} eval reward {reward:.3f}", flush=True)
+            elapsed = time.perf_counter() - started
+            left = elapsed / step * (total - step)
+            print(
+                f"[tiny-model] step {step}/{total} loss {loss.item():.3f} eval reward {reward:.3f} "
+                f"(stops at ≥ {recipe['stop_reward']}) | {elapsed:.0f}s, at most {left:.0f}s to go",
+                flush=True,
+            )
             if reward >= recipe["stop_reward"]:
                 break
     return {"sft_steps": step, "history": history}
