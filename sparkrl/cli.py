@@ -183,7 +183,15 @@ def up(
     workers: Annotated[
         int | None, typer.Option(min=1, help="Rollout worker processes (default: the preset's `workers`).")
     ] = None,
-    run_dir: Annotated[str | None, typer.Option(help="Run directory (logs, metrics, checkpoints).")] = None,
+    run_dir: Annotated[
+        str | None,
+        typer.Option("--run-dir", "--output-dir", help="Run directory (logs, metrics, checkpoints)."),
+    ] = None,
+    model: Annotated[str | None, typer.Option(help="A Hugging Face model directory (sets `model`).")] = None,
+    dataset: Annotated[
+        str | None,
+        typer.Option(help="A jsonl/parquet prompt file (sets prompts.path and, unless given, task math)."),
+    ] = None,
     epochs: Annotated[
         int | None, typer.Option(min=1, help="Passes over the data (prompts.epochs); then the run ends.")
     ] = None,
@@ -208,6 +216,10 @@ def up(
     """The whole stack, until the learner finishes; Ctrl-C stops it cleanly. Separate processes, or with
     `--ray` Ray actors and a Ray Serve deployment."""
     shortcuts = [f"run_dir={run_dir}"] if run_dir else []
+    shortcuts += [f"model={model}"] if model else []
+    if dataset:
+        given_task = any(o.split("=", 1)[0].strip() == "prompts.task" for o in overrides or [])
+        shortcuts += [f"prompts.path={dataset}", *([] if given_task else ["prompts.task=math"])]
     shortcuts += [f"prompts.epochs={epochs}"] if epochs else []
     cfg = _settings(preset, [*(overrides or []), *shortcuts])
     workers = cfg.workers if workers is None else workers

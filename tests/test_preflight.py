@@ -62,3 +62,18 @@ def test_up_stops_before_spawning_anything(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "error: model: /models/nope has no config.json" in done.stderr
     assert "Traceback" not in done.stderr and not run_dir.exists()  # nothing was started
+
+
+def test_up_shortcuts_set_model_dataset_and_output_dir(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_")}
+    command = [sys.executable, "-m", "sparkrl.cli", "up", "--model", "/models/m", "--dataset", "d.jsonl"]
+    done = subprocess.run(
+        [*command, "--output-dir", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert done.returncode == 2  # the preflight names what the shortcuts set:
+    assert "error: model: /models/m has no config.json" in done.stderr
+    assert "error: prompts.path: d.jsonl" in done.stderr and not (tmp_path / "out").exists()
