@@ -26,10 +26,10 @@ import redis
 from sparkrl.plan import STOP_TIERS, Role, ServiceSpec, StackPlan, plan_stack, write_configs
 from sparkrl.run_report import progress_line, startup_line, summarize, tail_bytes
 from sparkrl.services.common.bus import BusError, RedisBus
-from sparkrl.services.common.bus._text import mask_password
 from sparkrl.services.common.paths import cache_dir
 from sparkrl.services.common.settings import SparkSettings
 from sparkrl.services.common.telemetry import Telemetry
+from sparkrl.terminal import Terminal, header
 
 REDIS_RESTARTS = 5
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
@@ -110,17 +110,18 @@ def _failure(spec: ServiceSpec, what: str) -> str:
     return f"{spec.name} {what}; last lines of {spec.log_path}:\n{logtail_bytes(spec.log_path)}"
 
 
-def _is_ready(role: Role, settings: SparkSettings) -> bool:
-    """Redis answers PING, the reward and control services GET /healthz; the others have no probe."""
-    if role in ("reward", "control"):
-        url = settings.reward.url if role == "reward" else settings.control.url
+def _is_ready(spec: ServiceSpec) -> bool:
+    """The spec's readiness probe (plan.py decides it): Redis answers PING, a /healthz answers 200, or
+    none (started is ready)."""
+    if spec.ready is None:
+        return True
+    kind, url = spec.ready
+    if kind == "healthz":
         try:
             return httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200
         except httpx.HTTPError:
             return False
-    if role != "redis":
-        return True
-    client = redis.Redis.from_url(settings.bus.url, socket_timeout=1, socket_connect_timeout=1)
+    client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
     try:
         return bool(client.ping())
     except (redis.ConnectionError, redis.TimeoutError):
@@ -141,8 +142,7 @@ class Stack:
     grace_s: float
     procs: dict[str, subprocess.Popen[bytes]]
     ended: set[str]
-    last_line: str | None  # the progress line shown last
-    line_open: bool  # a terminal progress line still waits for its newline
+    terminal: Terminal  # the progress line and messages
     telemetry: Telemetry | None  # the stack's telemetry channel, once Redis is up
     redis_restarts: list[float]  # when the private Redis was restarted (monotonic), within the last minute
 
@@ -164,8 +164,7 @@ class Stack:
         self.grace_s = grace_s
         self.procs = {}
         self.ended = set()
-        self.last_line = None
-        self.line_open = False
+        self.terminal = Terminal()
         self.telemetry = None
         self.redis_restarts = []
         self.started_at: float | None = None  # when start() began: the start-up line's clock
@@ -188,7 +187,7 @@ class Stack:
 
     def _wait_ready(self, spec: ServiceSpec) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
-        while not _is_ready(spec.role, self.plan.settings):
+        while not _is_ready(spec):
             returncode = self.procs[spec.name].poll()
             if returncode is not None:
                 self._reaped(spec)
@@ -202,21 +201,13 @@ class Stack:
         _kill_group(self.procs[spec.name])  # a dead service's own children (verifier pool, ...) go too
 
     def end_line(self) -> None:
-        if self.line_open:  # a terminal progress line gets its newline before anything else prints
-            print(flush=True)
-            self.line_open = False
+        self.terminal.end_line()
 
     def report(self, message: str) -> None:
-        self.end_line()
-        print(message, file=sys.stderr, flush=True)
+        self.terminal.report(message)
 
     def show_progress(self, line: str | None) -> None:
-        """Rewrite one line in place on a terminal; elsewhere (logs, CI) print each new line once."""
-        if line is None or line == self.last_line:
-            return
-        self.last_line = line
-        self.line_open = sys.stdout.isatty()
-        print(f"\r{line}\x1b[K" if self.line_open else line, end="" if self.line_open else "\n", flush=True)
+        self.terminal.show_progress(line)
 
     def poll(self) -> int | None:
         """None while the stack should run on; else its exit code (learner done: 0)."""
@@ -363,16 +354,7 @@ def run_stack(
     """
     plan = plan_stack(cfg, workers, private_redis, resume)
     write_configs(plan)
-    s = plan.settings
-    redis_url = mask_password(s.bus.url) + (" (private)" if plan.private_redis else "")
-    print(
-        f"sparkrl up: preset {preset_name or '(defaults)'}, run dir {plan.run_dir}, "
-        f"{workers} worker{'s' if workers != 1 else ''}\n"
-        f"  redis {redis_url} | reward {s.reward.url}"
-        f" | weight sync {s.sync.host}:{s.sync.port} | logs {plan.run_dir / 'logs'}/\n"
-        f"  live page {plan.page_url} | token {plan.token_path} | `sparkrl status --run-dir {plan.run_dir}`",
-        flush=True,
-    )
+    print(header(plan, preset_name, workers), flush=True)
     stack = Stack(plan)
     return supervise(stack, stack.report, plan.run_dir)
 

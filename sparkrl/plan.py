@@ -8,6 +8,7 @@ run's folders. The launcher then spawns each service from its file.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import secrets
 import shutil
@@ -69,6 +70,7 @@ class ServiceSpec:
     config: SparkSettings | str  # the resolved tree, or (redis) the literal redis.conf text
     log_path: Path
     env: tuple[tuple[str, str], ...] = ()  # set in its environment (CUDA_VISIBLE_DEVICES)
+    ready: tuple[Literal["ping", "healthz"], str] | None = None  # its readiness probe and where; None: none
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,20 @@ def _service(
         config_path = run_dir / "config" / f"{name}.yaml"
         command = (python or sys.executable, "-m", "sparkrl.cli", role, "--preset", str(config_path), *extra)
     env = (("CUDA_VISIBLE_DEVICES", ",".join(map(str, gpus))),) if gpus else ()
-    return ServiceSpec(name, role, command, config_path, config, run_dir / "logs" / f"{name}.log", env)
+    ready = _probe(role, config)
+    return ServiceSpec(name, role, command, config_path, config, run_dir / "logs" / f"{name}.log", env, ready)
+
+
+def _probe(role: Role, config: SparkSettings | str) -> tuple[Literal["ping", "healthz"], str] | None:
+    """How the launcher knows a service is up: Redis answers PING, reward and control GET /healthz (the
+    others have no probe: they retry what they need)."""
+    if isinstance(config, str):  # redis.conf: the root settings are not at hand here, see plan_stack
+        return None
+    if role == "reward":
+        return ("healthz", config.reward.url)
+    if role == "control":
+        return ("healthz", config.control.url)
+    return None
 
 
 def plan_stack(
@@ -201,7 +216,8 @@ def plan_stack(
     token, root = _plan_token(_resolve_root(cfg, private_redis, run_dir, ports[:5]), run_dir)
     services: list[ServiceSpec] = []
     if private_redis:
-        services.append(_service(run_dir, "redis", "redis", _redis_conf(root.bus, run_dir / "redis")))
+        redis_spec = _service(run_dir, "redis", "redis", _redis_conf(root.bus, run_dir / "redis"))
+        services.append(dataclasses.replace(redis_spec, ready=("ping", root.bus.url)))
     services.append(_service(run_dir, "control", "control", root))
     services.append(_service(run_dir, "reward", "reward", root))
     resume_flag = ["--resume"] if resume else []
