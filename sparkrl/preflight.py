@@ -96,6 +96,8 @@ def _context(cfg: SparkSettings, config: dict, tokenizer: object, texts: list[st
     template = json.loads(_read(Path(cfg.model) / "tokenizer_config.json") or "{}").get("chat_template")
     allowance = CHAT_TEMPLATE_ALLOWANCE if template else 0  # roles and markers the template adds
     longest = max(_tokens(tokenizer, text) for text in sorted(texts, key=len)[-LONGEST:]) + allowance
+    if cfg.rollout.max_prompt_tokens is not None:  # longer ones are dropped or cut by the workers
+        longest = min(longest, cfg.rollout.max_prompt_tokens)
     need = longest + cfg.rollout.sampling.max_new_tokens
     if need <= limit:
         return []
@@ -103,7 +105,8 @@ def _context(cfg: SparkSettings, config: dict, tokenizer: object, texts: list[st
         Problem(
             "rollout.sampling.max_new_tokens",
             f"the longest prompt ({longest} tokens) + max_new_tokens ({cfg.rollout.sampling.max_new_tokens}) "
-            f"= {need} exceeds the model's context ({limit}): lower max_new_tokens or shorten the prompts",
+            f"= {need} exceeds the model's context ({limit}): lower max_new_tokens or set "
+            "rollout.max_prompt_tokens",
         )
     ]
 

@@ -16,7 +16,7 @@ from _tiny import tiny_model_dir  # noqa: F401  (fixture)
 from torch.testing import assert_close
 
 from sparkrl.proto.testing import random_group
-from sparkrl.services.common.settings import LearnerSettings, ScheduleSettings
+from sparkrl.services.common.settings import BusSettings, LearnerSettings, ScheduleSettings
 from sparkrl.services.learner.advantages import step_advantages
 from sparkrl.services.learner.reference import kl_to_reference
 from sparkrl.services.learner.schedule import lr_factor
@@ -106,3 +106,38 @@ def test_a_run_with_kl_two_updates_per_rollout_and_a_cosine_schedule(
         if kept:
             assert m["loss/kl_ref"] is not None and m["loss/kl_ref"] >= 0  # k3 ≥ 0
     assert rows[0]["hparams"]["lr"] == pytest.approx(lr)  # warm-up of one step: the full rate at step 1
+
+
+def test_overlong_prompts_are_dropped_with_a_reason_or_truncated(
+    tiny_model_dir: Path,  # noqa: F811
+    bus_settings: BusSettings,
+) -> None:
+    from sparkrl.proto import Prompt, encode_message
+    from sparkrl.services.common.bus import RedisBus
+    from sparkrl.services.common.settings import TorchEngineSettings
+    from sparkrl.services.rollout.torch_engine import TorchEngine
+    from sparkrl.services.rollout.worker import pull_prompts
+
+    engine = TorchEngine(tiny_model_dir, TorchEngineSettings(threads=1))
+    texts = {"short-1": "Use 1 2 to make 3.\n", "long": "Use 1 2 3 " * 10 + "to make 6.\n", "short-2": "hi"}
+    with RedisBus(bus_settings) as bus:
+        for mode in ("drop", "truncate"):
+            for pid, text in texts.items():
+                bus.publish_prompt(
+                    f"{mode}-{pid}",
+                    encode_message(Prompt(prompt_id=f"{mode}-{pid}", task="countdown", text=text)),
+                )
+            batch = pull_prompts(bus, engine, "w", 10, max_prompt_tokens=24, overlong=mode)
+            assert batch is not None and all(len(ids) <= 24 for ids in batch.token_ids)
+            bus.ack("prompts", [e.entry_id for e in batch.entries])
+            if mode == "drop":
+                assert [p.prompt_id for p in batch.prompts] == ["drop-short-1", "drop-short-2"]
+                (dead,) = bus.dead_letters(10)
+                assert "over rollout.max_prompt_tokens (24)" in dead.reason and dead.stream.endswith(
+                    "prompts"
+                )
+            else:
+                assert [p.prompt_id for p in batch.prompts] == [f"truncate-{p}" for p in texts]
+                full = engine.tokenizer(texts["long"])["input_ids"]
+                assert batch.token_ids[1] == full[-24:]  # the question's end is kept
+    engine.close()

@@ -204,6 +204,14 @@ class RolloutSettings(Section):
     prompts_per_batch: int = Field(
         4, ge=1, le=1024, description="Prompts pulled and generated together (each yields one group)."
     )
+    max_prompt_tokens: int | None = Field(
+        None, ge=1, description="Longest prompt (chat template applied), tokens; None: no limit."
+    )
+    overlong: Literal["drop", "truncate"] = Field(
+        "drop",
+        description="A longer prompt: dead-lettered with its length (drop), or cut to its last "
+        "max_prompt_tokens tokens (truncate).",
+    )
     lockstep_groups: int | None = Field(
         None,
         ge=1,

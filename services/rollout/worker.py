@@ -61,14 +61,33 @@ class PromptBatch:
     token_ids: list[list[int]]
 
 
-def pull_prompts(bus: RedisBus, engine: Engine, worker_id: str, count: int) -> PromptBatch | None:
-    """Up to `count` prompts; malformed ones go to the dead-letter stream with the reason."""
+def pull_prompts(
+    bus: RedisBus,
+    engine: Engine,
+    worker_id: str,
+    count: int,
+    max_prompt_tokens: int | None = None,
+    overlong: str = "drop",
+) -> PromptBatch | None:
+    """Up to `count` prompts; malformed ones go to the dead-letter stream with the reason. A prompt longer
+    than `max_prompt_tokens` is dead-lettered (`overlong="drop"`, the reason says how long) or keeps its
+    last `max_prompt_tokens` tokens (`"truncate"`: the question's end, where the instruction usually is)."""
     decoded = bus.read_decoded("prompts", worker_id, count, lambda raw: decode_message(raw, Prompt))
     if not decoded:
         return None
-    entries, prompts = [entry for entry, _ in decoded], [prompt for _, prompt in decoded]
-    token_ids = [apply_chat_template_if_any(engine.tokenizer, p.messages or p.text) for p in prompts]
-    return PromptBatch(entries, prompts, token_ids)
+    batch = PromptBatch([], [], [])
+    for entry, prompt in decoded:
+        ids = apply_chat_template_if_any(engine.tokenizer, prompt.messages or prompt.text)
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            if overlong == "drop":
+                why = f"prompt has {len(ids)} tokens, over rollout.max_prompt_tokens ({max_prompt_tokens})"
+                bus.dead_letter("prompts", entry, why)
+                continue
+            ids = ids[-max_prompt_tokens:]
+        batch.entries.append(entry)
+        batch.prompts.append(prompt)
+        batch.token_ids.append(ids)
+    return batch if batch.prompts else None
 
 
 def generate_groups(
@@ -251,7 +270,9 @@ class Worker:
         """One batch: pull, generate, score, publish; False when there was nothing to do. A group that
         would reach the learner too stale (the weights moved on while it was made or waited to go out) is
         made again with the newest weights: a slow spell costs time, not data."""
-        batch = pull_prompts(self.bus, self.engine, self.state.worker_id, self.cfg.prompts_per_batch)
+        cfg = self.cfg
+        batch = pull_prompts(self.bus, self.engine, self.state.worker_id, cfg.prompts_per_batch,
+                             cfg.max_prompt_tokens, cfg.overlong)  # fmt: skip
         if batch is None:
             return False
         self.state.in_flight = [e.entry_id for e in batch.entries]
