@@ -141,3 +141,62 @@ def test_overlong_prompts_are_dropped_with_a_reason_or_truncated(
                 full = engine.tokenizer(texts["long"])["input_ids"]
                 assert batch.token_ids[1] == full[-24:]  # the question's end is kept
     engine.close()
+
+
+def test_aggregation_weights_by_hand() -> None:
+    from sparkrl.services.learner.aggregation import aggregation_weights
+
+    # Two completions: A has 3 tokens, B has 1. N = 4 tokens, S = 2 sequences.
+    mask = torch.tensor([[True, True, True, False], [True, False, False, False]])
+    loss = torch.tensor([[1.0, 2.0, 3.0, 99.0], [8.0, 99.0, 99.0, 99.0]])  # 99 on padding: never counted
+
+    def mean_of(weights: torch.Tensor | None) -> float:
+        w = torch.ones_like(loss) if weights is None else weights
+        return float((w * loss * mask).sum() / mask.sum())
+
+    assert mean_of(aggregation_weights(mask, "token_mean", 4, 2)) == pytest.approx((1 + 2 + 3 + 8) / 4)
+    assert mean_of(aggregation_weights(mask, "seq_mean_token_sum", 4, 2)) == pytest.approx((6 + 8) / 2)
+    assert mean_of(aggregation_weights(mask, "seq_mean_token_mean", 4, 2)) == pytest.approx((2 + 8) / 2)
+    assert mean_of(aggregation_weights(mask, "dr_grpo", 4, 2, norm_length=8)) == pytest.approx(14 / 16)
+    # Split over two micro-batches, each token-mean weighted by its token share, as the trainer does:
+    # the global totals make it the same number.
+    parts = [(mask[:1], loss[:1]), (mask[1:], loss[1:])]
+    split = sum(
+        float((aggregation_weights(m, "seq_mean_token_mean", 4, 2) * part * m).sum() / m.sum())
+        * int(m.sum())
+        / 4
+        for m, part in parts
+    )
+    assert split == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="constant length"):
+        aggregation_weights(mask, "dr_grpo", 4, 2)
+    with pytest.raises(ValueError, match="aggregates by its own definition"):
+        LearnerSettings(loss={"name": "gspo"}, loss_aggregation="seq_mean_token_mean")
+
+
+def test_train_step_aggregates_as_configured(tiny_model_dir: Path) -> None:  # noqa: F811
+    from sparkrl.services.common.modeling import load_model
+    from sparkrl.services.common.settings import load_settings
+    from sparkrl.services.learner.batch import micro_batches, samples_from_groups
+    from sparkrl.services.learner.trainer import build_engine, init_distributed, old_policy, train_step
+
+    rng = __import__("numpy").random.default_rng(3)
+    groups = [random_group(rng, n=4, T=6, k=4, vocab_size=259) for _ in range(3)]
+    for mode in ("token_mean", "seq_mean_token_mean"):
+        # π_old recomputed by the learner and no IS weights: the ratio is 1, so loss_t = −A_t exactly.
+        overrides = ["learner.old_logp_source=recompute", "learner.tis_cap=null", "learner.loss.name=grpo"]
+        cfg = load_settings("smoke", [*overrides, f"learner.loss_aggregation={mode}"]).learner
+        init_distributed(cfg)
+        engine = build_engine(load_model(tiny_model_dir), cfg)
+        batches = micro_batches(samples_from_groups(groups), token_budget=64, pad_id=0)
+        assert len(batches) > 1  # the global totals matter
+        stats = train_step(engine, batches, [old_policy(engine.module, mb, cfg) for mb in batches], cfg)
+        rows = [
+            (-mb.advantages[i][mb.mask[i]]) for mb in batches for i in range(len(mb.mask)) if mb.mask[i].any()
+        ]
+        expected = (
+            float(torch.cat(rows).mean())
+            if mode == "token_mean"
+            else float(torch.stack([r.mean() for r in rows]).mean())
+        )
+        assert stats["loss"] == pytest.approx(expected, abs=1e-5)

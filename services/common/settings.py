@@ -306,6 +306,11 @@ class LearnerSettings(Section):
     advantage: AdvantageSettings = Field(
         default_factory=AdvantageSettings, description="Rewards → advantages."
     )
+    loss_aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "dr_grpo"] = Field(
+        "token_mean",
+        description="A step's per-token losses → one: the token mean (the paper's), a mean over sequences of "
+        "their sums or means, or Dr. GRPO's sum over a constant length (the rollout's max_new_tokens).",
+    )
     updates_per_rollout: int = Field(
         1,
         ge=1,
@@ -361,6 +366,14 @@ class LearnerSettings(Section):
         4, ge=0, le=1000, description="Completions per step written to RUN_DIR/samples.jsonl (0: none)."
     )
     metrics: MetricsEndpoint = Field(default_factory=MetricsEndpoint, description="/metrics and /healthz.")
+
+    @model_validator(mode="after")
+    def _own_aggregation(self) -> LearnerSettings:
+        if self.loss_aggregation != "token_mean" and self.loss.name in ("gspo", "eighty_twenty"):
+            raise ValueError(
+                f"learner.loss {self.loss.name} aggregates by its own definition: loss_aggregation token_mean"
+            )
+        return self
 
     @model_validator(mode="after")
     def _decay_needs_an_end(self) -> LearnerSettings:

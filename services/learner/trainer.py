@@ -23,6 +23,7 @@ from torch import Tensor
 
 from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner.advantages import truncated_is_weights
+from sparkrl.services.learner.aggregation import aggregation_weights, sequences
 from sparkrl.services.learner.batch import MicroBatch
 from sparkrl.services.learner.losses import LossInputs, entropy_has_gradient, policy_loss
 from sparkrl.services.learner.proxy import proxy_logp_from_logits, proxy_logp_from_topk
@@ -191,12 +192,15 @@ def train_step(
     olds: list[OldPolicy],
     cfg: LearnerSettings,
     timings: dict[str, float] | None = None,
+    norm_length: int | None = None,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch, then one optimizer step. The step's loss is the token-mean
-    over all its tokens: each micro-batch's token-mean is weighted by its share of the tokens.
+    over all its tokens: each micro-batch's token-mean is weighted by its share of the tokens, its tokens
+    re-weighted for `learner.loss_aggregation` (aggregation.py; `norm_length`: Dr. GRPO's constant).
     `timings` gets the seconds of `forward_backward` and `optimizer`."""
     started = time.perf_counter()
     total_tokens = max(sum(mb.num_tokens for mb in batches), 1)
+    total_sequences = sum(sequences(mb.mask) for mb in batches)
     hparams = cfg.loss.model_dump(exclude={"name"})
     sums: dict[str, float] = defaultdict(float)
     entropy_grad = entropy_has_gradient(cfg.loss.name)
@@ -204,6 +208,12 @@ def train_step(
         engine.set_gradient_accumulation_boundary(index == len(batches) - 1)
         with autocast(cfg):
             logp, entropy, _ = token_logp_and_entropy(engine, mb, entropy_grad)
+        weights = aggregation_weights(
+            mb.mask, cfg.loss_aggregation, total_tokens, total_sequences, norm_length
+        )
+        if weights is not None:
+            weights = weights.to(mb.mask.device)
+            weights = weights if old.is_weights is None else weights * old.is_weights
         inputs = LossInputs(
             logp=logp,
             old_logp=old.old_logp,
@@ -211,7 +221,7 @@ def train_step(
             mask=mb.mask,
             proxy_logp=old.proxy_logp,
             entropy=entropy,
-            is_weights=old.is_weights,
+            is_weights=old.is_weights if weights is None else weights,
         )
         loss, stats = policy_loss(cfg.loss.name, inputs, **hparams)
         if old.ref_logp is not None and cfg.kl.coef > 0:

@@ -75,7 +75,8 @@ def compute_update(
     per_update = []
     for mini, old in zip(batches, olds, strict=True):
         part: dict[str, float] = {}
-        per_update.append(train_step(engine, mini, old, cfg, part))
+        norm = max((g.sampling.max_new_tokens for g in groups), default=None)  # Dr. GRPO's constant
+        per_update.append(train_step(engine, mini, old, cfg, part, norm))
         for key, seconds in part.items():
             timings[key] = timings.get(key, 0.0) + seconds
     return _merge(per_update) | extra | {"updates": float(len(per_update))}
