@@ -334,19 +334,13 @@ def build_tiny_model(
         ),
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the weights and the warm-up data.")] = 0,
-    recipe: Annotated[
-        str, typer.Option(help="tiny (the demo's) or explore (configs/explore.yaml's harder countdown).")
-    ] = "tiny",
 ) -> None:
     """Build (once) the tiny countdown model: char tokenizer, Qwen2 config, a short supervised warm-up."""
     setup_logging("build-tiny-model")
-    from sparkrl.services.common.tiny_model import RECIPES, ensure_tiny_model
-
-    if recipe not in RECIPES:
-        raise typer.BadParameter(f"{recipe!r} is not one of {sorted(RECIPES)}", param_hint="--recipe")
     from sparkrl.services.common.paths import cache_dir
+    from sparkrl.services.common.tiny_model import ensure_tiny_model
 
-    typer.echo(ensure_tiny_model(out or cache_dir(), seed=seed, recipe_name=recipe))
+    typer.echo(ensure_tiny_model(out or cache_dir(), seed=seed))
 
 
 # The clients (control API, dead letters, report, config) live in cli_clients.py; importing it
