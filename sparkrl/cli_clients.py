@@ -20,6 +20,7 @@ RunDir = Annotated[
     Path | None, typer.Option("--run-dir", help="Take the URL and token from a `sparkrl up` run directory.")
 ]
 Json = Annotated[bool, typer.Option("--json", help="Print the API's JSON answer.")]
+_SAID: set[str] = set()  # the control API URLs this process said it talks to
 
 
 def _client_call(
@@ -28,7 +29,11 @@ def _client_call(
     from sparkrl.client import ClientError, call, resolve_endpoint
 
     try:
-        return call(resolve_endpoint(url, token, run_dir), method, path, body)
+        endpoint = resolve_endpoint(url, token, run_dir)
+        if endpoint.url not in _SAID:  # every client says where it connects (stderr: --json stays clean)
+            _SAID.add(endpoint.url)
+            typer.echo(f"control API {endpoint.url}", err=True)
+        return call(endpoint, method, path, body)
     except ClientError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc

@@ -42,6 +42,7 @@ def test_a_bad_setting_is_refused_before_anything_starts() -> None:
 def test_the_control_clients_say_what_is_wrong(tmp_path: Path) -> None:
     out = _sparkrl("status", "--url", "http://127.0.0.1:1")
     assert out.returncode == 1 and "cannot reach the control service at http://127.0.0.1:1" in out.stderr
+    assert out.stderr.startswith("control API http://127.0.0.1:1\n")  # it says where it connects
     out = _sparkrl("set", "lr", "--url", "http://127.0.0.1:1")
     assert out.returncode != 0 and "not name=value" in out.stderr
     out = _sparkrl("pause", "--run-dir", str(tmp_path))
