@@ -23,6 +23,9 @@ from sparkrl.services.common.datasets import DatasetError, countdown_prompts
 from sparkrl.services.common.settings import CountdownSettings, PromptSettings
 
 MATH_EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "math-eval"
+needs_math_eval = pytest.mark.skipif(
+    not MATH_EVAL.is_dir(), reason=f"{MATH_EVAL} not found (shared/ is not beside this checkout)"
+)
 
 
 @pytest.mark.parametrize(("n", "c"), [(8, 0), (8, 1), (8, 3), (8, 8), (5, 2)])
@@ -88,6 +91,7 @@ def test_the_command_prints_a_table_and_a_json_line(tiny_model_dir: Path, tmp_pa
         resolve_model(tmp_path)
 
 
+@needs_math_eval
 def test_math_files_load_with_their_own_field_names_and_score_through_the_verifier() -> None:
     amc = math_tasks(MATH_EVAL / "amc23.jsonl", count=3)
     olympiad = math_tasks(MATH_EVAL / "olympiadbench.jsonl", count=2)  # question / final_answer
@@ -101,6 +105,7 @@ def test_math_files_load_with_their_own_field_names_and_score_through_the_verifi
         math_tasks(MATH_EVAL / "nope.jsonl")
 
 
+@needs_math_eval
 def test_math_eval_of_the_tiny_model_runs_end_to_end(tiny_model_dir: Path) -> None:  # noqa: F811
     command = [sys.executable, "-m", "sparkrl.cli", "eval", str(tiny_model_dir), "--task", "math"]
     command += ["--data", str(MATH_EVAL / "math500.jsonl"), "--problems", "4", "--n", "2", "--threads", "1"]

@@ -49,6 +49,8 @@ def _readme_math_command() -> list[str]:
 
 
 def test_3_the_readme_math_command_runs_as_printed(redis_url: str) -> None:
+    if not (ROOT.parent / "shared" / "data" / "math-eval").is_dir():
+        pytest.skip("the README's command reads ../shared/data/math-eval/, not beside this checkout")
     command = _readme_math_command()
     assert command[:2] == ["sparkrl", "prompts"] and f"bus.url={README_REDIS}" in command
     # The one change: the README's Redis address becomes this test's private server.
