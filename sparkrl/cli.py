@@ -147,7 +147,13 @@ def prompts(
              mask_password(cfg.bus.url), cfg.bus.namespace)  # fmt: skip
     from sparkrl.services.common.bus import RedisBus
     from sparkrl.services.common.datasets import iter_prompts
-    from sparkrl.services.common.feeder import FeedReport, feed_prompts, mark_fed, watch_and_refeed
+    from sparkrl.services.common.feeder import (
+        FeedReport,
+        feed_prompts,
+        mark_fed,
+        mark_feeding,
+        watch_and_refeed,
+    )
     from sparkrl.services.common.logs import stop_on_signals
     from sparkrl.services.common.recovery import ensure_incarnation, warn_if_not_persistent
 
@@ -156,6 +162,7 @@ def prompts(
         warn_if_not_persistent(bus)
 
         def feed_all(skip_trained: bool = False) -> FeedReport:
+            mark_feeding(bus)
             total = FeedReport(0, 0, 0.0)
             for epoch in range(epochs):
                 prompts = iter_prompts(cfg.prompts)

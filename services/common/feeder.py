@@ -28,6 +28,11 @@ class FeedReport:
 FEED_DONE = "feed_done"  # named value: the feeder fed all it had (JSON: prompts, epochs, time)
 
 
+def mark_feeding(bus: RedisBus) -> None:
+    """A feed is under way: an earlier feed's done mark (a resumed run's bus) must not end the run."""
+    bus.set_value(FEED_DONE, "")
+
+
 def mark_fed(bus: RedisBus, report: FeedReport, epochs: int) -> None:
     """Tell the learner the data is all in the stream: once it is trained, the run is over."""
     done = {"prompts": report.published + report.duplicates, "epochs": epochs, "time": time.time()}

@@ -109,7 +109,7 @@ class BatchCollector:
         worker's hands (a worker acknowledges its prompt once the group is published), and no group is
         left in the trajectory stream but the ones held here."""
         raw = self.bus.get_value(FEED_DONE)
-        if raw is None:
+        if not raw:  # no feed yet, or one under way
             return None
         prompts, trajectories = self.bus.pending_info("prompts"), self.bus.pending_info("trajectories")
         if prompts.lag or prompts.pending or trajectories.lag or trajectories.pending > len(self.entries):
