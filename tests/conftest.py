@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -17,6 +18,11 @@ import redis
 from sparkrl.services.common.settings import BusSettings
 
 # ── ports and processes ───────────────────────────────────────────────────────────────────────────────
+
+
+def clean_env() -> dict[str, str]:
+    """This process's environment without SPARKRL_* (a subprocess must see only the settings it is given)."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_")}
 
 
 def free_port() -> int:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from conftest import clean_env
 
 
 def _sparkrl(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_")}
+    env = clean_env()
     return subprocess.run(
         [sys.executable, "-m", "sparkrl.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
     )

@@ -22,6 +22,7 @@ import pytest
 import typer
 import yaml
 from _deploy import settings_field
+from conftest import clean_env
 
 from sparkrl.cli import app
 from sparkrl.services.common.settings import SparkSettings, load_settings
@@ -157,7 +158,7 @@ def service_settings(service: Service) -> SparkSettings:
     preset = params["preset"]
     assert preset == PRESET_MOUNT and PRESET_MOUNT in mounts(service), f"{preset} is not the mounted preset"
     source = ROOT / mounts(service)[PRESET_MOUNT]
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_")}
+    environ = clean_env()
     environ |= {k: v for k, v in environment(service).items() if k.startswith("SPARKRL_")}
     with mock.patch.dict(os.environ, environ, clear=True):
         return load_settings(str(source), params.get("overrides"))

@@ -28,6 +28,7 @@ import pytest
 import typer.main
 import yaml
 from _deploy import settings_field
+from conftest import clean_env
 
 from sparkrl.cli import app
 from sparkrl.services.common.settings import SparkSettings, load_settings
@@ -162,7 +163,7 @@ def load_with_env(text: str, env: dict[str, str], tmp_path: Path) -> SparkSettin
     """The settings a container sees: its preset file under its own SPARKRL_* environment only."""
     path = tmp_path / f"preset-{abs(hash((text, tuple(sorted(env.items())))))}.yaml"
     path.write_text(text)
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_")}
+    environ = clean_env()
     environ |= {k: v for k, v in env.items() if k.startswith("SPARKRL_")}
     with mock.patch.dict(os.environ, environ, clear=True):
         return load_settings(str(path))

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from conftest import clean_env
 
 from sparkrl.proto import Prompt, decode_message
 from sparkrl.services.common.settings import load_settings
@@ -29,7 +30,7 @@ README_REDIS = "redis://127.0.0.1:6380/0"  # the address the README's example na
 
 
 def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_")}
+    clean = clean_env()
     return subprocess.run(
         [sys.executable, "-m", "sparkrl.cli", *args],
         capture_output=True,

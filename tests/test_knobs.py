@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from conftest import clean_env
 from torch.testing import assert_close
 
 from sparkrl.proto.testing import random_group
@@ -89,7 +89,7 @@ def test_a_run_with_kl_two_updates_per_rollout_and_a_cosine_schedule(
         "learner.advantage.drop_equal_groups=true",
     ]  # fmt: skip
     command = [sys.executable, "-m", "sparkrl.cli", "up", "--preset", "smoke", "--run-dir", str(run_dir)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_")}
+    env = clean_env()
     done = subprocess.run(
         [*command, *(a for o in overrides for a in ("--set", o))],
         capture_output=True, text=True, timeout=400, cwd=ROOT, env=env,

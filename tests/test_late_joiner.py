@@ -5,7 +5,6 @@ stack, a worker given neither the model directory nor the learner's run director
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import urllib.request
@@ -15,6 +14,7 @@ import pytest
 import torch
 from _faults import settings, steps_done, wait
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from conftest import clean_env
 
 from sparkrl.launcher import Stack, plan_stack, write_configs
 from sparkrl.proto import WorkerStatus
@@ -98,7 +98,7 @@ def test_a_worker_without_the_learners_disk_or_model_catches_up(
         own.run_dir, own.model = str(elsewhere), str(tmp_path / "no-such-model")
         config = write_resolved(own, elsewhere / "worker.yaml")
         log = (elsewhere / "newcomer.log").open("wb")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_")}
+        env = clean_env()
         newcomer = subprocess.Popen(
             [
                 sys.executable,

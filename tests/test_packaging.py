@@ -3,7 +3,6 @@ outside the checkout, and runs the demo preset from another directory (issue 12,
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from conftest import clean_env
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -85,7 +85,7 @@ def test_the_installed_wheel_runs_the_demo_preset_from_another_directory(
     (lib / "site-packages" / "deps.pth").write_text(f"{site}\n{deps}\n")
     python, elsewhere = str(tmp_path / "env" / "bin" / "python"), tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_")}
+    env = clean_env()
     env |= {"SPARKRL_CACHE_DIR": str(tiny_model_dir.parent)}  # where the tiny model was built once
     where = subprocess.run([python, "-c", "import sparkrl; print(sparkrl.__file__)"], capture_output=True,
                            text=True, cwd=elsewhere, env=env, timeout=60)  # fmt: skip

@@ -3,12 +3,12 @@ the fix, exit 2, before anything is spawned (issue 12, items 6 and 7)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from conftest import clean_env
 
 from sparkrl.preflight import Problem, check
 from sparkrl.services.common.settings import SparkSettings, load_settings
@@ -55,7 +55,7 @@ def test_the_paper_preset_lists_everything_it_lacks_here() -> None:
 
 def test_up_stops_before_spawning_anything(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_")}
+    env = clean_env()
     command = [sys.executable, "-m", "sparkrl.cli", "up", "--preset", "demo", "--run-dir", str(run_dir)]
     done = subprocess.run(
         [*command, "--set", "model=/models/nope"], capture_output=True, text=True, timeout=120, env=env
@@ -66,7 +66,7 @@ def test_up_stops_before_spawning_anything(tmp_path: Path) -> None:
 
 
 def test_up_shortcuts_set_model_dataset_and_output_dir(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_")}
+    env = clean_env()
     command = [sys.executable, "-m", "sparkrl.cli", "up", "--model", "/models/m", "--dataset", "d.jsonl"]
     done = subprocess.run(
         [*command, "--output-dir", str(tmp_path / "out")],

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from conftest import clean_env
 
 ray = pytest.importorskip("ray", reason="Ray mode needs the `ray` extra (pip install 'sparkrl[ray]')")
 
@@ -51,7 +52,7 @@ def test_worker_actors_are_restarted_and_rejoin(tiny_model_dir: Path, tmp_path: 
     ]
     command = [sys.executable, "-m", "sparkrl.cli", "up", "--ray", "--preset", "smoke", "--workers", "2"]
     command += ["--run-dir", str(run_dir)] + [a for o in overrides for a in ("--set", o)]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_")}
+    env = clean_env()
     env["RAY_AUTH_MODE"] = "disabled"
     out = (tmp_path / "up.log").open("wb")
     driver = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)

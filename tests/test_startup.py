@@ -4,7 +4,6 @@ that names the lock (instead of waiting silently for ever and ignoring SIGTERM).
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
-from conftest import free_port
+from conftest import clean_env, free_port
 
 from sparkrl.services.learner.startup import clear_stale_locks, extensions_dir
 
@@ -52,7 +51,7 @@ def _learner(model: Path, redis_url: str, tmp_path: Path, *overrides: str) -> su
     command = [sys.executable, "-m", "sparkrl.cli", "learner", "--preset", "smoke"]
     for override in args:
         command += ["--set", override]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_")}
+    env = clean_env()
     return subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
 
 

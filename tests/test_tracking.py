@@ -5,13 +5,13 @@ machine: wandb is offline, MLflow writes files, and the end-to-end run uses Tens
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from conftest import clean_env
 
 from sparkrl.proto import StepMetrics
 from sparkrl.services.common.settings import TrackingSettings
@@ -73,7 +73,7 @@ def test_a_run_writes_tensorboard_events_with_its_step_metrics(tiny_model_dir: P
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "sparkrl.cli", "up", "--preset", "smoke", "--run-dir", str(run_dir)]
     command += ["--set", f"model={tiny_model_dir}", "--set", "learner.tracking.to=[tensorboard]"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_")}
+    env = clean_env()
     done = subprocess.run(command, capture_output=True, text=True, timeout=400, cwd=ROOT, env=env)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
