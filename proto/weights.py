@@ -150,9 +150,10 @@ class WeightAnnouncement(WireModel):
         "Writer: learner. Reader: rollout worker (a worker not listed waits for a later epoch; it may load "
         "`snapshot_path` meanwhile).",
     )
-    backend: Literal["gloo", "nccl"] = Field(
-        description="torch.distributed backend of the group: `nccl` on GPU, `gloo` on CPU. Writer: "
-        "learner. Reader: rollout worker."
+    backend: Literal["gloo", "nccl", "nccl4py", "vllm_nccl"] = Field(
+        description="Transport of the group (`sync.backend`): `gloo` on CPU; on GPU `nccl` (torch's "
+        "ProcessGroupNCCL), `nccl4py` (an NVIDIA nccl4py communicator) or `vllm_nccl` (vLLM's own "
+        "NCCL weight-transfer engine, into the workers' vLLM). Writer: learner. Reader: rollout worker."
     )
     snapshot_path: str | None = Field(
         default=None,

@@ -4,7 +4,8 @@ spawned, each as one line that names the setting and the fix.
 Checked: the model directory and its tokenizer load; the prompt file exists and has the fields; the
 prompts and the longest completion fit the model's context; the rollout engine imports in the interpreter
 that will run the workers (`rollout.python` for a separate vLLM environment); requested GPUs exist and
-the learner's do not overlap the workers'; the sync backend is there; the top-k fits the vocabulary.
+the learner's do not overlap the workers'; the sync backend is there (torch's NCCL, nccl4py in both
+environments, vLLM on both sides for its weight transfer) with a GPU; the top-k fits the vocabulary.
 Cheap by design: config files and the tokenizer, never the weights.
 """
 
@@ -162,15 +163,64 @@ def _devices(cfg: SparkSettings) -> list[Problem]:
 
 
 def _sync(cfg: SparkSettings) -> list[Problem]:
-    if cfg.sync.backend != "nccl":
+    backend = cfg.sync.backend
+    if backend == "gloo":
         return []
+    import torch
     import torch.distributed as dist
 
-    if not dist.is_nccl_available():
-        return [Problem("sync.backend", "nccl is not built into this torch (a CPU build): use gloo")]
-    if cfg.learner.device == "cpu":
-        return [Problem("sync.backend", "nccl sends GPU tensors; the learner is on the CPU: use gloo")]
-    return []
+    # What the backend's libraries need first: each is its own fix, found whatever the devices.
+    problems = {"nccl4py": _nccl4py, "vllm_nccl": _vllm_transfer}.get(backend, lambda cfg: [])(cfg)
+    if backend == "nccl" and not dist.is_nccl_available():
+        problems.append(Problem("sync.backend", "nccl is not built into this torch (a CPU build): use gloo"))
+    elif cfg.learner.device == "cpu":
+        why = f"{backend} sends GPU tensors; the learner is on the CPU: use gloo"
+        problems.append(Problem("sync.backend", why))
+    elif backend != "nccl" and torch.cuda.device_count() == 0:
+        why = f"{backend} needs a CUDA device and this machine has none: use gloo"
+        problems.append(Problem("sync.backend", why))
+    return problems
+
+
+def _nccl4py(cfg: SparkSettings) -> list[Problem]:
+    """nccl4py in the learner's interpreter (this one) and, when it differs, the workers'."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from sparkrl.services.common.weight_sync.nccl4py_group import INSTALL_HINT
+
+    try:
+        version("nccl4py")
+    except PackageNotFoundError:
+        return [Problem("sync.backend", f"nccl4py is not installed in {sys.executable}: {INSTALL_HINT}")]
+    python = cfg.rollout.python
+    if python is None:
+        return []
+    probe = subprocess.run([python, "-c", "import nccl.core"], capture_output=True, text=True, timeout=120)
+    if probe.returncode == 0:
+        return []
+    last = (probe.stderr.strip().splitlines() or ["it failed"])[-1]
+    return [
+        Problem(
+            "sync.backend", f"nccl4py does not import in rollout.python {python} ({last}): {INSTALL_HINT}"
+        )
+    ]
+
+
+def _vllm_transfer(cfg: SparkSettings) -> list[Problem]:
+    """vLLM's weight-transfer engine: vLLM workers, and vLLM importable by the learner (it sends)."""
+    problems = []
+    if cfg.rollout.engine.kind != "vllm":
+        problems.append(
+            Problem(
+                "sync.backend", "vllm_nccl loads weights into vLLM: set rollout.engine.kind=vllm, or use nccl"
+            )
+        )
+    if importlib.util.find_spec("vllm") is None:
+        fix = "install the `vllm` extra in the learner's environment too (it sends through vLLM), or use nccl"
+        problems.append(
+            Problem("sync.backend", f"vllm_nccl: vLLM is not installed in {sys.executable}: {fix}")
+        )
+    return problems
 
 
 def check(cfg: SparkSettings) -> list[Problem]:

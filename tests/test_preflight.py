@@ -78,3 +78,17 @@ def test_up_shortcuts_set_model_dataset_and_output_dir(tmp_path: Path) -> None:
     assert done.returncode == 2  # the preflight names what the shortcuts set:
     assert "error: model: /models/m has no config.json" in done.stderr
     assert "error: prompts.path: d.jsonl" in done.stderr and not (tmp_path / "out").exists()
+
+
+def test_the_gpu_sync_backends_name_what_they_lack(tiny_model_dir: Path) -> None:  # noqa: F811
+    import importlib.util
+
+    nccl4py = [p.message for p in check(_settings(tiny_model_dir, "sync.backend=nccl4py"))]
+    if importlib.util.find_spec("nccl") is None:
+        assert any("nccl4py is not installed" in m and "pip install 'nccl4py[cu12]'" in m for m in nccl4py)
+    assert any("the learner is on the CPU: use gloo" in m for m in nccl4py)  # the demo learns on CPU
+    native = check(_settings(tiny_model_dir, "sync.backend=vllm_nccl"))
+    assert set(_named(native)) >= {"sync.backend"}
+    assert any("set rollout.engine.kind=vllm" in p.message for p in native)  # the demo samples with torch
+    if importlib.util.find_spec("vllm") is None:
+        assert any("vLLM is not installed" in p.message for p in native)

@@ -14,7 +14,14 @@ class WeightSyncSettings(Section):
     """How new weights reach the fleet: the learner's own process group, and its weight files over HTTP
     for a worker that cannot see its disk. Both the learner and the workers read this section."""
 
-    backend: Literal["gloo", "nccl"] = Field("gloo", description="gloo on CPU, nccl on GPU.")
+    backend: Literal["gloo", "nccl", "nccl4py", "vllm_nccl"] = Field(
+        "gloo",
+        description="gloo on CPU. On GPU: nccl (torch's ProcessGroupNCCL); nccl4py (an NVIDIA nccl4py "
+        "communicator: non-blocking, every call bounded by timeout_s, shrunk when members only leave; "
+        "`pip install 'nccl4py[cu12]'`); vllm_nccl (vLLM's own NCCL weight-transfer engine receives "
+        "straight into the workers' vLLM; needs rollout.engine.kind vllm, and vLLM in the learner's "
+        "environment too).",
+    )
     host: str = Field(
         "127.0.0.1", description="Address workers reach the learner at (its TCPStore and weight files)."
     )

@@ -24,9 +24,16 @@ Protocol for one version (rank 0 = learner, rank i + 1 = members[i]):
 
 Any failure kills the epoch on both sides; the learner's caller drops `SyncFailed.missing` and
 announces the next version with a higher epoch, whose join step pins down who is really gone.
+
+Backends (`sync.backend`, announced as `WeightAnnouncement.backend`): `gloo` and `nccl` (torch's process
+groups), `nccl4py` (an NVIDIA nccl4py communicator, non-blocking and polled against the timeout; an epoch
+that only loses members of a healthy one is shrunk from it: `nccl4py_group.py`), and `vllm_nccl` (vLLM's
+own NCCL weight-transfer engine receives into the workers' vLLM: `vllm_native.py` here, the engine's side
+in `services/rollout/vllm_transfer.py`). A backend that cannot run in this interpreter raises
+BackendUnavailable, naming the fix, when the sender or receiver is built.
 """
 
-from sparkrl.services.common.weight_sync.group import Backend, NotAMember, SyncFailed
+from sparkrl.services.common.weight_sync.group import Backend, BackendUnavailable, NotAMember, SyncFailed
 from sparkrl.services.common.weight_sync.manifest import (
     ALIGN,
     bucket_sizes,
@@ -41,6 +48,7 @@ from sparkrl.services.common.weight_sync.sender import SyncReport, WeightSender
 __all__ = [
     "ALIGN",
     "Backend",
+    "BackendUnavailable",
     "NotAMember",
     "SyncFailed",
     "SyncReport",

@@ -4,15 +4,23 @@ The learner hosts a `TCPStore`; every key below lives in it. A group epoch is on
 the learner, ranks 1..N are the members in announced order. A process group is never re-formed under the
 same epoch (gloo's own rendezvous keys stay in the store under the epoch's prefix and would be reused),
 so any change of membership, and any failure, moves to a new epoch.
+
+The transport behind an epoch is one small class per backend with the same three calls (`broadcast`,
+`wait`, `abort`): torch's ProcessGroupGloo / ProcessGroupNCCL here (`_C10dGroup`), an nccl4py
+communicator in `nccl4py_group.py`. Only nccl4py can `shrink`: a new epoch that only drops members of a
+healthy one is derived from it (see `shrink_plan`), every other change forms the group afresh.
+`vllm_nccl` is not an `EpochGroup` at all: vLLM's own weight-transfer engine moves the tensors
+(`vllm_native.py`); it shares the keys, the join step and the acknowledgements.
 """
 
+import importlib.util
 import os
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -21,12 +29,19 @@ from torch import Tensor
 # The common base of ProcessGroupGloo and ProcessGroupNCCL; torch exports it only from its C module.
 from torch._C._distributed_c10d import Backend as C10dBackend
 
-Backend = Literal["gloo", "nccl"]
+Backend = Literal["gloo", "nccl", "nccl4py", "vllm_nccl"]
+GPU_BACKENDS = ("nccl", "nccl4py", "vllm_nccl")
 Phase = Literal["join", "connect", "transfer", "verify"]
 
 START_GO = b"go"
 START_ABORT = b"abort"
 ACK_OK = b"ok"
+JOINED = b"1"  # a joined key's value, or HOLDS + epoch: the member holds that epoch's group, shrinkable
+HOLDS = b"holds "
+
+
+class BackendUnavailable(RuntimeError):
+    """The configured `sync.backend` cannot run in this interpreter; the message names the fix."""
 
 
 class SyncFailed(RuntimeError):
@@ -63,8 +78,15 @@ class NotAMember(SyncFailed):
 
 
 def joined_key(epoch: int, member: str) -> str:
-    """Written by a member (value b"1") before it forms the epoch's group; read by the learner."""
+    """Written by a member (JOINED, or HOLDS + the epoch whose shrinkable group it holds) before it forms
+    the epoch's group; read by the learner."""
     return f"epoch/{epoch}/joined/{member}"
+
+
+def shrink_key(epoch: int) -> str:
+    """Written by the learner before START_GO when `epoch` is formed by shrinking an earlier epoch's group:
+    b"<parent epoch> <excluded parent ranks, comma-separated>". Absent: form the group afresh."""
+    return f"epoch/{epoch}/shrink"
 
 
 def start_key(epoch: int) -> str:
@@ -116,8 +138,55 @@ def missing_keys(store: dist.Store, keys: dict[str, str], timeout: timedelta) ->
 
 
 def bucket_device(backend: Backend) -> torch.device:
-    """Where buckets live: host memory for gloo, the current GPU for NCCL."""
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    """Where buckets live: host memory for gloo, the current GPU for NCCL (torch's or nccl4py's)."""
+    gpu = backend in GPU_BACKENDS
+    return torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+
+
+def require_backend(backend: Backend) -> None:
+    """Raises BackendUnavailable, naming the fix, when `backend` cannot run here: called when a sender
+    or receiver is built, so a missing library fails at start-up and not at the first sync."""
+    if backend == "nccl4py":
+        from sparkrl.services.common.weight_sync.nccl4py_group import require_nccl4py
+
+        require_nccl4py()
+    elif backend == "nccl" and not dist.is_nccl_available():
+        raise BackendUnavailable(
+            "sync.backend=nccl needs a CUDA build of torch (this one has no NCCL): use gloo"
+        )
+    elif backend == "vllm_nccl" and importlib.util.find_spec("vllm") is None:
+        raise BackendUnavailable(
+            "sync.backend=vllm_nccl sends through vLLM's NCCLWeightTransferEngine, so vLLM must import in "
+            "the learner's environment too: pip install 'sparkrl[vllm]' there, or set sync.backend=nccl"
+        )
+
+
+def shrink_plan(
+    parent_epoch: int, parent_members: Sequence[str], members: Sequence[str], joined: Mapping[str, bytes]
+) -> list[int] | None:
+    """The parent's ranks to exclude when the new epoch's group can be shrunk from the parent's, else None.
+
+    Possible when the new members are the parent's minus some, in the parent's order (NCCL keeps the
+    order of the ranks that stay, so rank i + 1 is still members[i]), and every one of them reported
+    (its joined value) that it holds the parent's group.
+    """
+    held = HOLDS + str(parent_epoch).encode()
+    remaining = [m for m in parent_members if m in members]
+    if not members or remaining != list(members) or any(joined.get(m) != held for m in members):
+        return None
+    excluded = [rank + 1 for rank, member in enumerate(parent_members) if member not in members]
+    return excluded or None  # same members: the epoch changed for another reason, start afresh
+
+
+def encode_shrink(parent_epoch: int, excluded: Sequence[int]) -> bytes:
+    """The `shrink_key` value."""
+    return f"{parent_epoch} {','.join(map(str, excluded))}".encode()
+
+
+def decode_shrink(value: bytes) -> tuple[int, list[int]]:
+    """(parent epoch, excluded parent ranks) from a `shrink_key` value."""
+    parent, excluded = value.decode().split(" ")
+    return int(parent), [int(rank) for rank in excluded.split(",")]
 
 
 @contextmanager
@@ -133,7 +202,7 @@ def _env(name: str, value: str) -> Iterator[None]:
             os.environ[name] = previous
 
 
-def _new_backend(
+def _new_c10d(
     store: dist.Store, rank: int, size: int, backend: Backend, timeout: timedelta, address: str
 ) -> C10dBackend:
     if backend == "gloo":
@@ -153,8 +222,47 @@ def _new_backend(
         return ProcessGroupNCCL(store, rank, size, options)
 
 
+class _C10dGroup:
+    """torch.distributed's ProcessGroupGloo / ProcessGroupNCCL behind the transport calls."""
+
+    _pg: C10dBackend
+    timeout: timedelta
+
+    def __init__(self, pg: C10dBackend, timeout: timedelta) -> None:
+        self._pg, self.timeout = pg, timeout
+
+    def broadcast(self, bucket: Tensor) -> dist.Work:
+        options = dist.BroadcastOptions()
+        options.rootRank = 0
+        options.rootTensor = 0
+        # The per-collective timeout is what turns a hung peer into an error instead of a hang.
+        options.timeout = self.timeout
+        return self._pg.broadcast([bucket], options)
+
+    def wait(self, work: dist.Work, timeout: timedelta) -> None:
+        # With a timeout, NCCL's wait blocks the CPU thread (not only the stream) and raises when it
+        # expires; gloo's op has already failed by then through its own timeout.
+        work.wait(timeout)
+
+    def abort(self) -> None:
+        self._pg.abort()
+
+
+def _new_transport(
+    store: dist.Store, rank: int, size: int, backend: Backend, timeout: timedelta, address: str
+) -> Any:
+    """The epoch's transport: `_C10dGroup` or `Nccl4pyGroup` (same calls)."""
+    if backend == "nccl4py":
+        from sparkrl.services.common.weight_sync.nccl4py_group import Nccl4pyGroup
+
+        return Nccl4pyGroup.connect(store, rank, size, timeout)
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend {backend} has no broadcast group of its own")
+    return _C10dGroup(_new_c10d(store, rank, size, backend, timeout, address), timeout)
+
+
 class EpochGroup:
-    """The broadcast process group of one epoch, separate from any default group (DeepSpeed's)."""
+    """The broadcast group of one epoch, separate from any default group (DeepSpeed's)."""
 
     epoch: int
     rank: int
@@ -162,7 +270,7 @@ class EpochGroup:
     backend: Backend
     device: torch.device
     timeout: timedelta
-    _pg: C10dBackend
+    _transport: Any  # _C10dGroup | Nccl4pyGroup
 
     def __init__(
         self,
@@ -173,33 +281,39 @@ class EpochGroup:
         backend: Backend,
         timeout: timedelta,
         address: str = "",
+        *,
+        parent: "EpochGroup | None" = None,
+        excluded: Sequence[int] = (),
     ) -> None:
-        """`address`: the interface this rank's connections listen on (gloo); "" lets gloo choose."""
+        """`address`: the interface this rank's connections listen on (gloo); "" lets gloo choose.
+        `parent`, `excluded`: form this epoch by shrinking `parent`'s group without those of its ranks
+        (nccl4py; see `shrink_plan`) instead of a new rendezvous. The parent stays the caller's to abort."""
         self.epoch = epoch
         self.rank = rank
         self.size = size
         self.backend = backend
         self.device = bucket_device(backend)
         self.timeout = timeout
-        self._pg = _new_backend(
-            dist.PrefixStore(f"epoch/{epoch}/group/", store), rank, size, backend, timeout, address
-        )
+        if parent is not None:
+            self._transport = parent._transport.shrink(excluded, rank)
+        else:
+            prefixed = dist.PrefixStore(f"epoch/{epoch}/group/", store)
+            self._transport = _new_transport(prefixed, rank, size, backend, timeout, address)
 
-    def broadcast(self, bucket: Tensor) -> dist.Work:
-        """Starts broadcasting `bucket` from the learner (rank 0) in place; every rank calls it in order."""
-        options = dist.BroadcastOptions()
-        options.rootRank = 0
-        options.rootTensor = 0
-        # The per-collective timeout is what turns a hung peer into an error instead of a hang.
-        options.timeout = self.timeout
-        return self._pg.broadcast([bucket], options)
+    @property
+    def can_shrink(self) -> bool:
+        """Whether a later epoch that only drops members may be derived from this group."""
+        return hasattr(self._transport, "shrink")
 
-    def wait(self, work: dist.Work) -> None:
+    def broadcast(self, bucket: Tensor) -> Any:
+        """Starts broadcasting `bucket` from the learner (rank 0) in place; every rank calls it in order.
+        Returns the work to `wait` for."""
+        return self._transport.broadcast(bucket)
+
+    def wait(self, work: Any) -> None:
         """Blocks until `work` completes; raises (a dead peer fast, a hung one after `timeout`)."""
-        # With a timeout, NCCL's wait blocks the CPU thread (not only the stream) and raises when it
-        # expires; gloo's op has already failed by then through its own timeout.
-        work.wait(self.timeout)
+        self._transport.wait(work, self.timeout)
 
     def abort(self) -> None:
         """Closes the group's connections; peers blocked in a collective with this rank fail fast."""
-        self._pg.abort()
+        self._transport.abort()

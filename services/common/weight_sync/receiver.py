@@ -2,6 +2,7 @@
 
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -11,6 +12,8 @@ from sparkrl.proto import WeightAnnouncement
 from sparkrl.proto import weights_checksum as checksum_of_bytes
 from sparkrl.services.common.weight_sync.group import (
     ACK_OK,
+    HOLDS,
+    JOINED,
     START_GO,
     Backend,
     EpochGroup,
@@ -18,8 +21,11 @@ from sparkrl.services.common.weight_sync.group import (
     SyncFailed,
     ack_key,
     connect_store,
+    decode_shrink,
     joined_key,
     local_address_towards,
+    require_backend,
+    shrink_key,
     start_key,
 )
 from sparkrl.services.common.weight_sync.manifest import raw_bytes, tensor_view, unpack
@@ -55,7 +61,11 @@ class WeightReceiver:
         """`reuse_buffers`: receive every version into the same buckets. Fresh buckets cost page faults
         that halve gloo's throughput here, but with reuse the tensors `receive` returned are overwritten
         by the next `receive`, even one that fails: only for a caller that copies them into its engine
-        before receiving again."""
+        before receiving again. Raises BackendUnavailable (naming the fix) when `backend` cannot run
+        here; `vllm_nccl` is received by the engine itself (`services/rollout/vllm_transfer.py`)."""
+        if backend == "vllm_nccl":
+            raise ValueError("sync.backend=vllm_nccl is received by vLLM itself: use VllmNativeReceiver")
+        require_backend(backend)
         self.worker_id = worker_id
         self.backend = backend
         self.timeout = timedelta(seconds=timeout_s)
@@ -137,14 +147,30 @@ class WeightReceiver:
             held = (self._address, group.epoch, group.rank, group.size)
             if held == wanted and _learner_still_there(store, epoch):
                 return store, group
+        # A healthy nccl4py group from the same learner may be shrunk into this epoch's (if the learner
+        # says so once the epoch starts); any other is closed now.
+        parent = group if group is not None and group.can_shrink and self._address == address else None
+        if parent is not None:
+            self._group = None  # out of close()'s reach: aborted below, once shrunk from or not
         self.close()
+        try:
+            return self._join(announcement, rank, address, parent)
+        finally:
+            if parent is not None:
+                parent.abort()  # shrunk from, or not: this epoch never uses it
+
+    def _join(
+        self, announcement: WeightAnnouncement, rank: int, address: tuple[str, int], parent: EpochGroup | None
+    ) -> tuple[dist.TCPStore, EpochGroup]:
+        epoch = announcement.group_epoch
         try:
             store = connect_store(*address, self.timeout)
         except RuntimeError as exc:
             raise SyncFailed(f"cannot reach the learner's store: {exc}", epoch=epoch, phase="join") from exc
         self._store, self._address = store, address
-        # Joined key first: the learner reads these keys to name the members that never showed up.
-        store.set(joined_key(epoch, self.worker_id), b"1")
+        # Joined key first: the learner reads these keys to name the members that never showed up, and
+        # their values to decide whether the parent's group can be shrunk.
+        store.set(joined_key(epoch, self.worker_id), HOLDS + str(parent.epoch).encode() if parent else JOINED)
         try:
             store.wait([start_key(epoch)], self.timeout)
         except dist.DistStoreError as exc:
@@ -153,11 +179,17 @@ class WeightReceiver:
             ) from exc
         if store.get(start_key(epoch)) != START_GO:
             raise SyncFailed("the learner aborted the epoch: members were missing", epoch=epoch, phase="join")
+        size = announcement.world_size
         try:
-            address = local_address_towards(*self._address)  # listen where the learner reaches us, only
-            self._group = EpochGroup(
-                store, epoch, rank, announcement.world_size, self.backend, self.timeout, address=address
-            )
+            if parent is not None and store.check([shrink_key(epoch)]):
+                parent_epoch, excluded = decode_shrink(store.get(shrink_key(epoch)))
+                if parent_epoch == parent.epoch:
+                    self._group = EpochGroup(
+                        store, epoch, rank, size, self.backend, self.timeout, parent=parent, excluded=excluded
+                    )
+                    return store, self._group
+            own = local_address_towards(*address)  # listen where the learner reaches us, only
+            self._group = EpochGroup(store, epoch, rank, size, self.backend, self.timeout, address=own)
         except RuntimeError as exc:
             raise SyncFailed(f"forming the group failed: {exc}", epoch=epoch, phase="connect") from exc
         return store, self._group
@@ -193,7 +225,7 @@ def _learner_still_there(store: dist.TCPStore, epoch: int) -> bool:
 
 
 def _bytes_as_they_arrive(
-    group: EpochGroup, works: list[dist.Work | None], buckets: list[Tensor], announcement: WeightAnnouncement
+    group: EpochGroup, works: list[Any], buckets: list[Tensor], announcement: WeightAnnouncement
 ) -> Iterator[memoryview]:
     """Each tensor's bytes in manifest order, waiting for buckets in bucket order as they are needed.
 

@@ -7,6 +7,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,9 +22,13 @@ from sparkrl.services.common.weight_sync.group import (
     EpochGroup,
     SyncFailed,
     ack_key,
+    encode_shrink,
     host_store,
     joined_key,
     missing_keys,
+    require_backend,
+    shrink_key,
+    shrink_plan,
     start_key,
 )
 from sparkrl.services.common.weight_sync.manifest import (
@@ -79,7 +84,7 @@ class WeightSender:
     bucket_bytes: int
     straggler_s: float
     _store: dist.TCPStore
-    _group: EpochGroup | None
+    _group: Any  # EpochGroup, or a VllmNativeGroup (sync.backend vllm_nccl); None between epochs
     _aborting: list[threading.Thread]  # dead epochs being torn down (see _drop_group)
     _members: tuple[str, ...]
     _epoch: int
@@ -96,7 +101,9 @@ class WeightSender:
         straggler_s: float = 5.0,
     ) -> None:
         """`host` is the address workers reach the store at; port 0 picks a free one (see `port`).
-        `straggler_s`: once a member has acknowledged, how much longer the others get."""
+        `straggler_s`: once a member has acknowledged, how much longer the others get. Raises
+        BackendUnavailable (naming the fix) when `backend`'s library or device is not here."""
+        require_backend(backend)
         self.host = host
         self.straggler_s = straggler_s
         # Members known to be gone (the caller's liveness view, e.g. expired heartbeats): a dead member is
@@ -156,8 +163,8 @@ class WeightSender:
         self._check(named_tensors, announcement, members)
         epoch = announcement.group_epoch
         started = time.perf_counter()
-        in_flight: deque[dist.Work] = deque()
-        group: EpochGroup | None = None
+        in_flight: deque[Any] = deque()
+        group: Any = None
         try:
             group = self._group_for(epoch, members)
             group_done = time.perf_counter()
@@ -227,38 +234,78 @@ class WeightSender:
         elif epoch <= self._epoch:
             raise ValueError(f"epoch {epoch} was used already (last {self._epoch}); re-form with a higher")
 
-    def _group_for(self, epoch: int, members: tuple[str, ...]) -> EpochGroup:
+    def _group_for(self, epoch: int, members: tuple[str, ...]) -> Any:
         if self._group is not None and self._group.epoch == epoch:
             return self._group
-        self._drop_group()
+        # A healthy nccl4py group may be shrunk into the new epoch's; any other is torn down now.
+        parent, parent_members = self._group, self._members
+        self._group, self._members = None, ()
+        if parent is not None and not getattr(parent, "can_shrink", False):
+            self._retire(parent)
+            parent = None
         self._epoch = epoch
-        # Members write their joined key before they block in the group's rendezvous, so the keys say
-        # exactly who never showed up; START_ABORT then releases the ones that did.
-        missing = missing_keys(self._store, {m: joined_key(epoch, m) for m in members}, self.timeout)
-        if missing:
-            self._store.set(start_key(epoch), START_ABORT)
-            raise SyncFailed("members did not join in time", epoch=epoch, phase="join", missing=missing)
-        self._store.set(start_key(epoch), START_GO)
+        form: Callable[[], Any] | None = None
         try:
-            self._group = EpochGroup(
-                self._store, epoch, 0, len(members) + 1, self.backend, self.timeout, address=self.host
-            )
-        except RuntimeError as exc:
-            raise SyncFailed(f"forming the group failed: {exc}", epoch=epoch, phase="connect") from exc
+            # Members write their joined key before they block in the group's rendezvous, so the keys say
+            # exactly who never showed up; START_ABORT then releases the ones that did.
+            keys = {m: joined_key(epoch, m) for m in members}
+            missing = missing_keys(self._store, keys, self.timeout)
+            if missing:
+                self._store.set(start_key(epoch), START_ABORT)
+                raise SyncFailed("members did not join in time", epoch=epoch, phase="join", missing=missing)
+            form = self._prepare(epoch, members, keys, parent, parent_members)
+            self._store.set(start_key(epoch), START_GO)
+            try:
+                self._group = form()
+            except RuntimeError as exc:
+                raise SyncFailed(f"forming the group failed: {exc}", epoch=epoch, phase="connect") from exc
+        finally:
+            if parent is not None:
+                self._retire(parent)  # shrunk from, or not: the new epoch never uses it
+            parent = form = None  # a traceback keeps this frame: it must not keep the parent alive
         self._members = members
         return self._group
 
+    def _prepare(
+        self,
+        epoch: int,
+        members: tuple[str, ...],
+        keys: dict[str, str],
+        parent: EpochGroup | None,
+        parent_members: tuple[str, ...],
+    ) -> Callable[[], Any]:
+        """Writes what the members read once the epoch starts, and returns how rank 0 then forms the group:
+        vLLM's transfer group (its plan of NCCL ranks), a shrink of the parent's group, or a new one."""
+        size = len(members) + 1
+        if self.backend == "vllm_nccl":
+            from sparkrl.services.common.weight_sync.vllm_native import VllmNativeGroup, write_plan
+
+            plan = write_plan(self._store, epoch, members, self.host)
+            return lambda: VllmNativeGroup(plan, epoch, self.timeout)
+        if parent is not None:
+            joined = dict(zip(members, self._store.multi_get(list(keys.values())), strict=True))
+            excluded = shrink_plan(parent.epoch, parent_members, members, joined)
+            if excluded is not None:
+                self._store.set(shrink_key(epoch), encode_shrink(parent.epoch, excluded))
+                return lambda: EpochGroup(
+                    self._store, epoch, 0, size, self.backend, self.timeout, parent=parent, excluded=excluded
+                )
+        return lambda: EpochGroup(self._store, epoch, 0, size, self.backend, self.timeout, address=self.host)
+
     def _send(
-        self, group: EpochGroup, named_tensors: Mapping[str, Tensor], announcement: WeightAnnouncement
-    ) -> deque[dist.Work]:
+        self, group: Any, named_tensors: Mapping[str, Tensor], announcement: WeightAnnouncement
+    ) -> deque[Any]:
         """Post the buckets; returns the works still in flight.
 
         gloo: every bucket at once (each packed into its own buffer), so a member that stops reading holds
         up nobody else: the healthy members receive everything and acknowledge while its sends wait.
-        NCCL: two in flight, packing the next while the current one goes out (a collective moves at the
-        pace of its slowest rank anyway).
+        NCCL (torch's or nccl4py's): two in flight, packing the next while the current one goes out (a
+        collective moves at the pace of its slowest rank anyway). vllm_nccl: vLLM's engine takes the
+        tensors themselves, in manifest order, as one transfer.
         """
-        in_flight: deque[dist.Work] = deque()
+        if not isinstance(group, EpochGroup):
+            return deque([group.send(named_tensors, announcement)])
+        in_flight: deque[Any] = deque()
         staged = 0
         all_at_once = self.backend == "gloo"
         for specs, size in zip(
@@ -318,7 +365,7 @@ class WeightSender:
         if bad:
             raise SyncFailed("checksum mismatch", epoch=epoch, phase="verify", missing=bad)
 
-    def _drop_group(self, in_flight: deque[dist.Work] | None = None) -> None:
+    def _drop_group(self, in_flight: deque[Any] | None = None) -> None:
         """Abort the epoch's group off this thread. gloo's abort, and the destructors of the group and of a
         send still queued to a member that stopped reading, wait out the timeout: the thread must own the
         last references (no local here holds the group; the caller's deque is emptied, its local cleared),
@@ -329,6 +376,13 @@ class WeightSender:
         self._group, self._members = None, ()
         if in_flight is not None:
             in_flight.clear()
+        self._abort_off_thread(held)
+
+    def _retire(self, group: Any) -> None:
+        """Abort a group this sender no longer uses (the one shrunk from, or not shrinkable), off thread."""
+        self._abort_off_thread([group, []])
+
+    def _abort_off_thread(self, held: list) -> None:  # type: ignore[type-arg]
         thread = threading.Thread(target=_abort, args=(held,), name="abort-epoch", daemon=True)
         thread.start()
         self._aborting = [t for t in self._aborting if t.is_alive()] + [thread]

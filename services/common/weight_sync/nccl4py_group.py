@@ -1,0 +1,188 @@
+"""The `nccl4py` backend: one epoch's broadcast group as an NVIDIA nccl4py communicator (`nccl.core`).
+
+Same role as the ProcessGroupNCCL of `sync.backend: nccl`, but every NCCL call is ours to bound:
+
+- The communicator is *non-blocking* (`NCCLConfig(blocking=False)`): init, shrink and any collective
+  that must wait for a peer return `ncclInProgress` at once, and `Communicator.get_async_error()` is
+  polled until it says `Success` (or an error) against the sync timeout. A hung peer costs `timeout`,
+  never a hang; on any failure the caller aborts (`Communicator.abort()`), which ends the kernels still
+  waiting on the peer.
+- Rank 0 (the learner) draws the NCCL unique id (`get_unique_id()`) and writes its bytes into the
+  epoch's own keys of the learner's TCPStore (`epoch/{E}/group/nccl4py/unique_id`); members read it.
+- A membership that only loses members keeps its connections: `shrink` (`ncclCommShrink`) derives the
+  next epoch's communicator from this one, without a new rendezvous. New members need a new epoch.
+
+nccl4py is imported only here, lazily: CPU installs never need it. `require_nccl4py()` is the one clear
+error when the backend is chosen without it (or without a GPU).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from sparkrl.services.common.weight_sync.group import BackendUnavailable
+
+POLL_S = 0.0005  # how often a pending NCCL call or bucket is looked at: a bucket takes milliseconds
+UNIQUE_ID_KEY = "nccl4py/unique_id"  # under the epoch's group prefix (see EpochGroup)
+NCCL_SUCCESS, NCCL_IN_PROGRESS = 0, 7  # ncclResult_t values (nccl.h); `get_async_error` returns a Result
+INSTALL_HINT = "pip install 'nccl4py[cu12]' (or [cu13] for CUDA 13) in this environment"
+
+
+def require_nccl4py() -> Any:
+    """The `nccl.core` module, or BackendUnavailable saying what is missing and how to get it."""
+    try:
+        import nccl.core as nccl
+    except ImportError as exc:
+        raise BackendUnavailable(
+            f"sync.backend=nccl4py needs NVIDIA's nccl4py, which does not import here ({exc}): "
+            f"{INSTALL_HINT}, or set sync.backend=nccl"
+        ) from exc
+    if not torch.cuda.is_available():
+        raise BackendUnavailable(
+            "sync.backend=nccl4py moves GPU tensors and this process sees no CUDA device: run it on a GPU "
+            "(learner.device / rollout.gpus), or set sync.backend=gloo"
+        )
+    return nccl
+
+
+@dataclass
+class Nccl4pyWork:
+    """One posted broadcast: done when its event has fired on the communicator's stream."""
+
+    event: torch.cuda.Event
+    bucket: Tensor  # kept alive until the broadcast is done (the caller may drop its reference)
+
+
+class Nccl4pyGroup:
+    """One epoch's communicator (rank 0 = learner), its own CUDA stream, and the deadline of every call.
+
+    The same three calls as the torch.distributed groups behind `EpochGroup`: `broadcast` posts a bucket
+    and returns at once, `wait` blocks until it is done (raising on a peer's error or at the timeout),
+    `abort` tears the communicator down. Plus `shrink`. Raises RuntimeError on every failure, which the
+    sender and receiver turn into SyncFailed.
+    """
+
+    rank: int
+    size: int
+    device: torch.device
+    timeout: timedelta
+    _nccl: Any  # the nccl.core module
+    _comm: Any  # nccl.core.Communicator
+    _stream: torch.cuda.Stream
+
+    def __init__(self, nccl: Any, comm: Any, rank: int, size: int, timeout: timedelta) -> None:
+        """Wraps an initialized (or initializing) communicator; use `connect` or `shrink` to get one."""
+        self._nccl, self._comm = nccl, comm
+        self.rank, self.size, self.timeout = rank, size, timeout
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        # NCCL runs on its own stream: a bucket in flight never blocks the caller's compute stream.
+        self._stream = torch.cuda.Stream(self.device)
+        try:
+            self._settle("forming the communicator")
+        except BaseException:
+            self.abort()
+            raise
+
+    @classmethod
+    def connect(cls, store: dist.Store, rank: int, size: int, timeout: timedelta) -> Nccl4pyGroup:
+        """Every rank of the epoch calls it: the unique id goes through `store`, then NCCL connects."""
+        nccl = require_nccl4py()
+        if rank == 0:
+            unique_id = nccl.get_unique_id()
+            store.set(UNIQUE_ID_KEY, unique_id.as_bytes)
+        else:
+            try:
+                store.wait([UNIQUE_ID_KEY], timeout)
+            except dist.DistStoreError as exc:
+                raise RuntimeError("the learner never published the NCCL unique id") from exc
+            unique_id = nccl.UniqueId.from_bytes(store.get(UNIQUE_ID_KEY))
+        config = nccl.NCCLConfig(blocking=False, comm_name=f"sparkrl-sync-rank{rank}")
+        try:
+            comm = nccl.Communicator.init(nranks=size, rank=rank, unique_id=unique_id, config=config)
+        except Exception as exc:  # nccl.bindings.NCCLError and friends: not RuntimeErrors
+            raise RuntimeError(f"ncclCommInitRankConfig failed: {exc}") from exc
+        return cls(nccl, comm, rank, size, timeout)
+
+    def shrink(self, exclude: Sequence[int], rank: int) -> Nccl4pyGroup:
+        """The communicator without the ranks `exclude` (this one's numbering), as rank `rank` of it.
+
+        Collective over the ranks that stay (the excluded ones must not call it); needs no outstanding
+        operation, so only a healthy epoch is shrunk (a failed one was aborted). NCCL keeps the order of
+        the remaining ranks, so `rank` is this rank's position among them.
+        """
+        config = self._nccl.NCCLConfig(blocking=False, comm_name=f"sparkrl-sync-rank{rank}")
+        try:
+            comm = self._comm.shrink(exclude_ranks=list(exclude), config=config)
+        except Exception as exc:
+            raise RuntimeError(f"ncclCommShrink failed: {exc}") from exc
+        return Nccl4pyGroup(self._nccl, comm, rank, self.size - len(exclude), self.timeout)
+
+    def broadcast(self, bucket: Tensor) -> Nccl4pyWork:
+        """Posts an in-place broadcast of `bucket` from rank 0 on the group's stream."""
+        if bucket.device != self.device:
+            raise RuntimeError(f"bucket on {bucket.device}, the communicator is on {self.device}")
+        # The bucket was just packed (or allocated) on the caller's stream: NCCL must start after that.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        try:
+            self._comm.broadcast(bucket, bucket, root=0, stream=self._stream.cuda_stream)
+        except Exception as exc:
+            raise RuntimeError(f"ncclBroadcast failed: {exc}") from exc
+        # A non-blocking communicator may return ncclInProgress while it connects to the peers (first
+        # collective): no other NCCL call until it settles.
+        self._settle("posting a broadcast")
+        event = torch.cuda.Event()
+        event.record(self._stream)
+        bucket.record_stream(self._stream)  # its memory is not reused before NCCL is done with it
+        return Nccl4pyWork(event, bucket)
+
+    def wait(self, work: Nccl4pyWork, timeout: timedelta) -> None:
+        """Blocks until `work` is done; raises on an error a peer caused, or when `timeout` expires."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not work.event.query():
+            self._check()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a broadcast did not finish within {timeout.total_seconds():g}s")
+            time.sleep(POLL_S)
+        self._check()
+        # Whoever reads the bucket next (hashing, unpacking) reads it on its own stream.
+        torch.cuda.current_stream(self.device).wait_event(work.event)
+
+    def abort(self) -> None:
+        """`ncclCommAbort`: ends every operation still waiting on a peer and frees the communicator."""
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            try:
+                comm.abort()
+            except Exception:  # aborting is the last resort: nothing left to report it to
+                pass
+
+    def _check(self) -> None:
+        """Raises if the communicator reports an asynchronous error (a peer died, a network error)."""
+        if self._comm is None:
+            raise RuntimeError("the communicator was aborted")
+        state = int(self._comm.get_async_error())
+        if state not in (NCCL_SUCCESS, NCCL_IN_PROGRESS):
+            raise RuntimeError(f"NCCL error {state}: {self._comm.get_last_error()}")
+
+    def _settle(self, what: str) -> None:
+        """Polls `ncclCommGetAsyncError` until the pending call completes, fails, or the timeout passes."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            if self._comm is None:
+                raise RuntimeError(f"{what}: the communicator was aborted")
+            state = int(self._comm.get_async_error())
+            if state == NCCL_SUCCESS:
+                return
+            if state != NCCL_IN_PROGRESS:
+                raise RuntimeError(f"{what}: NCCL error {state}: {self._comm.get_last_error()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not complete within {self.timeout.total_seconds():g}s")
+            time.sleep(POLL_S)
