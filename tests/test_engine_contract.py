@@ -152,6 +152,57 @@ def test_load_weights_swaps_and_restores(engine: Engine, reference: PreTrainedMo
     assert_logprobs_match(reference, prompts, engine.generate(prompts, sampling), 1.0, atol)
 
 
+def _native_skip_reason() -> str | None:
+    if _vllm_skip_reason() is not None:
+        return _vllm_skip_reason()
+    if torch.cuda.device_count() < 2:
+        return "vLLM's NCCL weight transfer needs 2 GPUs (one per NCCL rank: the learner, vLLM's worker)"
+    return None
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(600)
+@pytest.mark.skipif(_native_skip_reason() is not None, reason=str(_native_skip_reason()))
+def test_vllm_native_transfer_loads_and_verifies_the_announced_weights(
+    tiny_model_dir: Path,  # noqa: F811
+    reference: PreTrainedModel,
+) -> None:
+    """sync.backend vllm_nccl: the learner (GPU 1) sends through vLLM's NCCLWeightTransferEngine into a vLLM
+    started with weight_transfer_config (GPU 0); the engine reports the announced checksum of what it
+    loaded, and samples from the new weights."""
+    import threading
+
+    from sparkrl.services.common.weight_sync import WeightSender
+    from sparkrl.services.rollout.vllm_engine import VllmEngine
+    from sparkrl.services.rollout.vllm_transfer import VllmNativeReceiver
+
+    settings = VllmEngineSettings(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3)
+    engine = VllmEngine(tiny_model_dir, settings, native_transfer=True)
+    generator = torch.Generator().manual_seed(3)
+    noisy = {
+        n: t + 0.3 * torch.randn(t.shape, generator=generator) for n, t in reference.state_dict().items()
+    }
+    noisy_model = load_model(reference.name_or_path, "float32", "cpu")
+    noisy_model.load_state_dict(noisy)
+    torch.cuda.set_device(1)
+    try:
+        receiver = VllmNativeReceiver("native", engine, timeout_s=120.0)
+        with WeightSender(backend="vllm_nccl", timeout_s=120.0) as sender:
+            announcement = sender.announce(noisy, version=7, epoch=1, members=["native"])
+            reports: list[object] = []
+            send = threading.Thread(target=lambda: reports.append(sender.broadcast(noisy, announcement)))
+            send.start()
+            assert receiver.receive(announcement) is None  # the engine holds them already
+            send.join(120)
+        assert reports and engine.policy_version == 7
+        assert engine.weights_checksum() == announcement.checksum == weights_checksum(noisy.items())
+        prompts = prompt_ids(engine)
+        groups = engine.generate(prompts, SamplingSettings(n=2, max_new_tokens=8, topk_logprobs=4, seed=2))
+        assert_logprobs_match(noisy_model, prompts, groups, 1.0, TOLERANCE["vllm"])
+    finally:
+        engine.close()
+
+
 # ── the vLLM engine's host-side logic, on CPU (vLLM itself is not imported) ─────────────────────────────
 
 

@@ -24,10 +24,11 @@ from sparkrl.services.common.weight_sync import WeightReceiver
 from sparkrl.services.rollout.announcements import AnnouncementGate
 from sparkrl.services.rollout.catch_up import model_dir_for
 from sparkrl.services.rollout.control import WorkerControl
-from sparkrl.services.rollout.engine import make_engine
+from sparkrl.services.rollout.engine import Engine, make_engine
 from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
 from sparkrl.services.rollout.lockstep import Lockstep
 from sparkrl.services.rollout.metrics import WorkerMetrics
+from sparkrl.services.rollout.vllm_transfer import VllmNativeReceiver
 from sparkrl.services.rollout.worker import PAUSED_POLL_S, Worker
 
 log = logging.getLogger("sparkrl.rollout")
@@ -43,7 +44,8 @@ def build(cfg: SparkSettings, stop: threading.Event) -> Worker:
     warn_if_not_persistent(bus)
     gate = AnnouncementGate(bus, cfg.sync.secret, Path(cfg.run_dir))
     model = model_dir_for(cfg.model, Path(cfg.run_dir), gate, cfg.sync.secret, cfg.rollout.model_wait_s, stop)
-    engine = make_engine(model, cfg.rollout.engine)
+    native = cfg.sync.backend == "vllm_nccl"  # vLLM's own transfer engine receives the weights
+    engine = make_engine(model, cfg.rollout.engine, native_transfer=native)
     telemetry, metrics = Telemetry(bus), WorkerMetrics(worker_id)
     state = WorkerState(worker_id, cfg.rollout.engine.kind, policy_version=engine.policy_version)
     worker = Worker(
@@ -58,7 +60,7 @@ def build(cfg: SparkSettings, stop: threading.Event) -> Worker:
         metrics=metrics,
         stop=stop,
         gate=gate,
-        receiver=WeightReceiver(worker_id, backend=cfg.sync.backend, timeout_s=cfg.sync.timeout_s),
+        receiver=_receiver(worker_id, cfg, engine),
         heartbeat=Heartbeat(telemetry, state, cfg.rollout.sampling, cfg.rollout.heartbeat_s),
         telemetry=telemetry,
         secret=cfg.sync.secret,
@@ -72,6 +74,16 @@ def build(cfg: SparkSettings, stop: threading.Event) -> Worker:
     worker.server.start()
     log.info("worker %s up: model %s, engine %s", worker_id, model, cfg.rollout.engine.kind)
     return worker
+
+
+def _receiver(worker_id: str, cfg: SparkSettings, engine: Engine) -> WeightReceiver | VllmNativeReceiver:
+    """The weight receiver `sync.backend` names: ours, or the vLLM engine's own (`vllm_nccl`)."""
+    if cfg.sync.backend == "vllm_nccl":
+        from sparkrl.services.rollout.vllm_engine import VllmEngine
+
+        assert isinstance(engine, VllmEngine)  # make_engine refused any other with native_transfer
+        return VllmNativeReceiver(worker_id, engine, timeout_s=cfg.sync.timeout_s)
+    return WeightReceiver(worker_id, backend=cfg.sync.backend, timeout_s=cfg.sync.timeout_s)
 
 
 def step(worker: Worker) -> None:

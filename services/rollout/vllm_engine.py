@@ -35,14 +35,16 @@ from sparkrl.services.common.modeling import load_tokenizer
 from sparkrl.services.common.settings import SamplingSettings, VllmEngineSettings
 from sparkrl.services.common.weight_sync import weights_checksum
 from sparkrl.services.rollout.engine import Engine, make_completion
+from sparkrl.services.rollout.vllm_transfer import NativeTransferExtension
 
 MAX_TOPK = 1024  # SamplingSettings.topk_logprobs' upper bound; vLLM rejects k above max_logprobs
 RPC_BUCKET_BYTES = 256 << 20  # tensors per collective_rpc message: bounds the pickled payload
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 
 
-class SparkrlWorkerExtension:
-    """Mixed into each vLLM GPU worker (`worker_extension_cls`); called through `collective_rpc`."""
+class SparkrlWorkerExtension(NativeTransferExtension):
+    """Mixed into each vLLM GPU worker (`worker_extension_cls`); called through `collective_rpc`. The
+    native transfer's methods (`sync.backend: vllm_nccl`) come from `NativeTransferExtension`."""
 
     model_runner: Any
     device: torch.device
@@ -100,7 +102,11 @@ class VllmEngine(Engine):
     _vocab_size: int
     _checksum: str | None
 
-    def __init__(self, model_path: str | Path, settings: VllmEngineSettings) -> None:
+    def __init__(
+        self, model_path: str | Path, settings: VllmEngineSettings, *, native_transfer: bool = False
+    ) -> None:
+        """`native_transfer`: start vLLM's NCCL weight-transfer engine (`sync.backend: vllm_nccl`; the
+        weights then arrive through `vllm_transfer.VllmNativeReceiver`, not `load_weights`)."""
         from vllm import LLM
 
         self.model_path = Path(model_path)
@@ -109,6 +115,12 @@ class VllmEngine(Engine):
         self._tokenizer = load_tokenizer(self.model_path)
         self._vocab_size = int(AutoConfig.from_pretrained(self.model_path, local_files_only=True).vocab_size)
         self._checksum: str | None = None  # of the checkpoint, computed on first request
+        transfer: dict[str, Any] = {}
+        if native_transfer:
+            from vllm.config import WeightTransferConfig
+
+            # What `vllm serve --weight-transfer-config '{"backend": "nccl"}'` sets.
+            transfer["weight_transfer_config"] = WeightTransferConfig(backend="nccl")
         self.llm = LLM(
             model=str(self.model_path),
             tokenizer=str(self.model_path),
@@ -124,6 +136,7 @@ class VllmEngine(Engine):
             # Ignore the checkpoint's generation_config.json: sampling comes from SamplingSettings only.
             generation_config="vllm",
             worker_extension_cls=f"{__name__}.SparkrlWorkerExtension",
+            **transfer,
         )
 
     @property
@@ -205,6 +218,13 @@ class VllmEngine(Engine):
             self.llm.collective_rpc("sparkrl_load_weights", args=(bucket,))
         self.llm.reset_prefix_cache()
         self._checksum = weights_checksum(tensors)
+        self.policy_version = version
+
+    def weights_arrived(self, version: int, checksum: str) -> None:
+        """Weights loaded by vLLM's native transfer (`vllm_transfer.py`), every GPU worker having hashed
+        them to `checksum` as it loaded them: drop the prefix cache, take the version."""
+        self.llm.reset_prefix_cache()
+        self._checksum = checksum
         self.policy_version = version
 
     def weights_checksum(self) -> str:

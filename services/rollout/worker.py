@@ -42,6 +42,7 @@ from sparkrl.services.rollout.engine import Engine
 from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
 from sparkrl.services.rollout.lockstep import Lockstep
 from sparkrl.services.rollout.metrics import WorkerMetrics
+from sparkrl.services.rollout.vllm_transfer import VllmNativeReceiver
 
 log = logging.getLogger("sparkrl.rollout")
 
@@ -183,7 +184,7 @@ def publish_groups(
 
 def sync_weights(
     gate: AnnouncementGate,
-    receiver: WeightReceiver,
+    receiver: WeightReceiver | VllmNativeReceiver,
     engine: Engine,
     state: WorkerState,
     metrics: WorkerMetrics,
@@ -213,7 +214,8 @@ def sync_weights(
     try:
         if awaited:
             tensors = receiver.receive(announcement)
-            engine.load_weights(tensors.items(), announcement.version)
+            if tensors is not None:  # None: vLLM's own transfer loaded them into the engine already
+                engine.load_weights(tensors.items(), announcement.version)
             nbytes: int | None = announcement.total_bytes
         else:
             nbytes = catch_up(engine, announcement, gate, secret)
@@ -250,7 +252,7 @@ class Worker:
     metrics: WorkerMetrics
     stop: threading.Event
     gate: AnnouncementGate
-    receiver: WeightReceiver
+    receiver: WeightReceiver | VllmNativeReceiver  # the second when sync.backend is vllm_nccl
     heartbeat: Heartbeat
     telemetry: Telemetry
     secret: str | None  # sync.secret: authenticates announcements and the learner's weight files
