@@ -21,6 +21,7 @@ from sparkrl.proto.control import (
 )
 from sparkrl.proto.errors import CodecError, FieldError
 from sparkrl.proto.group import TrajectoryGroup
+from sparkrl.proto.ranks import RankOrder
 from sparkrl.proto.reward import (
     REWARD_SCHEMA_VERSION,
     RewardItem,
@@ -109,6 +110,7 @@ __all__ = [
     "PauseCommand",
     "PauseRequest",
     "Prompt",
+    "RankOrder",
     "ResumeCommand",
     "RewardItem",
     "RewardRequest",

@@ -8,6 +8,7 @@ variables. Service imports happen inside the commands so `sparkrl reward` never 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -104,7 +105,8 @@ def learner(
 ) -> None:
     """Run the learner: trajectory stream → Lp-Reg (or a baseline) under DeepSpeed → weights to the fleet."""
     cfg = _settings(preset, overrides)
-    log = setup_logging("learner")
+    rank = os.environ.get("RANK", "0")  # under torchrun (learner.ranks > 1) each rank says which it is
+    log = setup_logging("learner" if rank == "0" else f"learner[rank {rank}]")
     import threading
 
     from sparkrl.services.common.logs import stop_on_signals

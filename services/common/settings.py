@@ -321,6 +321,12 @@ class LearnerSettings(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
+    ranks: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel learner processes `sparkrl up` starts on this machine (torchrun; one "
+        "per GPU on a GPU). On several nodes, start `sparkrl learner` under torchrun on each (README).",
+    )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Training dtype (bf16 on GPU).")
     device: str = Field("cpu", description="`cpu` or `cuda` (DeepSpeed's accelerator).")
     gpus: list[int] = Field(

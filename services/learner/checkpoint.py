@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -49,13 +50,17 @@ def save_checkpoint(
     state: TrainState,
     keep: int,
     name: str | None = None,
+    before_save: Callable[[Path], None] = lambda path: None,
 ) -> Path:
     """Write a complete checkpoint, then point `latest` at it, then prune the oldest `step-*` beyond
-    `keep`. `name` (a control command's tag) names the folder instead of the step; those are kept."""
+    `keep`. `name` (a control command's tag) names the folder instead of the step; those are kept.
+    `before_save(path)`: called once the folder is clear, before DeepSpeed writes (a data-parallel
+    learner's rank 0 tells the other ranks there, which write their partitions with `save_partitions`)."""
     root = checkpoint_root(run_dir)
     path = root / (name or f"step-{state.step:06d}")
     if path.exists():
         shutil.rmtree(path)
+    before_save(path)
     engine.save_checkpoint(str(path / "deepspeed"), tag=DEEPSPEED_TAG)
     save_hf_weights(engine, tokenizer, path / "hf")
     (path / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
@@ -72,6 +77,20 @@ def save_hf_weights(engine: deepspeed.DeepSpeedEngine, tokenizer: PreTrainedToke
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
         module.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
+
+
+def save_partitions(engine: deepspeed.DeepSpeedEngine, path: Path) -> None:
+    """A rank but the first's part of `save_checkpoint`: the same collectives (DeepSpeed's save, the
+    ZeRO-3 gather of the Hugging Face weights), writing only this rank's partitions."""
+    engine.save_checkpoint(str(path / "deepspeed"), tag=DEEPSPEED_TAG)
+    join_gather(engine)
+
+
+def join_gather(engine: deepspeed.DeepSpeedEngine) -> None:
+    """Take part in the gather of rank 0's `cpu_weights` / `save_hf_weights` (a collective under ZeRO-3,
+    nothing below it); this rank keeps nothing of it."""
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+        log.debug("ZeRO-3 weights gathered for rank 0")
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

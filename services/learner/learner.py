@@ -12,14 +12,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from deepspeed import DeepSpeedEngine
 from transformers import PreTrainedTokenizerBase
 
-from sparkrl.proto import ControlCommand, StepMetrics, TrajectoryGroup, decode_group
+from sparkrl.proto import ControlCommand, RankOrder, StepMetrics, TrajectoryGroup, decode_group
 from sparkrl.services.common.bus import Entry, RedisBus
 from sparkrl.services.common.recovery import TRAINED_PREFIX, WipeWatch
 from sparkrl.services.common.settings import LearnerSettings, WeightSyncSettings
@@ -36,6 +38,7 @@ from sparkrl.services.learner.exploration import exploration_stats, spark_tokens
 from sparkrl.services.learner.journal import Journal
 from sparkrl.services.learner.metrics import LearnerMetrics
 from sparkrl.services.learner.publisher import WeightPublisher
+from sparkrl.services.learner.ranks import RankLost, Ranks, lost, train_order
 from sparkrl.services.learner.reporting import Reporter, RunLog, fleet_timings, sample_rows, step_row
 from sparkrl.services.learner.tracking import Tracker
 from sparkrl.services.learner.trainer import (
@@ -46,6 +49,8 @@ from sparkrl.services.learner.update import compute_update
 from sparkrl.services.learner.validate import ModelLimits
 
 log = logging.getLogger("sparkrl.learner")
+
+T = TypeVar("T")
 
 PAUSED_POLL_S = 0.2  # how often a paused learner looks at the control stream
 TOP_SPARKS = 10  # sparks per step row, the most frequent
@@ -103,6 +108,7 @@ class Learner:
     wipes: WipeWatch  # a Redis that lost its data is noticed at the next boundary, and rebuilt
     reference: torch.nn.Module | None = None  # the frozen initial model of learner.kl (None: no KL term)
     tracker: Tracker | None = None  # learner.tracking's backends
+    ranks: Ranks | None = None  # a data-parallel learner's orders to its other ranks (None: one rank)
     collector: BatchCollector = field(init=False)
     saved_step: int = field(init=False)  # the step of the newest checkpoint
     stop_command: ControlCommand | None = field(default=None, init=False)  # the one that ended the run
@@ -110,6 +116,7 @@ class Learner:
     waited_fleet: float = field(default=0.0, init=False)  # seconds in `fleet_in_reach` since the last step
     failures: dict[str, int] = field(default_factory=dict)  # group id → failed steps it was in
     ended: str | None = field(default=None, init=False)  # why the run is over, once it is
+    rank_lost: str | None = field(default=None, init=False)  # why the ranks cannot go on, once so
 
     def __post_init__(self) -> None:
         self.collector = BatchCollector(self.bus, self.cfg, ModelLimits.of(self.engine.module, self.cfg))
@@ -119,7 +126,7 @@ class Learner:
         """One pass of the loop: the control boundary, then a step (or a paused wait). False once the run
         is over: max_steps, `stop`, or a stop command (kept in `stop_command`, answered at close)."""
         cfg, state = self.cfg, self.state
-        if self.stop.is_set() or self.stop_command is not None:
+        if self.stop.is_set() or self.stop_command is not None or self.rank_lost is not None:
             return False
         if cfg.max_steps is not None and state.step >= cfg.max_steps:
             self.ended = f"learner.max_steps ({cfg.max_steps}) reached"
@@ -229,13 +236,24 @@ class Learner:
         started = time.monotonic()
         timings = {"wait_data": self.waited_data, "wait_fleet": self.waited_fleet}
         self.waited_data = self.waited_fleet = 0.0
-        try:
-            stats = compute_update(
-                self.engine, batch, cfg, self.pad_id, state.step + 1, self.reference, timings
-            )
-        except Exception as exc:  # a bad batch must cost its step, not the process (and every restart)
-            self.failed_step(batch, exc)
-            return None
+        if self.ranks is not None:  # every rank takes part in the update: a failure ends the run
+            ranks = self.ranks
+
+            def update() -> dict[str, float]:
+                ranks.send(train_order(batch.groups, cfg, state.step + 1))
+                return compute_update(
+                    self.engine, batch, cfg, self.pad_id, state.step + 1, self.reference, timings, ranks
+                )
+
+            stats = self.collective(f"step {state.step + 1}", update)
+        else:
+            try:
+                stats = compute_update(
+                    self.engine, batch, cfg, self.pad_id, state.step + 1, self.reference, timings
+                )
+            except Exception as exc:  # a bad batch must cost its step, not the process (and every restart)
+                self.failed_step(batch, exc)
+                return None
         state.step += 1
         state.policy_version += 1
         if not journaled:
@@ -244,7 +262,7 @@ class Learner:
         acked = finish_step(self.bus, batch, state) + self.collector.acked
         self.collector.acked = 0
         timings["bookkeeping"], mark = time.perf_counter() - mark, time.perf_counter()
-        self.publisher.submit(state.policy_version, cpu_weights(self.engine))
+        self.publisher.submit(state.policy_version, self.full_weights())
         timings["publish"] = time.perf_counter() - mark  # the CPU copy; the broadcast runs on its thread
         if state.step == cfg.max_steps:
             # The last row should show where the fleet ends up, not where it was mid-broadcast.
@@ -283,12 +301,59 @@ class Learner:
             top[text] = top.get(text, 0) + count
         return top
 
+    def collective(self, what: str, run: Callable[[], T]) -> T:
+        """`run` a part every learner rank takes part in; any failure ends the run (`rank_lost`), as
+        RankLost naming what to do. One rank: just `run`."""
+        if self.ranks is None:
+            return run()
+        try:
+            return run()
+        except Exception as exc:
+            error = lost(what, exc, self.saved_step)
+            self.rank_lost = str(error)
+            log.error("%s", error)
+            raise error from exc
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """A CPU copy of the weights to publish; under ZeRO-3 across ranks, every rank gathers."""
+        if self.ranks is None or self.cfg.zero_stage != 3:
+            return cpu_weights(self.engine)
+        ranks = self.ranks
+
+        def gather() -> dict[str, torch.Tensor]:
+            ranks.send(RankOrder(kind="gather"))
+            return cpu_weights(self.engine)
+
+        return self.collective("gathering the weights", gather)
+
+    def release_ranks(self) -> None:
+        """The other ranks may exit: the run is over (nothing to tell once one is lost)."""
+        if self.ranks is not None and self.rank_lost is None:
+            ranks = self.ranks
+            try:
+                self.collective("the stop", lambda: ranks.send(RankOrder(kind="stop")))
+            except RankLost:
+                return  # logged: the process exits non-zero
+
+    def _order_save(self, path: Path) -> None:
+        if self.ranks is not None:
+            self.ranks.send(RankOrder(kind="save", path=str(path)))
+
     def checkpoint(self, tag: str | None) -> Path:
         previous = self.reporter.report.phase
         self.reporter.update(phase="checkpointing")
         self.state.hparam_overrides = dict(self.control.overrides)
-        path = save_checkpoint(
-            self.engine, self.tokenizer, self.run_dir, self.state, self.cfg.keep_checkpoints, tag
+        path = self.collective(
+            "the checkpoint",
+            lambda: save_checkpoint(
+                self.engine,
+                self.tokenizer,
+                self.run_dir,
+                self.state,
+                self.cfg.keep_checkpoints,
+                tag,
+                before_save=self._order_save,
+            ),
         )
         self.journal.trim(self.state.step)  # the checkpoint holds those steps now
         self.saved_step = self.state.step

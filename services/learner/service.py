@@ -8,6 +8,7 @@ the engine is built, so a start stuck in DeepSpeed still ends at the first SIGTE
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -25,12 +26,14 @@ from sparkrl.services.common.recovery import WipeWatch, warn_if_not_persistent
 from sparkrl.services.common.settings import LearnerSettings, SparkSettings
 from sparkrl.services.common.telemetry import LEARNER, Telemetry
 from sparkrl.services.common.weight_sync.files import WeightFileServer
-from sparkrl.services.learner.checkpoint import TrainState, cpu_weights, latest_checkpoint, load_checkpoint
+from sparkrl.services.learner.checkpoint import TrainState, latest_checkpoint, load_checkpoint
 from sparkrl.services.learner.control import LearnerControl, hparams_in_force
+from sparkrl.services.learner.follower import follow
 from sparkrl.services.learner.journal import Journal
 from sparkrl.services.learner.learner import Learner, Setup
 from sparkrl.services.learner.metrics import LearnerMetrics
 from sparkrl.services.learner.publisher import SNAPSHOT_NAME, WeightPublisher
+from sparkrl.services.learner.ranks import RankLost, Ranks, world
 from sparkrl.services.learner.reference import frozen_copy
 from sparkrl.services.learner.reporting import Reporter, RunLog, StatusSource, write_ended
 from sparkrl.services.learner.resume import last_announced_version, void_discarded_versions
@@ -42,7 +45,12 @@ log = logging.getLogger("sparkrl.learner")
 
 
 def _device(lc: LearnerSettings) -> str:
-    return "cpu" if lc.device == "cpu" else "cuda"
+    """The learner's device; on a GPU, each rank its own (LOCAL_RANK, as every launcher sets it)."""
+    if lc.device == "cpu":
+        return "cpu"
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    return f"cuda:{local_rank}"
 
 
 def setup_engine(cfg: SparkSettings, resume: bool) -> Setup:
@@ -91,6 +99,7 @@ def build(
     files = WeightFileServer(cfg.sync.host, cfg.sync.http_port, Path(cfg.model), snapshot, cfg.sync.secret)
     files.start()
     engine, tokenizer, state, resumed, reference = setup_engine(cfg, resume)
+    ranks = Ranks.join()  # every rank forms the orders' group right after its engine (follower.py)
     guard.cancel()
     engine_built()
     journal = Journal(run_dir)
@@ -134,6 +143,7 @@ def build(
         journal=journal,
         wipes=WipeWatch(bus, run_dir / "trained_groups.jsonl"),
         reference=reference,
+        ranks=ranks,
         tracker=Tracker(lc.tracking, run_dir, cfg.model_dump(mode="json")) if lc.tracking.to else None,
     )
     publisher.start()
@@ -148,7 +158,7 @@ def build(
         loop.collector.void_versions = state.void_versions
         files.wait_listed()  # the first announcement carries the model's digest
         # A fresh run's version 0 is the model every worker loaded already; a resumed one must be sent.
-        publisher.submit(state.policy_version, cpu_weights(engine), broadcast=resumed or replayed > 0)
+        publisher.submit(state.policy_version, loop.full_weights(), broadcast=resumed or replayed > 0)
     except BaseException:
         close(service)
         raise
@@ -157,8 +167,11 @@ def build(
 
 def step(service: LearnerService) -> bool:
     """One turn of the loop (the control boundary, then a step or a paused wait); False once it is over:
-    max_steps, `stop`, or a stop command (answered by `close`)."""
-    return service.loop.turn()
+    max_steps, `stop`, or a stop command (answered by `close`), or a learner rank lost (`rank_lost`)."""
+    try:
+        return service.loop.turn()
+    except RankLost:
+        return False  # logged; `close` writes no checkpoint, `main` exits non-zero
 
 
 def close(service: LearnerService) -> None:
@@ -167,14 +180,19 @@ def close(service: LearnerService) -> None:
     loop = service.loop
     state, command = loop.state, loop.stop_command
     keep_final = command is None or command.body.checkpoint  # type: ignore[union-attr]
+    keep_final = keep_final and loop.rank_lost is None  # the ranks' partitions cannot all be written
     if keep_final and state.step > loop.saved_step:
-        loop.checkpoint(None)
+        try:
+            loop.checkpoint(None)
+        except RankLost:
+            log.warning("no final checkpoint: the learner's ranks cannot all write theirs (see above)")
+    loop.release_ranks()
     loop.reporter.update(phase="stopping")
     if command is not None:
         where = f"; checkpoint {loop.reporter.report.last_checkpoint}" if keep_final else ""
         loop.control.answer(command, "applied", f"stopped at step {state.step}{where}", state.step)
     loop.publisher.close()
-    ended = loop.ended or ("a stop command" if command is not None else "stopped (signal)")
+    ended = loop.rank_lost or loop.ended or ("a stop command" if command is not None else "stopped (signal)")
     write_ended(loop.run_dir, ended, state.step)
     loop.reporter.update(phase="stopped")
     loop.reporter.close()
@@ -193,7 +211,11 @@ def main(
     stop: threading.Event | None = None,
     engine_built: Callable[[], None] = lambda: None,
 ) -> None:
-    """Build, step until over, close: train until max_steps, a stop command or `stop`."""
+    """Build, step until over, close: train until max_steps, a stop command or `stop`. A data-parallel
+    learner's other ranks follow rank 0's orders instead (follower.py)."""
+    if world()[0] != 0:
+        follow(cfg, resume)
+        return
     service = build(cfg, resume, stop or threading.Event(), engine_built)
     try:
         running = True
@@ -201,3 +223,5 @@ def main(
             running = step(service)
     finally:
         close(service)
+    if service.loop.rank_lost is not None:
+        raise SystemExit(f"learner: {service.loop.rank_lost}")

@@ -31,36 +31,29 @@ from sparkrl.services.learner.reference import kl_to_reference
 
 
 def init_distributed(cfg: LearnerSettings, sync_host: str = "127.0.0.1") -> None:
-    """One learner process needs no launcher: a file rendezvous (so the default group opens no TCP
-    listener at all), gloo's own connections on the weight-sync host's interface (loopback by default)."""
+    """The learner's default process group (DeepSpeed's). Under a launcher (torchrun, `deepspeed`, or
+    `sparkrl up` with `learner.ranks` > 1) it is the launcher's env:// rendezvous, as many ranks as it
+    started; one learner process needs no launcher: a file rendezvous (so the default group opens no
+    TCP listener at all). gloo's own connections stay on loopback when the learner is local."""
     if torch.distributed.is_initialized():
-        _refuse_several_ranks()
         return
-    if os.environ.get("WORLD_SIZE", "1") != "1":
-        deepspeed.init_distributed(dist_backend="gloo" if cfg.device == "cpu" else "nccl")
-        _refuse_several_ranks()
-    if sys.platform == "linux" and sync_host in ("127.0.0.1", "localhost", "::1"):
+    backend = "gloo" if cfg.device == "cpu" else "nccl"
+    local = os.environ.get("MASTER_ADDR", sync_host) in ("127.0.0.1", "localhost", "::1")
+    if sys.platform == "linux" and local and sync_host in ("127.0.0.1", "localhost", "::1"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        return
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(name, value)  # what DeepSpeed's engine reads, as a launcher would set them
     store = Path(tempfile.mkdtemp(prefix="sparkrl-dist-")) / "store"
     deepspeed.init_distributed(
-        dist_backend="gloo" if cfg.device == "cpu" else "nccl",
+        dist_backend=backend,
         auto_mpi_discovery=False,  # one process: nothing to discover
         init_method=f"file://{store}",
         rank=0,
         world_size=1,
     )
-
-
-def _refuse_several_ranks() -> None:
-    world_size = torch.distributed.get_world_size()
-    if world_size != 1:
-        # Each rank would read the trajectory stream as the same consumer and publish weights on its own.
-        raise RuntimeError(
-            f"the learner runs as one DeepSpeed rank for now (launched with {world_size}); "
-            "start it without torchrun/deepspeed --num_gpus, or with one process"
-        )
 
 
 def deepspeed_config(cfg: LearnerSettings) -> dict[str, Any]:
@@ -193,14 +186,21 @@ def train_step(
     cfg: LearnerSettings,
     timings: dict[str, float] | None = None,
     norm_length: int | None = None,
+    totals: tuple[int, int] | None = None,
 ) -> dict[str, float]:
     """Forward/backward every micro-batch, then one optimizer step. The step's loss is the token-mean
     over all its tokens: each micro-batch's token-mean is weighted by its share of the tokens, its tokens
     re-weighted for `learner.loss_aggregation` (aggregation.py; `norm_length`: Dr. GRPO's constant).
-    `timings` gets the seconds of `forward_backward` and `optimizer`."""
+    `timings` gets the seconds of `forward_backward` and `optimizer`. `totals`: the update's (tokens,
+    sequences) when `batches` is this rank's share of it (a data-parallel learner, ranks.py): each
+    rank's loss is then scaled by the DP size, which DeepSpeed's gradient averaging divides out again."""
     started = time.perf_counter()
-    total_tokens = max(sum(mb.num_tokens for mb in batches), 1)
-    total_sequences = sum(sequences(mb.mask) for mb in batches)
+    tokens, total_sequences = totals or (
+        sum(mb.num_tokens for mb in batches),
+        sum(sequences(mb.mask) for mb in batches),
+    )
+    total_tokens = max(tokens, 1)
+    dp_size = engine.dp_world_size
     hparams = cfg.loss.model_dump(exclude={"name"})
     sums: dict[str, float] = defaultdict(float)
     entropy_grad = entropy_has_gradient(cfg.loss.name)
@@ -208,6 +208,9 @@ def train_step(
         engine.set_gradient_accumulation_boundary(index == len(batches) - 1)
         with autocast(cfg):
             logp, entropy, _ = token_logp_and_entropy(engine, mb, entropy_grad)
+        if mb.num_tokens == 0:  # a rank's padding (ranks.py): the pass every rank runs, contributing 0
+            engine.backward(logp.sum() * 0.0, scale_wrt_gas=False)
+            continue
         weights = aggregation_weights(
             mb.mask, cfg.loss_aggregation, total_tokens, total_sequences, norm_length
         )
@@ -230,7 +233,7 @@ def train_step(
             loss = loss + cfg.kl.coef * kl_mean
             stats = {**stats, "kl_ref": kl_mean.detach()}
         share = mb.num_tokens / total_tokens
-        engine.backward(loss * share, scale_wrt_gas=False)
+        engine.backward(loss * share * dp_size, scale_wrt_gas=False)
         sums["loss"] += float(loss.detach()) * share
         sums["entropy"] += float((entropy.detach() * mb.mask).sum()) / total_tokens
         sums["proxy_inexact"] += old.proxy_inexact

@@ -18,9 +18,11 @@ from torch import nn
 
 from sparkrl.proto import TrajectoryGroup
 from sparkrl.services.common.settings import LearnerSettings
+from sparkrl.services.learner.aggregation import sequences
 from sparkrl.services.learner.batch import Sample, micro_batches, samples_from_groups
 from sparkrl.services.learner.collect import Batch
 from sparkrl.services.learner.control import set_lr
+from sparkrl.services.learner.ranks import Ranks, empty_like
 from sparkrl.services.learner.schedule import lr_factor
 from sparkrl.services.learner.trainer import old_policy, train_step
 
@@ -46,10 +48,13 @@ def compute_update(
     step: int,
     reference: nn.Module | None = None,
     timings: dict[str, float] | None = None,
+    ranks: Ranks | None = None,
 ) -> dict[str, float]:
     """π_old for every micro-batch (before any update), then the step's optimizer steps; `step` is the
     learner step being taken (1-based, for the schedule). `timings` gets the seconds of `collate`,
-    `old_policy`, `forward_backward` and `optimizer` (summed over the updates)."""
+    `old_policy`, `forward_backward` and `optimizer` (summed over the updates). With `ranks`, every rank
+    calls this on the same batch: each takes its share of every update's micro-batches, the divisors
+    stay the update's global counts, and the statistics come back summed over the ranks."""
     timings = timings if timings is not None else {}
     started = time.perf_counter()
     adv = cfg.advantage
@@ -63,7 +68,11 @@ def compute_update(
         minis.append(samples[:count])
         samples = samples[count:]
     device = engine.device
-    batches = [[mb.to(device) for mb in micro_batches(m, cfg.micro_batch_tokens, pad_id)] for m in minis if m]
+    every = [micro_batches(m, cfg.micro_batch_tokens, pad_id) for m in minis if m]
+    totals = [(sum(mb.num_tokens for mb in mbs), sum(sequences(mb.mask) for mb in mbs)) for mbs in every]
+    if ranks is not None:
+        every = [ranks.share(mbs, lambda first=mbs[0]: empty_like(first)) for mbs in every]
+    batches = [[mb.to(device) for mb in mbs] for mbs in every]
     collated = time.perf_counter()
     engine.eval()
     olds = [[old_policy(engine.module, mb, cfg, reference) for mb in mini] for mini in batches]
@@ -73,10 +82,11 @@ def compute_update(
     if not batches:  # every group had equal rewards and was left out: nothing to learn from
         return extra | {"tokens": 0.0, "updates": 0.0}
     per_update = []
-    for mini, old in zip(batches, olds, strict=True):
+    for mini, old, total in zip(batches, olds, totals, strict=True):
         part: dict[str, float] = {}
         norm = max((g.sampling.max_new_tokens for g in groups), default=None)  # Dr. GRPO's constant
-        per_update.append(train_step(engine, mini, old, cfg, part, norm))
+        stats = train_step(engine, mini, old, cfg, part, norm, total)
+        per_update.append(stats if ranks is None else ranks.sum_stats(stats))
         for key, seconds in part.items():
             timings[key] = timings.get(key, 0.0) + seconds
     return _merge(per_update) | extra | {"updates": float(len(per_update))}
