@@ -236,6 +236,12 @@ def up(
         raise typer.BadParameter("--address is for --ray: add --ray, or drop --address")
     if resume and overwrite:
         raise typer.BadParameter("--resume continues the run in RUN_DIR, --overwrite deletes it: pick one")
+    if ray and cfg.learner.ranks > 1:
+        raise typer.BadParameter(
+            "learner.ranks > 1 runs the learner under torchrun, which --ray does not do yet: drop --ray, "
+            "or set learner.ranks=1",
+            param_hint="--ray",
+        )
     from sparkrl.plan import prepare_run_dir
 
     _preflight(cfg)

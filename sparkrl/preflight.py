@@ -151,6 +151,15 @@ def _devices(cfg: SparkSettings) -> list[Problem]:
         missing = [g for g in gpus if g >= count]
         if missing:
             problems.append(Problem(name, f"GPUs {missing} do not exist (this machine has {count})"))
+    have = len(cfg.learner.gpus) or count
+    if cfg.learner.device != "cpu" and cfg.learner.ranks > have:
+        problems.append(
+            Problem(
+                "learner.ranks",
+                f"{cfg.learner.ranks} ranks need a GPU each and the learner has {have}: list them in "
+                "learner.gpus, or lower learner.ranks",
+            )
+        )
     if cfg.learner.device != "cpu" and gpu_engine and not (cfg.learner.gpus and cfg.rollout.gpus):
         problems.append(
             Problem(

@@ -92,3 +92,14 @@ def test_the_gpu_sync_backends_name_what_they_lack(tiny_model_dir: Path) -> None
     assert any("set rollout.engine.kind=vllm" in p.message for p in native)  # the demo samples with torch
     if importlib.util.find_spec("vllm") is None:
         assert any("vLLM is not installed" in p.message for p in native)
+
+
+def test_up_on_ray_refuses_several_learner_ranks(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    command = [sys.executable, "-m", "sparkrl.cli", "up", "--preset", "demo", "--ray"]
+    command += ["--run-dir", str(run_dir)]
+    done = subprocess.run(
+        [*command, "--set", "learner.ranks=2"], capture_output=True, text=True, timeout=120, env=clean_env()
+    )
+    assert done.returncode == 2 and "learner.ranks > 1 runs the learner under torchrun" in done.stderr
+    assert not run_dir.exists()
