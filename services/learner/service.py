@@ -61,9 +61,11 @@ def setup_engine(cfg: SparkSettings, resume: bool) -> Setup:
         torch.set_num_threads(lc.threads)
     init_distributed(lc, cfg.sync.host)
     tokenizer = load_tokenizer(cfg.model)
-    engine = build_engine(load_model(cfg.model, lc.dtype, _device(lc), lc.attention), lc)
-    # The KL reference is the initial model (cfg.model), also when resuming: copied before the checkpoint.
-    reference = frozen_copy(engine.module) if lc.kl.coef > 0 else None
+    model = load_model(cfg.model, lc.dtype, _device(lc), lc.attention)
+    # The KL reference is the initial model (cfg.model), also when resuming: copied before the checkpoint,
+    # and before DeepSpeed, whose ZeRO-3 would leave a copy of the engine's module only its partitions.
+    reference = frozen_copy(model) if lc.kl.coef > 0 else None
+    engine = build_engine(model, lc)
     checkpoint = latest_checkpoint(Path(cfg.run_dir)) if resume else None
     if resume and checkpoint is None:
         log.warning("--resume: no checkpoint under %s; starting fresh", cfg.run_dir)
