@@ -225,7 +225,7 @@ def _vllm_transfer(cfg: SparkSettings) -> list[Problem]:
             )
         )
     if importlib.util.find_spec("vllm") is None:
-        fix = "install the `vllm` extra in the learner's environment too (it sends through vLLM), or use nccl"
+        fix = "install vLLM ≥ 0.16 in the learner's environment too (it sends through vLLM), or use nccl"
         problems.append(
             Problem("sync.backend", f"vllm_nccl: vLLM is not installed in {sys.executable}: {fix}")
         )

@@ -157,7 +157,7 @@ def require_backend(backend: Backend) -> None:
     elif backend == "vllm_nccl" and importlib.util.find_spec("vllm") is None:
         raise BackendUnavailable(
             "sync.backend=vllm_nccl sends through vLLM's NCCLWeightTransferEngine, so vLLM must import in "
-            "the learner's environment too: pip install 'sparkrl[vllm]' there, or set sync.backend=nccl"
+            "the learner's environment too: pip install 'vllm>=0.16' there, or set sync.backend=nccl"
         )
 
 
