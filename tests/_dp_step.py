@@ -14,6 +14,7 @@ import torch
 from sparkrl.proto.testing import random_group
 from sparkrl.services.common.modeling import load_model, load_tokenizer
 from sparkrl.services.common.settings import load_settings
+from sparkrl.services.learner import logprobs
 from sparkrl.services.learner.checkpoint import cpu_weights
 from sparkrl.services.learner.collect import Batch
 from sparkrl.services.learner.ranks import Ranks, world
@@ -43,6 +44,7 @@ def main() -> None:
     parser.add_argument("--zero", type=int, required=True)
     parser.add_argument("--set", nargs="*", default=[])
     args = parser.parse_args()
+    logprobs.CHUNK_BYTES = 4 * VOCAB * 5  # chunks of 5 positions: several per micro-batch, a ragged last
     cfg = load_settings(
         "smoke",
         [

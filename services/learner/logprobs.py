@@ -8,9 +8,10 @@ generated-token target on: the full-vocabulary temporaries are a few float32 [ch
 B·L is (`chunk_tokens`: ≈ 256 MiB each). Under grad each chunk is checkpointed, so the backward recomputes
 its logits instead of keeping them.
 
-A model whose logits are more than `get_output_embeddings()(last_hidden_state)` (softcapping, logit scales;
-`POST_HEAD_FIELDS`), or that lacks the accessors or `logits_to_keep`, takes `full_logits_reference`: the
-whole [B, L-1, V] at once, as the learner always did.
+A model whose logits are more than `get_output_embeddings()(last_hidden_state)` (softcapping, logit
+scales; `POST_HEAD_FIELDS`), or that lacks the accessors or `logits_to_keep`, takes
+`full_logits_reference`: the whole [B, L-1, V] at once, as the learner always did. So does ZeRO-3 across
+several ranks (each call of the projection would be a gather, and the ranks' numbers of chunks differ).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
@@ -62,6 +64,14 @@ def supports_chunking(model: torch.nn.Module) -> bool:
     head, decoder = get_head(), get_decoder()
     if head is None or head is not getattr(module, "lm_head", None) or decoder in (None, module):
         return False  # a BERT-style `cls` block or an extra transform around the projection
+    if (
+        dist.is_initialized()
+        and dist.get_world_size() > 1
+        and any(hasattr(p, "ds_id") for p in head.parameters())
+    ):
+        # ZeRO-3 across ranks: every call of the projection gathers its weight, a collective, and the
+        # ranks' micro-batches (so their numbers of chunks) differ: one call per micro-batch instead.
+        return False
     config = getattr(module, "config", None)
     configs = [config, config.get_text_config()] if hasattr(config, "get_text_config") else [config]
     return not any(getattr(c, name, None) is not None for c in configs for name in POST_HEAD_FIELDS)

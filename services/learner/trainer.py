@@ -6,7 +6,6 @@ The loss is chosen once by name from the registry (`policy_loss`); nothing here 
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 import sys
 import tempfile
@@ -18,15 +17,15 @@ from typing import Any
 
 import deepspeed
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from sparkrl.services.common.settings import LearnerSettings
+from sparkrl.services.learner import logprobs
 from sparkrl.services.learner.advantages import truncated_is_weights
 from sparkrl.services.learner.aggregation import aggregation_weights, sequences
 from sparkrl.services.learner.batch import MicroBatch
 from sparkrl.services.learner.losses import LossInputs, entropy_has_gradient, policy_loss
-from sparkrl.services.learner.proxy import proxy_logp_from_logits, proxy_logp_from_topk
+from sparkrl.services.learner.proxy import proxy_logp_from_topk
 from sparkrl.services.learner.reference import kl_to_reference
 
 
@@ -79,36 +78,15 @@ def build_engine(model: torch.nn.Module, cfg: LearnerSettings) -> deepspeed.Deep
 
 def token_logp_and_entropy(
     model: torch.nn.Module, mb: MicroBatch, entropy_grad: bool = True
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Forward at the sampling temperature → (logp [B, L-1], entropy [B, L-1], logits [B, L-1, V]).
+) -> tuple[Tensor, Tensor]:
+    """Forward at the sampling temperature → (logp [B, L-1], entropy [B, L-1]).
 
-    Only the positions from the first generated-token target on go through the output projection (the
-    model's `logits_to_keep`, where it has one): the prompt's leading positions come back as zeros, masked
-    out everywhere. `entropy_grad=False`: the entropy is a measurement only (no gradient kept for it).
+    Only the positions from the first generated-token target on go through the output projection, a chunk
+    of positions at a time (logprobs.py: no [B, L-1, V] tensor is kept, nor the logits for the backward):
+    the prompt's leading positions come back as zeros, masked out everywhere. `entropy_grad=False`: the
+    entropy is a measurement only (no gradient kept for it).
     """
-    first = _first_target(mb) if _keeps_logits(model) else 0
-    extra = {"logits_to_keep": mb.input_ids.shape[1] - first} if first else {}
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, **extra).logits[:, :-1]
-    logits = logits.float() / mb.temperature  # [B, L-1-first, V]
-    logp_all = torch.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, mb.input_ids[:, first + 1 :].unsqueeze(-1)).squeeze(-1)
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(logp_all.exp() * logp_all).sum(-1)
-    if first:
-        logp, entropy = F.pad(logp, (first, 0)), F.pad(entropy, (first, 0))
-        logits = F.pad(logits, (0, 0, first, 0))
-    return logp, entropy, logits
-
-
-def _first_target(mb: MicroBatch) -> int:
-    """The first position (column of [B, L-1]) where any row predicts a generated token."""
-    columns = mb.mask.any(dim=0).nonzero()
-    return int(columns[0]) if len(columns) else 0
-
-
-def _keeps_logits(model: torch.nn.Module) -> bool:
-    module = getattr(model, "module", model)  # a DeepSpeed engine forwards to its module
-    return "logits_to_keep" in inspect.signature(module.forward).parameters
+    return logprobs.token_logp_and_entropy(model, mb, entropy_grad)
 
 
 @dataclass(frozen=True)
@@ -144,13 +122,13 @@ def old_policy(
     """old_logp and the Lp-Reg proxy, from the rollout's numbers or from a pass of the current weights
     (before this step's update, so they are π_old for the step); with a `reference`, its log-probs."""
     need_pass = cfg.old_logp_source == "recompute" or cfg.proxy_source == "logits"
-    learner_logp, logits = (None, None)
+    learner_logp, proxy = (None, None)
     if need_pass:
-        with autocast(cfg):
-            learner_logp, _, logits = token_logp_and_entropy(model, mb, entropy_grad=False)
+        kappa = cfg.proxy_kappa if cfg.proxy_source == "logits" else None
+        with autocast(cfg):  # one pass for both, a chunk of positions at a time (logprobs.py)
+            learner_logp, proxy = logprobs.old_logp_and_proxy(model, mb, kappa)
     targets = mb.input_ids[:, 1:]
     if cfg.proxy_source == "logits":
-        proxy = proxy_logp_from_logits(logits, targets, kappa=cfg.proxy_kappa)  # logits already / temperature
         inexact = 0
     else:
         proxy, exact = proxy_logp_from_topk(targets, mb.topk_ids, mb.topk_logp, kappa=cfg.proxy_kappa)
@@ -165,7 +143,7 @@ def old_policy(
     ref_logp = None
     if reference is not None:
         with autocast(cfg):
-            ref_logp = token_logp_and_entropy(reference, mb, entropy_grad=False)[0]
+            ref_logp = logprobs.old_logp_and_proxy(reference, mb, kappa=None)[0]
     return OldPolicy(old_logp, proxy, is_weights, inexact, ref_logp)
 
 
@@ -207,7 +185,7 @@ def train_step(
     for index, (mb, old) in enumerate(zip(batches, olds, strict=True)):
         engine.set_gradient_accumulation_boundary(index == len(batches) - 1)
         with autocast(cfg):
-            logp, entropy, _ = token_logp_and_entropy(engine, mb, entropy_grad)
+            logp, entropy = token_logp_and_entropy(engine, mb, entropy_grad)
         if mb.num_tokens == 0:  # a rank's padding (ranks.py): the pass every rank runs, contributing 0
             engine.backward(logp.sum() * 0.0, scale_wrt_gas=False)
             continue
