@@ -118,7 +118,8 @@ def test_a_two_rank_learner_trains_every_group_once_and_the_workers_end_on_its_v
     wait("the two-rank learner to finish", lambda: proc.poll() is not None, plan.run_dir, timeout_s=400)
     log = (plan.run_dir / "logs" / "learner.log").read_text()
     assert proc.returncode == 0, log[-3000:]
-    assert "learner rank 1 of 2 up" in log and "rank 0 says the run is over" in log
+    assert "learner rank 0 of 2" in log and "learner rank 1 of 2 up" in log
+    assert "rank 0 says the run is over" in log
     assert_exactly_once(plan, STEPS)
     with RedisBus(plan.settings.bus) as bus:
         announcement = WeightAnnouncement.model_validate_json(bus.get_value("weights"))

@@ -267,7 +267,7 @@ def test_weight_announcement_layout_rules() -> None:
         ({"bucket_bytes": 90}, "bucket_bytes", "bucket 0 holds 2 tensors and ends at byte 96"),
         ({"manifest": [manifest[0] | {"numel": 31}, *manifest[1:]]}, "manifest[0].numel", "product of shape"),
         ({"checksum": "abc"}, "checksum", "pattern"),
-        ({"backend": "mpi"}, "backend", "'gloo' or 'nccl'"),
+        ({"backend": "mpi"}, "backend", "'gloo', 'nccl', 'nccl4py' or 'vllm_nccl'"),
     ]
     for change, field, message in cases:
         found = problems(WeightAnnouncement, announcement(**change))

@@ -104,6 +104,16 @@ def build(
     ranks = Ranks.join()  # every rank forms the orders' group right after its engine (follower.py)
     guard.cancel()
     engine_built()
+    if ranks is None and lc.ranks > 1:
+        log.warning(
+            "learner.ranks is %d but this learner was started alone: training as one rank (`sparkrl up` "
+            "starts the ranks under torchrun; elsewhere run `torchrun --nproc-per-node=%d -m sparkrl.cli "
+            "learner …`)",
+            lc.ranks,
+            lc.ranks,
+        )
+    elif ranks is not None:
+        log.info("learner rank 0 of %d: reads the bus and orders the others", ranks.size)
     journal = Journal(run_dir)
     if not resume and journal.trim():
         log.warning(
