@@ -308,6 +308,28 @@ def check_broadcast(backend: str, device: torch.device, megabytes: int) -> Check
     }
 
 
+def check_logprob_memory(device: torch.device, tokens: int, vocab: int) -> Check:
+    """Peak CUDA memory per token of the learner's log-prob + entropy pass with its backward, the old
+    full-logits path against the chunked one (bench/logprob_memory.py, each case in a fresh process)."""
+    if device.type != "cuda":
+        return {"status": "skipped", "reason": "CUDA peak memory; on a CPU run bench/logprob_memory.py"}
+    from logprob_memory import run_case  # bench/, beside this script
+
+    base = {"device": "cuda", "tokens": tokens, "layers": 2, "hidden": 256, "entropy_grad": False}
+    if vocab != VOCAB:
+        return {"status": "skipped", "reason": f"logprob_memory.py's model has V = {VOCAB}"}
+    full, chunked = (run_case({**base, "path": path}) for path in ("full", "chunked"))
+    return {
+        "status": "ok",
+        "tokens": tokens,
+        "full_bytes_per_token": full["peak_bytes"] // tokens,
+        "chunked_bytes_per_token": chunked["peak_bytes"] // tokens,
+        "ratio": round(full["peak_bytes"] / max(chunked["peak_bytes"], 1), 2),
+        "full_s": full["seconds"],
+        "chunked_s": chunked["seconds"],
+    }
+
+
 def _run(name: str, checks: dict[str, Check], fn: Callable[[], Check]) -> None:
     started = time.perf_counter()
     try:
@@ -362,6 +384,7 @@ def main() -> None:
             _run("torch_engine", checks, lambda: check_torch_engine(args.model, device))
             _run("learner_step", checks, lambda: check_learner_step(args.model, device))
             _run("lp_reg", checks, lambda: check_lp_reg(device, tokens, args.vocab))
+            _run("logprob_memory", checks, lambda: check_logprob_memory(device, tokens, args.vocab))
             for backend in ("gloo", "nccl", "nccl4py"):
                 _run(f"broadcast_{backend}", checks, lambda b=backend: check_broadcast(b, device, megabytes))
         line = {

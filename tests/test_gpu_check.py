@@ -38,7 +38,7 @@ def test_the_cpu_form_prints_one_json_line_with_every_check(tiny_model_dir: Path
     report = json.loads(lines[0])
     checks = report["checks"]
     broadcasts = {f"broadcast_{backend}" for backend in ("gloo", "nccl", "nccl4py")}
-    assert set(checks) == {"env", "torch_engine", "learner_step", "lp_reg"} | broadcasts
+    assert set(checks) == {"env", "torch_engine", "learner_step", "lp_reg", "logprob_memory"} | broadcasts
     assert {c["status"] for c in checks.values()} <= {"ok", "skipped", "failed"}
     failed = {name: c["reason"] for name, c in checks.items() if c["status"] == "failed"}
     assert report["ok"] and not failed and done.returncode == 0, failed
