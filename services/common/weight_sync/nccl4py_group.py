@@ -18,6 +18,7 @@ error when the backend is chosen without it (or without a GPU).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from sparkrl.services.common.weight_sync.group import BackendUnavailable
+
+log = logging.getLogger("sparkrl.weight_sync")
 
 POLL_S = 0.0005  # how often a pending NCCL call or bucket is looked at: a bucket takes milliseconds
 UNIQUE_ID_KEY = "nccl4py/unique_id"  # under the epoch's group prefix (see EpochGroup)
@@ -161,8 +164,8 @@ class Nccl4pyGroup:
         if comm is not None:
             try:
                 comm.abort()
-            except Exception:  # aborting is the last resort: nothing left to report it to
-                pass
+            except Exception as exc:  # aborting is the last resort: say so, raise nothing
+                log.warning("ncclCommAbort failed (%s): the communicator is left to the process exit", exc)
 
     def _check(self) -> None:
         """Raises if the communicator reports an asynchronous error (a peer died, a network error)."""
