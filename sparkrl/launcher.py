@@ -30,6 +30,7 @@ from sparkrl.services.common.paths import cache_dir
 from sparkrl.services.common.settings import SparkSettings
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.terminal import Terminal, header
+from sparkrl.torchrun import is_torchrun, rank_zero
 
 REDIS_RESTARTS = 5
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
@@ -310,9 +311,13 @@ class Stack:
 
     def _stop_tier(self, specs: list[ServiceSpec]) -> None:
         for spec in specs:
-            if self.procs[spec.name].poll() is None:
-                # The leader only: it stops its own children in order (uvicorn closes the verifier pool).
-                self.procs[spec.name].send_signal(signal.SIGTERM)
+            proc = self.procs[spec.name]
+            if proc.poll() is None:
+                # The leader only: it stops its own children in order (uvicorn closes the verifier pool);
+                # under torchrun, rank 0 (sparkrl/torchrun.py).
+                leader = (rank_zero(proc.pid) if is_torchrun(spec.command) else None) or proc.pid
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(leader, signal.SIGTERM)
         deadline = time.monotonic() + self.grace_s
         for spec in specs:
             try:

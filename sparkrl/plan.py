@@ -20,6 +20,7 @@ from typing import Literal
 from urllib.parse import urlsplit
 
 from sparkrl.services.common.settings import BusSettings, SparkSettings, write_resolved
+from sparkrl.torchrun import torchrun_command
 
 Role = Literal["redis", "control", "reward", "learner", "rollout", "prompts", "evaluator"]
 # Shutdown, tier by tier: producers stop before what they feed (the feeder and workers before the learner,
@@ -183,26 +184,10 @@ def _service(
         config_path = run_dir / "config" / f"{name}.yaml"
         command = (python or sys.executable, "-m", "sparkrl.cli", role, "--preset", str(config_path), *extra)
         if role == "learner" and isinstance(config, SparkSettings) and config.learner.ranks > 1:
-            command = _torchrun(config.learner.ranks, command)
+            command = torchrun_command(config.learner.ranks, command)
     env = (("CUDA_VISIBLE_DEVICES", ",".join(map(str, gpus))),) if gpus else ()
     ready = _probe(role, config)
     return ServiceSpec(name, role, command, config_path, config, run_dir / "logs" / f"{name}.log", env, ready)
-
-
-def _torchrun(ranks: int, command: tuple[str, ...]) -> tuple[str, ...]:
-    """A data-parallel learner on this machine: torchrun starts `ranks` processes of `command` (its
-    python, `-m sparkrl.cli …`) on a rendezvous port it picks itself, and stops them all if one fails."""
-    python, _, module, *args = command
-    return (
-        python,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={ranks}",
-        "-m",
-        module,
-        *args,
-    )
 
 
 def _probe(role: Role, config: SparkSettings | str) -> tuple[Literal["ping", "healthz"], str] | None:

@@ -147,7 +147,11 @@ def test_a_killed_rank_stops_the_run_and_resume_trains_nothing_twice(
     tmp_path: Path,
     stacks: list[Stack],
 ) -> None:
-    cfg = _ranks_settings(tiny_model_dir, tmp_path / "run")
+    """SIGKILL rank 1: the run stops saying what to do. `--resume`, then stopped as `sparkrl up` stops a
+    run: both ranks write the final checkpoint, they and torchrun exit 0. `--resume` again: to the end."""
+    steps = 2 * STEPS
+    cfg = _ranks_settings(tiny_model_dir, tmp_path / "run", f"learner.max_steps={steps}")
+    cfg.prompts.count = steps * PER_STEP
     plan = plan_stack(cfg, workers=1, private_redis=True)
     write_configs(plan)
     stack = _start(stacks, Stack(plan, ready_timeout_s=180))
@@ -160,12 +164,24 @@ def test_a_killed_rank_stops_the_run_and_resume_trains_nothing_twice(
     assert "failed on the learner's ranks" in log, log[-3000:]
     assert "`--resume` continues from the last one" in log
     killed_at = steps_done(plan.run_dir)
-    assert killed_at < STEPS, "the run stopped before its end"
+    assert killed_at < 5, "the run stopped where rank 1 died"
 
     # The same bus and worker; only the learner comes back, with --resume.
     again = plan_stack(plan.settings.model_copy(deep=True), workers=1, private_redis=False, resume=True)
     resumed = _start(stacks, Stack(again, services=["learner"], ready_timeout_s=180))
     proc = resumed.procs["learner"]
+    wait("step 6", lambda: steps_done(plan.run_dir) >= 6, plan.run_dir, timeout_s=300)
+    resumed.shutdown()  # as `sparkrl up` stops a run: SIGTERM to rank 0 (sparkrl/torchrun.py)
+    log = (plan.run_dir / "logs" / "learner.log").read_text()
+    stopped_at = steps_done(plan.run_dir)
+    assert proc.returncode == 0 and stopped_at < steps, log[-3000:]
+    assert log.count("rank 0 says the run is over") == 1  # the stopped run; the killed one never got there
+    latest = (plan.run_dir / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step-{stopped_at:06d}", "the final checkpoint holds every step taken"
+    stacks.remove(resumed)
+
+    again = plan_stack(plan.settings.model_copy(deep=True), workers=1, private_redis=False, resume=True)
+    proc = _start(stacks, Stack(again, services=["learner"], ready_timeout_s=180)).procs["learner"]
     wait("the resumed learner to finish", lambda: proc.poll() is not None, plan.run_dir, timeout_s=400)
     assert proc.returncode == 0, (plan.run_dir / "logs" / "learner.log").read_text()[-3000:]
-    assert_exactly_once(plan, STEPS)
+    assert_exactly_once(plan, steps)

@@ -334,6 +334,7 @@ class Learner:
                 self.collective("the stop", lambda: ranks.send(RankOrder(kind="stop")))
             except RankLost:
                 return  # logged: the process exits non-zero
+            torch.distributed.destroy_process_group()  # now, not at interpreter exit (see follower.py)
 
     def _order_save(self, path: Path) -> None:
         if self.ranks is not None:
