@@ -190,6 +190,7 @@ class _FakeNativeGroup:
     engine's: it 'loads' what the learner holds."""
 
     plans: ClassVar[list[TransferPlan]] = []
+    aborted: ClassVar[list[int]] = []  # the epochs whose group the sender aborted
 
     def __init__(self, plan: TransferPlan, epoch: int, timeout: timedelta) -> None:
         self.epoch = epoch
@@ -202,7 +203,7 @@ class _FakeNativeGroup:
         assert work == "sent"
 
     def abort(self) -> None:
-        pass
+        _FakeNativeGroup.aborted.append(self.epoch)
 
 
 class _FakeEngine:
@@ -239,7 +240,7 @@ def test_vllm_native_transfer_keeps_the_announce_join_verify_contract(
 ) -> None:
     monkeypatch.setattr(sender_module, "require_backend", lambda backend: None)  # no vLLM here
     monkeypatch.setattr(vllm_native, "VllmNativeGroup", _FakeNativeGroup)
-    _FakeNativeGroup.plans = []
+    _FakeNativeGroup.plans, _FakeNativeGroup.aborted = [], []
     current: dict[str, str] = {}
     engines = {"a": _FakeEngine(2, lambda: current["checksum"]), "b": _FakeEngine(1, lambda: current["b"])}
     receivers = {m: VllmNativeReceiver(m, engine, timeout_s=TIMEOUT_S) for m, engine in engines.items()}  # type: ignore[arg-type]
@@ -265,6 +266,8 @@ def test_vllm_native_transfer_keeps_the_announce_join_verify_contract(
             assert isinstance(b_failure, SyncFailed) and b_failure.phase == "verify"
             # The refused version was never adopted: b says it holds other bytes, under its old version.
             assert engines["b"].arrived[-1] == (engines["b"].arrived[-2][0], "f" * 64)
+    # Epoch 1's group was torn down when epoch 2 replaced it, epoch 2's when its verify failed.
+    assert sorted(_FakeNativeGroup.aborted) == [1, 2]
     # One plan per epoch: a's two engine workers are NCCL ranks 1-2, b's one is rank 3; version 2 reused
     # epoch 1's transfer group (no second init).
     assert [p.rank_offset for p in _FakeNativeGroup.plans] == [{"a": 1, "b": 3}] * 2
