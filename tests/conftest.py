@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from sparkrl.launcher import Stack
 from sparkrl.services.common.settings import BusSettings
 
 # ── ports and processes ───────────────────────────────────────────────────────────────────────────────
@@ -153,3 +154,19 @@ def spawn_redis(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
     yield spawn
     for server in servers:
         server.stop()
+
+
+@pytest.fixture
+def stacks() -> Iterator[list[Stack]]:
+    """Stacks a test starts (`start_stack`); all shut down at the end, whatever happened."""
+    started: list[Stack] = []
+    yield started
+    for stack in reversed(started):
+        stack.shutdown()
+
+
+def start_stack(stacks: list[Stack], stack: Stack) -> Stack:
+    """Start `stack`, kept in the `stacks` fixture's list so it is shut down after the test."""
+    stacks.append(stack)
+    stack.start()
+    return stack

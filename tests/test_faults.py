@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from _faults import History, assert_exactly_once, kill9, published_group_ids, settings, steps_done, wait
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from conftest import start_stack
 
 from sparkrl.launcher import Stack, plan_stack, write_configs
 from sparkrl.services.learner.journal import Journal
@@ -18,20 +19,6 @@ from sparkrl.services.learner.journal import Journal
 pytestmark = pytest.mark.slow
 
 STEPS, PER_STEP = 10, 4
-
-
-@pytest.fixture
-def stacks() -> list[Stack]:
-    started: list[Stack] = []
-    yield started
-    for stack in reversed(started):
-        stack.shutdown()
-
-
-def start(stacks: list[Stack], stack: Stack) -> Stack:
-    stacks.append(stack)
-    stack.start()
-    return stack
 
 
 def run_settings(model_dir: Path, run_dir: Path, *extra: str):
@@ -70,7 +57,7 @@ def test_learner_killed_between_checkpoints_resumes_alone_and_replays(
     cfg = run_settings(tiny_model_dir, tmp_path / "run")
     plan = plan_stack(cfg, workers=2, private_redis=True)
     write_configs(plan)
-    stack = start(stacks, Stack(plan, ready_timeout_s=180))
+    stack = start_stack(stacks, Stack(plan, ready_timeout_s=180))
     wait("step 5", lambda: steps_done(plan.run_dir) >= 5, plan.run_dir)
     kill9(stack, "learner")
     killed_at = steps_done(plan.run_dir)
@@ -80,7 +67,7 @@ def test_learner_killed_between_checkpoints_resumes_alone_and_replays(
     # The same bus, ports and workers; only the learner comes back, with --resume.
     resumed_cfg = plan.settings.model_copy(deep=True)
     again = plan_stack(resumed_cfg, workers=2, private_redis=False, resume=True)
-    learner = start(stacks, Stack(again, services=["learner"], ready_timeout_s=180))
+    learner = start_stack(stacks, Stack(again, services=["learner"], ready_timeout_s=180))
     wait("the resumed learner to finish", lambda: learner.procs["learner"].poll() is not None, plan.run_dir)
     assert learner.procs["learner"].returncode == 0
     history = assert_exactly_once(plan, STEPS)
@@ -99,7 +86,7 @@ def test_the_whole_stack_killed_then_sparkrl_up_resume(
     cfg = run_settings(tiny_model_dir, tmp_path / "run")
     plan = plan_stack(cfg, workers=2, private_redis=True)
     write_configs(plan)
-    stack = start(stacks, Stack(plan, ready_timeout_s=180))
+    stack = start_stack(stacks, Stack(plan, ready_timeout_s=180))
     wait("step 5", lambda: steps_done(plan.run_dir) >= 5, plan.run_dir)
     kill9(stack, "learner")
     stack.shutdown()
@@ -107,7 +94,7 @@ def test_the_whole_stack_killed_then_sparkrl_up_resume(
 
     resumed = plan_stack(cfg, workers=2, private_redis=True, resume=True)
     write_configs(resumed)
-    stack = start(stacks, Stack(resumed, ready_timeout_s=180))
+    stack = start_stack(stacks, Stack(resumed, ready_timeout_s=180))
     learner = stack.procs["learner"]
     wait("the resumed run to finish", lambda: learner.poll() is not None, plan.run_dir)
     assert learner.returncode == 0
@@ -124,7 +111,7 @@ def test_the_private_redis_killed_is_restarted_and_loses_nothing(
     cfg = run_settings(tiny_model_dir, tmp_path / "run")
     plan = plan_stack(cfg, workers=2, private_redis=True)
     write_configs(plan)
-    stack = start(stacks, Stack(plan, ready_timeout_s=180))
+    stack = start_stack(stacks, Stack(plan, ready_timeout_s=180))
     wait("step 3", lambda: steps_done(plan.run_dir) >= 3, plan.run_dir)
     kill9(stack, "redis")
     # The launcher's supervision loop (what `sparkrl up` runs) notices and restarts it.
@@ -146,7 +133,7 @@ def test_an_external_redis_restarted_empty_is_rebuilt_and_refed(
     cfg = run_settings(tiny_model_dir, tmp_path / "run", f"bus.url={server.url}", "bus.reconnect_max_s=60")
     plan = plan_stack(cfg, workers=2, private_redis=False)
     write_configs(plan)
-    stack = start(stacks, Stack(plan, ready_timeout_s=180))
+    stack = start_stack(stacks, Stack(plan, ready_timeout_s=180))
     wait("step 3", lambda: steps_done(plan.run_dir) >= 3, plan.run_dir)
     server.stop()
     server.start()
@@ -184,7 +171,7 @@ def test_a_hung_worker_costs_time_not_data(
     )
     plan = plan_stack(cfg, workers=2, private_redis=True)
     write_configs(plan)
-    stack = start(stacks, Stack(plan, ready_timeout_s=180))
+    stack = start_stack(stacks, Stack(plan, ready_timeout_s=180))
     wait("step 3", lambda: steps_done(plan.run_dir) >= 3, plan.run_dir)
     os.kill(stack.procs["worker-1"].pid, signal.SIGSTOP)
     try:
@@ -224,7 +211,7 @@ def test_poison_groups_on_the_live_stack_cost_only_themselves(
     cfg = run_settings(tiny_model_dir, tmp_path / "run", f"learner.max_steps={STEPS + 1}")
     plan = plan_stack(cfg, workers=2, private_redis=True)
     write_configs(plan)
-    stack = start(stacks, Stack(plan, ready_timeout_s=180))
+    stack = start_stack(stacks, Stack(plan, ready_timeout_s=180))
     wait("step 2", lambda: steps_done(plan.run_dir) >= 2, plan.run_dir)
 
     def group(seed: int, vocab: int, k: int):

@@ -8,12 +8,13 @@ import math
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis as redis_lib
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from conftest import start_stack
 
 from sparkrl.launcher import Stack, plan_stack, write_configs
 from sparkrl.proto import WeightAnnouncement, WorkerStatus
@@ -55,21 +56,6 @@ def _statuses(bus: RedisBus) -> dict[str, WorkerStatus]:
     return {w: WorkerStatus.model_validate_json(raw) for w, raw in bus.statuses("worker").items()}
 
 
-@pytest.fixture
-def stacks() -> Iterator[list[Stack]]:
-    """Stacks a test starts; all shut down at the end, whatever happened."""
-    started: list[Stack] = []
-    yield started
-    for stack in reversed(started):
-        stack.shutdown()
-
-
-def _start(stacks: list[Stack], stack: Stack) -> Stack:
-    stacks.append(stack)
-    stack.start()
-    return stack
-
-
 def test_the_loop_closes_workers_hold_the_learners_weights(
     tiny_model_dir: Path,  # noqa: F811
     tmp_path: Path,
@@ -86,7 +72,7 @@ def test_the_loop_closes_workers_hold_the_learners_weights(
     )
     plan = plan_stack(cfg, workers=2, private_redis=True)
     write_configs(plan)
-    stack = _start(stacks, Stack(plan))
+    stack = start_stack(stacks, Stack(plan))
     learner = stack.procs["learner"]
     _wait("the learner to finish", lambda: learner.poll() is not None, 240, plan.run_dir)
     assert learner.returncode == 0
@@ -148,13 +134,13 @@ def test_a_worker_dies_another_joins_training_goes_on(
     )
     plan = plan_stack(cfg, workers=3, private_redis=True)
     write_configs(plan)
-    stack = _start(
+    stack = start_stack(
         stacks, Stack(plan, services=["redis", "reward", "learner", "worker-0", "worker-1", "prompts"])
     )
     _wait("two steps", lambda: len(_metrics(plan.run_dir)) >= 2, 180, plan.run_dir)
 
     os.kill(stack.procs["worker-1"].pid, signal.SIGKILL)
-    newcomer = _start(stacks, Stack(plan, services=["worker-2"]))
+    newcomer = start_stack(stacks, Stack(plan, services=["worker-2"]))
     learner = stack.procs["learner"]
     _wait("the learner to finish", lambda: learner.poll() is not None, 240, plan.run_dir)
     assert learner.returncode == 0, "the learner must not hang or die when a worker does"
@@ -186,7 +172,7 @@ def test_resume_continues_the_version_and_trains_no_group_twice(
     first = _settings(tiny_model_dir, run_dir, f"bus.url={redis_url}", "learner.max_steps=2", *common)
     plan = plan_stack(first, workers=1, private_redis=False)
     write_configs(plan)
-    stack = _start(stacks, Stack(plan, services=["reward", "learner", "worker-0", "prompts"]))
+    stack = start_stack(stacks, Stack(plan, services=["reward", "learner", "worker-0", "prompts"]))
     _wait("the first run", lambda: stack.procs["learner"].poll() is not None, 240, run_dir)
     stack.shutdown()
     assert (run_dir / "checkpoints" / "latest").read_text() == "step-000002"
@@ -195,7 +181,7 @@ def test_resume_continues_the_version_and_trains_no_group_twice(
     second = _settings(tiny_model_dir, run_dir, f"bus.url={redis_url}", "learner.max_steps=4", *common)
     plan = plan_stack(second, workers=1, private_redis=False, resume=True)
     write_configs(plan)
-    stack = _start(stacks, Stack(plan, services=["reward", "learner", "worker-0", "prompts"]))
+    stack = start_stack(stacks, Stack(plan, services=["reward", "learner", "worker-0", "prompts"]))
     _wait("the resumed run", lambda: stack.procs["learner"].poll() is not None, 240, run_dir)
     assert stack.procs["learner"].returncode == 0
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from _faults import assert_exactly_once, settings, steps_done, wait
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
-from conftest import clean_env
+from conftest import clean_env, start_stack
 
 from sparkrl.launcher import Stack, plan_stack, write_configs
 from sparkrl.proto import WeightAnnouncement, WorkerStatus
@@ -90,20 +90,6 @@ def _ranks_settings(model_dir: Path, run_dir: Path, *extra: str):
     )
 
 
-@pytest.fixture
-def stacks() -> list[Stack]:
-    started: list[Stack] = []
-    yield started
-    for stack in reversed(started):
-        stack.shutdown()
-
-
-def _start(stacks: list[Stack], stack: Stack) -> Stack:
-    stacks.append(stack)
-    stack.start()
-    return stack
-
-
 def test_a_two_rank_learner_trains_every_group_once_and_the_workers_end_on_its_version(
     tiny_model_dir: Path,  # noqa: F811
     tmp_path: Path,
@@ -113,7 +99,7 @@ def test_a_two_rank_learner_trains_every_group_once_and_the_workers_end_on_its_v
     write_configs(plan)
     learner = next(spec for spec in plan.services if spec.name == "learner")
     assert "torch.distributed.run" in learner.command and "--nproc-per-node=2" in learner.command
-    stack = _start(stacks, Stack(plan, ready_timeout_s=180))
+    stack = start_stack(stacks, Stack(plan, ready_timeout_s=180))
     proc = stack.procs["learner"]
     wait("the two-rank learner to finish", lambda: proc.poll() is not None, plan.run_dir, timeout_s=400)
     log = (plan.run_dir / "logs" / "learner.log").read_text()
@@ -154,7 +140,7 @@ def test_a_killed_rank_stops_the_run_and_resume_trains_nothing_twice(
     cfg.prompts.count = steps * PER_STEP
     plan = plan_stack(cfg, workers=1, private_redis=True)
     write_configs(plan)
-    stack = _start(stacks, Stack(plan, ready_timeout_s=180))
+    stack = start_stack(stacks, Stack(plan, ready_timeout_s=180))
     proc = stack.procs["learner"]
     wait("step 3", lambda: steps_done(plan.run_dir) >= 3, plan.run_dir, timeout_s=300)
     os.kill(_rank_pid(psutil.Process(proc.pid), rank=1), signal.SIGKILL)
@@ -168,7 +154,7 @@ def test_a_killed_rank_stops_the_run_and_resume_trains_nothing_twice(
 
     # The same bus and worker; only the learner comes back, with --resume.
     again = plan_stack(plan.settings.model_copy(deep=True), workers=1, private_redis=False, resume=True)
-    resumed = _start(stacks, Stack(again, services=["learner"], ready_timeout_s=180))
+    resumed = start_stack(stacks, Stack(again, services=["learner"], ready_timeout_s=180))
     proc = resumed.procs["learner"]
     wait("step 6", lambda: steps_done(plan.run_dir) >= 6, plan.run_dir, timeout_s=300)
     resumed.shutdown()  # as `sparkrl up` stops a run: SIGTERM to rank 0 (sparkrl/torchrun.py)
@@ -181,7 +167,7 @@ def test_a_killed_rank_stops_the_run_and_resume_trains_nothing_twice(
     stacks.remove(resumed)
 
     again = plan_stack(plan.settings.model_copy(deep=True), workers=1, private_redis=False, resume=True)
-    proc = _start(stacks, Stack(again, services=["learner"], ready_timeout_s=180)).procs["learner"]
+    proc = start_stack(stacks, Stack(again, services=["learner"], ready_timeout_s=180)).procs["learner"]
     wait("the resumed learner to finish", lambda: proc.poll() is not None, plan.run_dir, timeout_s=400)
     assert proc.returncode == 0, (plan.run_dir / "logs" / "learner.log").read_text()[-3000:]
     assert_exactly_once(plan, steps)

@@ -38,6 +38,7 @@ from sparkrl.services.common.weight_sync.group import (
     ack_key,
     connect_store,
     joined_key,
+    learner_still_there,
     start_key,
 )
 from sparkrl.services.common.weight_sync.manifest import raw_bytes
@@ -161,7 +162,7 @@ class VllmNativeReceiver:
         if (
             self._store is not None
             and self._held == (address, epoch)
-            and _learner_still_there(self._store, epoch)
+            and learner_still_there(self._store, epoch)
         ):
             return self._store
         self.close()
@@ -192,11 +193,3 @@ class VllmNativeReceiver:
             ) from exc
         self._store, self._held = store, (address, epoch)
         return store
-
-
-def _learner_still_there(store: dist.TCPStore, epoch: int) -> bool:
-    # A restarted learner has a new store: the old connection errors, or the epoch was never started.
-    try:
-        return store.check([start_key(epoch)])
-    except RuntimeError:
-        return False

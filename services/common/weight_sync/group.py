@@ -99,6 +99,15 @@ def ack_key(epoch: int, version: int, member: str) -> str:
     return f"epoch/{epoch}/ack/{version}/{member}"
 
 
+def learner_still_there(store: dist.TCPStore, epoch: int) -> bool:
+    """Whether the learner behind `store` is the one that started `epoch`: a restarted learner has a new
+    store, so the old connection errors, or the epoch was never started in it."""
+    try:
+        return store.check([start_key(epoch)])
+    except RuntimeError:
+        return False
+
+
 def connect_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
     """A worker's connection to the learner's store (`host_store`). `timeout` bounds every store wait."""
     return dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)

@@ -23,6 +23,7 @@ from sparkrl.services.common.weight_sync.group import (
     connect_store,
     decode_shrink,
     joined_key,
+    learner_still_there,
     local_address_towards,
     require_backend,
     shrink_key,
@@ -145,7 +146,7 @@ class WeightReceiver:
         wanted = (address, epoch, rank, announcement.world_size)
         if group is not None and store is not None:
             held = (self._address, group.epoch, group.rank, group.size)
-            if held == wanted and _learner_still_there(store, epoch):
+            if held == wanted and learner_still_there(store, epoch):
                 return store, group
         # A healthy nccl4py group from the same learner may be shrunk into this epoch's (if the learner
         # says so once the epoch starts); any other is closed now.
@@ -214,14 +215,6 @@ class WeightReceiver:
         buckets = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
         self._buckets = buckets if self.reuse_buffers else []
         return buckets
-
-
-def _learner_still_there(store: dist.TCPStore, epoch: int) -> bool:
-    # A restarted learner has a new store: the old connection errors, or the epoch was never started.
-    try:
-        return store.check([start_key(epoch)])
-    except RuntimeError:
-        return False
 
 
 def _bytes_as_they_arrive(
