@@ -102,6 +102,13 @@ def learner(
     preset: Preset = None,
     overrides: Overrides = None,
     resume: Annotated[bool, typer.Option(help="Continue from RUN_DIR/checkpoints/latest.")] = False,
+    auto_resume: Annotated[
+        bool,
+        typer.Option(
+            help="Continue when RUN_DIR holds this run's state (a checkpoint or a journal), else start "
+            "fresh: for a supervisor that restarts the learner (compose, Kubernetes)."
+        ),
+    ] = False,
 ) -> None:
     """Run the learner: trajectory stream → Lp-Reg (or a baseline) under DeepSpeed → weights to the fleet."""
     cfg = _settings(preset, overrides)
@@ -110,7 +117,12 @@ def learner(
     import threading
 
     from sparkrl.services.common.logs import stop_on_signals
-    from sparkrl.services.learner.service import main
+    from sparkrl.services.learner.service import main, run_state
+
+    if auto_resume:
+        found = run_state(Path(cfg.run_dir))
+        resume = found is not None
+        log.info("--auto-resume: %s", f"resuming ({found})" if found else f"a fresh run in {cfg.run_dir}")
 
     stop = threading.Event()
     # Signals are taken over once the engine is built: until then SIGTERM ends a stuck start at once.

@@ -58,3 +58,22 @@ def test_retired_versions_never_include_the_one_the_learner_announces() -> None:
     unchanged = TrainState(policy_version=7)
     void_discarded_versions(unchanged, announced=7)
     assert unchanged.void_versions == [] and unchanged.policy_version == 7
+
+
+def test_auto_resume_goes_on_from_a_checkpoint_or_a_journal_and_starts_fresh_otherwise(
+    tmp_path: Path,
+) -> None:
+    """`sparkrl learner --auto-resume` (compose, Kubernetes): an empty run directory is a fresh run; one with
+    a checkpoint, or journaled steps that no checkpoint holds yet (a crash before the first), is resumed."""
+    from sparkrl.services.learner.journal import Journal
+    from sparkrl.services.learner.service import run_state
+
+    run_dir = tmp_path / "run"
+    assert run_state(run_dir) is None
+    Journal(run_dir).path(1).write_bytes(b"")  # a step journaled before any checkpoint
+    assert run_state(run_dir) == "1 journaled steps, no checkpoint yet"
+    step = run_dir / "checkpoints" / "step-000002"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text("{}")
+    (run_dir / "checkpoints" / "latest").write_text("step-000002")
+    assert run_state(run_dir) == f"checkpoint {step}"

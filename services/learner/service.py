@@ -74,6 +74,16 @@ def setup_engine(cfg: SparkSettings, resume: bool) -> Setup:
     return engine, tokenizer, load_checkpoint(engine, checkpoint), True, reference
 
 
+def run_state(run_dir: Path) -> str | None:
+    """What a resume would go on from in `run_dir` (its latest checkpoint, or journaled steps that no
+    checkpoint holds yet), in words; None for a directory without a run."""
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is not None:
+        return f"checkpoint {checkpoint}"
+    steps = Journal(run_dir).steps()
+    return f"{len(steps)} journaled steps, no checkpoint yet" if steps else None
+
+
 @dataclass
 class LearnerService:
     """What `build` made and `close` releases."""
