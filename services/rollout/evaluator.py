@@ -4,9 +4,11 @@ broadcast: every `eval.every` versions it loads the newest snapshot the learner 
 held-out problems (`services/common/evaluation.py`), scores the answers through the reward service's
 verifiers over HTTP, and writes one `EvalRecord` to the telemetry and to `RUN_DIR/eval.jsonl`.
 
-The learner never waits for it: it reads a file the learner writes anyway, and when an evaluation takes
-longer than `every` steps it skips to the newest version rather than falling behind. It lives beside the
-rollout worker because it drives the same engine and reads the same announcements.
+The learner never waits for it: it reads the snapshot the learner writes anyway — from disk when it shares
+the run directory (`sparkrl up`, a compose volume), else over the learner's weight-file HTTP server and
+verified against the announced checksum (a Kubernetes Deployment) — and when an evaluation takes longer
+than `every` steps it skips to the newest version rather than falling behind. It lives beside the rollout
+worker because it drives the same engine and reads the same announcements.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import threading
 import time
 from pathlib import Path
 
-from sparkrl.proto import EvalRecord, Prompt
+from sparkrl.proto import EvalRecord, Prompt, WeightAnnouncement
 from sparkrl.proto.reward import RewardItem
 from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.datasets import file_prompts
@@ -24,8 +26,9 @@ from sparkrl.services.common.evaluation import EvalResult, evaluate_engine, held
 from sparkrl.services.common.reward_client import RewardClient
 from sparkrl.services.common.settings import PromptSettings, SparkSettings, TorchEngineSettings
 from sparkrl.services.common.telemetry import Telemetry
+from sparkrl.services.common.weight_sync.files import FetchFailed
 from sparkrl.services.rollout.announcements import AnnouncementGate
-from sparkrl.services.rollout.catch_up import load_snapshot
+from sparkrl.services.rollout.catch_up import catch_up, model_dir_for
 from sparkrl.services.rollout.torch_engine import TorchEngine
 
 log = logging.getLogger("sparkrl.evaluator")
@@ -47,18 +50,22 @@ def eval_tasks(cfg: SparkSettings) -> list[Prompt]:
 class Evaluator:
     """`step()` evaluates the newest version when it is due; `close()` releases engine, bus and client."""
 
-    def __init__(self, cfg: SparkSettings) -> None:
+    def __init__(self, cfg: SparkSettings, stop: threading.Event) -> None:
         self.cfg, self.settings = cfg, cfg.eval
         if self.settings.every is None:
             raise ValueError("the evaluator needs eval.every (evaluate every N policy versions)")
         self.run_dir = Path(cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.bus = RedisBus(cfg.bus)
         self.telemetry = Telemetry(self.bus)
         self.gate = AnnouncementGate(self.bus, cfg.sync.secret, self.run_dir)
         self.rewards = RewardClient(cfg.reward.url)
         self.tasks = eval_tasks(cfg)
+        model = model_dir_for(
+            cfg.model, self.run_dir, self.gate, cfg.sync.secret, cfg.rollout.model_wait_s, stop
+        )
         self.engine = TorchEngine(
-            cfg.model, TorchEngineSettings(threads=self.settings.threads, max_batch_sequences=256)
+            model, TorchEngineSettings(threads=self.settings.threads, max_batch_sequences=256)
         )
         self.evaluated: int | None = None  # the last version evaluated
 
@@ -70,14 +77,12 @@ class Evaluator:
         announcement = self.gate.latest()
         if announcement is None or announcement.version < self.evaluated + self.settings.every:
             return False
-        snapshot = self.gate.local_snapshot(announcement)
-        if snapshot is None:
-            log.warning("version %d has no snapshot in %s: nothing to evaluate", announcement.version,
-                        self.gate.snapshots)  # fmt: skip
+        if announcement.snapshot_path is None and announcement.files_url is None:
+            log.warning("version %d has no snapshot to read: nothing to evaluate", announcement.version)
             self.evaluated = announcement.version
             return False
         # The file may hold a newer version than announced, or (sync.snapshot_every > 1) the one we hold.
-        if load_snapshot(self.engine, str(snapshot)) is None:
+        if self._load(announcement) is None:
             return False
         self._evaluate()
         return True
@@ -85,9 +90,16 @@ class Evaluator:
     def finish(self) -> None:
         """The newest snapshot, when it is newer than the last evaluated (the run's final point)."""
         announcement = self.gate.latest()
-        snapshot = self.gate.local_snapshot(announcement) if announcement is not None else None
-        if snapshot is not None and load_snapshot(self.engine, str(snapshot)) is not None:
+        if announcement is not None and self._load(announcement) is not None:
             self._evaluate()
+
+    def _load(self, announcement: WeightAnnouncement) -> int | None:
+        """The announced snapshot, from disk or over HTTP; None when there is nothing newer to load."""
+        try:
+            return catch_up(self.engine, announcement, self.gate, self.cfg.sync.secret)
+        except FetchFailed as exc:  # replaced by a newer version meanwhile, or the learner is restarting
+            log.info("version %d not loaded (%s); the next announcement is tried", announcement.version, exc)
+            return None
 
     def _evaluate(self) -> None:
         s = self.settings
@@ -131,8 +143,13 @@ def _record(result: EvalResult, version: int) -> EvalRecord:
 
 
 def main(cfg: SparkSettings, stop: threading.Event) -> None:
-    """Evaluate until `stop` is set (a signal, or the launcher stopping the stack)."""
-    evaluator = Evaluator(cfg)
+    """Evaluate until `stop` is set (a signal, or the launcher stopping the stack). Without `eval.every`
+    (a deployment that runs the evaluator whatever the preset says) it only waits for its stop signal."""
+    if cfg.eval.every is None:
+        log.info("eval.every is not set in this run's settings: nothing to evaluate; idle until stopped")
+        stop.wait()
+        return
+    evaluator = Evaluator(cfg, stop)
     try:
         while not stop.is_set():
             if not evaluator.step():
