@@ -265,9 +265,12 @@ class Learner:
         self.publisher.submit(state.policy_version, self.full_weights())
         timings["publish"] = time.perf_counter() - mark  # the CPU copy; the broadcast runs on its thread
         if state.step == cfg.max_steps:
-            # The last row should show where the fleet ends up, not where it was mid-broadcast.
+            # The last row should show where the fleet ends up, not where it was mid-broadcast; and a
+            # worker outside the group (it joined late, or is still loading) catches up over HTTP while
+            # we still serve the snapshot: a fleet under compose or Kubernetes outlives the learner.
             self.publisher.flush(self.sync.timeout_s)
-            self.telemetry.wait_for_fleet(self.publisher.members, state.policy_version, timeout_s=5.0)
+            fleet = tuple(dict.fromkeys([*self.publisher.members, *self.telemetry.worker_versions()]))
+            self.telemetry.wait_for_fleet(fleet, state.policy_version, timeout_s=self.sync.timeout_s)
         depth = (self.bus.pending_info("trajectories"), self.bus.pending_info("prompts"))
         fleet = self.telemetry.live_workers()
         row = step_row(

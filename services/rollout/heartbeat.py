@@ -37,6 +37,7 @@ class WorkerState:
     last_sync_seconds: float | None = None
     last_sync_bytes: int | None = None
     sync_failures: int = 0
+    failed_version: int | None = None  # the version whose sync failed last: counted and logged once
     progress_at: float = field(
         default_factory=time.time
     )  # the loop's last sign of life (not the heartbeat's)

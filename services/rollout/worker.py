@@ -224,7 +224,12 @@ def sync_weights(
     except NotAMember:
         return False
     except (SyncFailed, OSError) as exc:
+        # Retried between batches; a learner that is gone (its run ended) is retried quietly.
+        if state.failed_version == announcement.version:
+            log.debug("weight sync of version %d failed again: %s", announcement.version, exc)
+            return False
         log.warning("weight sync of version %d failed: %s", announcement.version, exc)
+        state.failed_version = announcement.version
         state.sync_failures += 1
         metrics.sync_failures.inc()
         return False
