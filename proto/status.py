@@ -31,8 +31,18 @@ class WorkerStatus(WireModel):
         description="Generation engine: `vllm` on GPU, `torch` on CPU. Writer: rollout worker. Reader: "
         "controller."
     )
-    state: Literal["starting", "generating", "syncing", "paused", "stopping"] = Field(
-        description="`syncing`: receiving weights. Writer: rollout worker. Reader: controller."
+    state: Literal["starting", "generating", "syncing", "paused", "held", "unhealthy", "stopping"] = Field(
+        description="`syncing`: receiving weights; `held`: takes no prompts because the feed is held (a "
+        "burst of dead letters); `unhealthy`: takes no prompts because its model or engine fails to "
+        "generate (its prompts go back to the fleet). Writer: rollout worker. Readers: controller, "
+        "`sparkrl status`."
+    )
+    state_reason: str | None = Field(
+        default=None,
+        max_length=2000,
+        description="Why it is `unhealthy` (the model's or engine's error) or `held` (the burst that held "
+        "the feed). Writer: rollout worker. Readers: operators (its `/healthz` and `state` event say the "
+        "same). None in other states.",
     )
     policy_version: int | None = Field(
         default=None,

@@ -159,7 +159,10 @@ class StateEvent(WireModel):
         default=TELEMETRY_SCHEMA_VERSION, description="Wire version; readers reject others."
     )
     target: str = Field(
-        min_length=1, max_length=160, description="`learner` or `worker:<worker id>`. Writer: that service."
+        min_length=1,
+        max_length=160,
+        description="`learner`, `worker:<worker id>`, or `feed` (the prompts' flow to the fleet: `held` by a "
+        "burst of dead letters, `flowing` again after `resume`). Writer: that service (a worker for `feed`).",
     )
     state: str = Field(
         min_length=1, max_length=32, description="The new state, as in its status. Writer: that service."
@@ -169,6 +172,12 @@ class StateEvent(WireModel):
     )
     step: int | None = Field(
         default=None, ge=0, description="Learner's step at the change. None for workers. Writer: learner."
+    )
+    detail: str | None = Field(
+        default=None,
+        max_length=2000,
+        description="Why, for an alert (`unhealthy`: the engine's error; `held`: the dead-letter burst). "
+        "Writer: that service. Reader: control service (`/api/v1/events`). None: no more to say.",
     )
     at: float = Field(ge=0, description="Unix time (s) of the change. Writer: that service.")
 
