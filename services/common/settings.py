@@ -43,6 +43,7 @@ from sparkrl.services.common.loss_settings import (
 from sparkrl.services.common.paths import resolve_model_path
 from sparkrl.services.common.ray_settings import RaySettings
 from sparkrl.services.common.settings_section import Section
+from sparkrl.services.common.supervision_settings import SupervisionSettings, WorkerHealthSettings
 from sparkrl.services.common.sync_settings import WeightSyncSettings
 
 # The loss, sampling/engine, sync and ray sections live in their own files; they are re-exported here,
@@ -63,10 +64,12 @@ __all__ = [
     "RaySettings",
     "SamplingSettings",
     "ScheduleSettings",
+    "SupervisionSettings",
     "TorchEngineSettings",
     "TrackingSettings",
     "VllmEngineSettings",
     "WeightSyncSettings",
+    "WorkerHealthSettings",
 ]
 
 
@@ -224,7 +227,13 @@ class RolloutSettings(Section):
     )
     reward_timeout_s: float = Field(60.0, gt=0, description="HTTP timeout of one scoring call, seconds.")
     reward_retries: int = Field(
-        5, ge=0, le=100, description="Retries (exponential backoff) of a failed call."
+        10, ge=0, le=100, description="Retries (exponential backoff, at most 8 s apart) of a failed call."
+    )
+    reward_deadline_s: float = Field(
+        120.0,
+        gt=0,
+        description="Longest a batch waits on the reward service, retries included; then its prompts are "
+        "left to be reclaimed, seconds.",
     )
     heartbeat_s: float = Field(2.0, gt=0, le=60, description="Status heartbeat period, seconds.")
     model_wait_s: float = Field(
@@ -232,6 +241,9 @@ class RolloutSettings(Section):
         gt=0,
         description="When the `model` directory is not there, how long to wait for the learner to announce "
         "its weight files (the model is fetched from it), seconds.",
+    )
+    health: WorkerHealthSettings = Field(
+        default_factory=WorkerHealthSettings, description="A sick model is not a bad prompt."
     )
     metrics: MetricsEndpoint = Field(default_factory=MetricsEndpoint, description="/metrics and /healthz.")
 
@@ -422,6 +434,9 @@ class SparkSettings(BaseSettings):
         default_factory=EvalSettings, description="Held-out evaluation while training."
     )
     ray: RaySettings = Field(default_factory=RaySettings, description="`sparkrl up --ray` only.")
+    supervision: SupervisionSettings = Field(
+        default_factory=SupervisionSettings, description="`sparkrl up` restarting what dies."
+    )
 
     @field_validator("model")
     @classmethod
