@@ -163,9 +163,13 @@ def test_bad_values_are_a_422_naming_the_field_and_the_bound(service: tuple[Serv
     assert patch.status_code == 422
     errors = {tuple(e["loc"]): e["msg"] for e in patch.json()["detail"]}
     assert errors == {
-        ("body", "beta"): "Input should be greater than or equal to 0",
-        ("body", "lr"): "Input should be greater than 0",
+        ("body", "beta"): "beta must be ≥ 0: a negative weight would reward what the term penalizes",
+        ("body", "lr"): "lr must be > 0: a step must move the weights",
     }
+    huge = httpx.patch(server.url + "/api/v1/hyperparameters", json={"lr": 1e9}, headers=_auth())
+    assert huge.status_code == 422
+    [error] = huge.json()["detail"]
+    assert error["loc"] == ["body", "lr"] and error["msg"].startswith("lr must be ≤ 0.1: Adam moves every")
     unknown = httpx.patch(server.url + "/api/v1/hyperparameters", json={"learning_rate": 1}, headers=_auth())
     assert unknown.status_code == 422 and unknown.json()["detail"][0]["loc"] == ["body", "learning_rate"]
     empty = httpx.patch(server.url + "/api/v1/hyperparameters", json={}, headers=_auth())

@@ -39,20 +39,50 @@ def test_in_force_lists_the_active_loss_and_its_parameters() -> None:
     assert hparams.learner_hparams(grpo)["loss"] == "grpo" and "beta" not in hparams.learner_hparams(grpo)
 
 
-def test_bounds_come_from_the_settings_models() -> None:
+def test_bounds_come_from_the_settings_models_with_their_reasons() -> None:
     problems = {p.name: p for p in check({"lr": 0, "beta": -1, "rho": 2, "max_staleness": 1.5}, "lp_reg")}
-    assert problems["lr"].msg == "Input should be greater than 0"
-    assert problems["beta"].msg == "Input should be greater than or equal to 0"
-    assert problems["rho"].msg == "Input should be less than or equal to 1"
-    assert problems["max_staleness"].type == "int_from_float"
+    assert problems["lr"].msg == "lr must be > 0: a step must move the weights"
+    assert problems["beta"].msg == "beta must be ≥ 0: a negative weight would reward what the term penalizes"
+    assert problems["rho"].msg == "rho must be ≤ 1: it is a fraction of the tokens"
+    assert problems["max_staleness"].type == "int_from_float"  # not a bound: pydantic's own message
     assert problems["beta"].as_error() == {
         "type": "greater_than_equal",
         "loc": ["body", "beta"],
-        "msg": "Input should be greater than or equal to 0",
+        "msg": "beta must be ≥ 0: a negative weight would reward what the term penalizes",
         "input": -1,
     }
-    assert check({"temperature": 0}, None)[0].msg == "Input should be greater than 0"
+    assert check({"temperature": 0}, None)[0].msg.startswith("temperature must be ≥ 0.01: below it")
     assert check({"lr": 3e-4, "beta": 0.5, "temperature": 0.9, "top_p": 0.95}, "lp_reg") == []
+
+
+def test_the_value_that_destroyed_a_run_is_refused_with_the_reason() -> None:
+    [lr] = check({"lr": 1e9}, "lp_reg")
+    assert lr.type == "less_than_equal"
+    assert lr.msg.startswith("lr must be ≤ 0.1: Adam moves every weight by about lr per step")
+    assert check({"lr": 0.1}, "lp_reg") == []  # the bound itself is allowed
+
+
+@pytest.mark.parametrize("loss_name", sorted(hparams.LOSS_CLASSES))
+def test_every_live_hyperparameter_has_bounds_with_reasons(loss_name: str) -> None:
+    """Each live number has a lower and an upper bound, and every bound says why it is there."""
+    owners = [(LearnerSettings, field) for field in hparams.LEARNER_FIELDS.values()]
+    owners += [(SamplingSettings, name) for name in hparams.SAMPLING_FIELDS]
+    owners += [(hparams.LOSS_CLASSES[loss_name], name) for name in hparams.loss_fields(loss_name)]
+    for model, field in owners:
+        info = model.model_fields[field]
+        bounds = {
+            type(m).__name__.lower(): m for m in info.metadata if type(m).__name__ in ("Gt", "Ge", "Lt", "Le")
+        }
+        assert bounds.keys() & {"gt", "ge"} and bounds.keys() & {"lt", "le"}, f"{model.__name__}.{field}"
+        reasons = (info.json_schema_extra or {}).get("why", {})  # type: ignore[union-attr]
+        assert set(bounds) <= set(reasons), f"{model.__name__}.{field}: a bound without its reason"
+
+
+def test_every_preset_fits_the_bounds() -> None:
+    from sparkrl.services.common.settings import CONFIGS_DIR, load_settings
+
+    for preset in sorted(CONFIGS_DIR.glob("*.yaml")):
+        load_settings(str(preset))  # raises on a value out of bounds (deploy files: test_deploy_*.py)
 
 
 def test_names_must_exist_and_belong_to_the_active_loss() -> None:

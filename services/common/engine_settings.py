@@ -15,9 +15,24 @@ class SamplingSettings(Section):
 
     n: int = Field(8, ge=1, le=1024, description="Completions per prompt (the GRPO group size).")
     temperature: float = Field(
-        1.0, gt=0, le=10, description="Sampling temperature; log-probs are taken at it."
+        1.0,
+        ge=0.01,
+        le=10,
+        description="Sampling temperature; log-probs are taken at it.",
+        json_schema_extra={
+            "why": {
+                "ge": "below it sampling is greedy in all but name, and logits / T overflow a 16-bit engine",
+                "le": "above it the samples are noise: the distribution is nearly uniform",
+            }
+        },
     )
-    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1.0: off).")
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="Nucleus sampling mass (1.0: off).",
+        json_schema_extra={"why": {"gt": "0 keeps no token to sample", "le": "it is a probability mass"}},
+    )
     max_new_tokens: int = Field(256, ge=1, le=131_072, description="Longest completion, tokens.")
     min_new_tokens: int = Field(
         0,

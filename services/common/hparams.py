@@ -3,9 +3,10 @@ passes before anything is applied.
 
 Names are flat (`lr`, `beta`, `temperature`), as `PATCH /api/v1/hyperparameters` and `sparkrl set` take
 them. Each maps to one settings field, and a value is checked by assigning it to that settings model, so
-the bounds are the models' own (`LearnerSettings.lr > 0`, `LpRegLoss.beta ≥ 0`, ...) and cannot drift:
-the control service checks (422 naming the field and the bound), and the learner and the workers check
-again before they apply (all or nothing).
+the bounds are the models' own (`LearnerSettings.lr ≤ 0.1`, `LpRegLoss.beta ≥ 0`, ...) and cannot drift:
+the control service checks (422 naming the field, the bound and why it is there: each bounded field
+gives its reasons in `json_schema_extra["why"]`, keyed by the constraint), and the learner and the
+workers check again before they apply (all or nothing).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from sparkrl.proto import HparamValue
 from sparkrl.services.common.loss_settings import LossSettings
@@ -87,13 +89,29 @@ def split(values: dict[str, HparamValue]) -> tuple[dict[str, HparamValue], dict[
     return {k: v for k, v in values.items() if k not in SAMPLING_FIELDS}, workers
 
 
+BOUND_SIGNS = {"gt": ">", "ge": "≥", "lt": "<", "le": "≤"}  # pydantic's constraint names
+
+
+def bound_message(model: type[BaseModel], field: str, name: str, error: ErrorDetails) -> str:
+    """`lr must be ≤ 0.1: <why>` for a broken bound that gives its reason; else pydantic's message."""
+    ctx = error.get("ctx") or {}
+    extra = model.model_fields[field].json_schema_extra
+    reasons = extra.get("why") if isinstance(extra, dict) else None
+    for constraint, sign in BOUND_SIGNS.items():
+        if constraint in ctx and isinstance(reasons, dict) and constraint in reasons:
+            limit = ctx[constraint]
+            shown = f"{limit:g}" if isinstance(limit, int | float) else str(limit)
+            return f"{name} must be {sign} {shown}: {reasons[constraint]}"
+    return str(error["msg"])
+
+
 def _assign_problem(model: type[BaseModel], field: str, name: str, value: Any) -> Problem | None:
     probe = model()
     try:
         setattr(probe, field, value)  # validate_assignment: the field's own type and bounds
     except ValidationError as exc:
         error = exc.errors()[0]
-        return Problem(name, str(error["msg"]), str(error["type"]), value)
+        return Problem(name, bound_message(model, field, name, error), str(error["type"]), value)
     return None
 
 

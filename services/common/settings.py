@@ -298,6 +298,9 @@ class PromptSettings(Section):
         return self
 
 
+MAX_STALENESS = 100_000  # versions; more is the same as never dropping a group
+
+
 class LearnerSettings(Section):
     """The DeepSpeed learner: batches, loss, optimizer, staleness, checkpoints."""
 
@@ -305,14 +308,37 @@ class LearnerSettings(Section):
     proxy_source: Literal["topk", "logits"] = Field(
         "topk", description="Lp-Reg proxy from the streamed top-k (free) or an extra π_old pass (exact)."
     )
-    proxy_kappa: float = Field(0.02, gt=0, le=1, description="κ of the min-p proxy: keep p ≥ κ·max p.")
+    proxy_kappa: float = Field(
+        0.02,
+        gt=0,
+        le=1,
+        description="κ of the min-p proxy: keep p ≥ κ·max p.",
+        json_schema_extra={
+            "why": {
+                "gt": "κ = 0 keeps every token: no proxy",
+                "le": "it is a fraction of the top probability",
+            }
+        },
+    )
     old_logp_source: Literal["rollout", "recompute"] = Field(
         "rollout",
         description="old_logp from the rollout's log-probs, or recomputed by the learner (then truncated IS "
         "corrects rollout/learner mismatch).",
     )
     tis_cap: float | None = Field(2.0, gt=0, description="Cap of truncated IS weights; None: no correction.")
-    lr: float = Field(1e-6, gt=0, description="Learning rate (the base of `schedule`).")
+    lr: float = Field(
+        1e-6,
+        gt=0,
+        le=0.1,
+        description="Learning rate (the base of `schedule`).",
+        json_schema_extra={
+            "why": {
+                "gt": "a step must move the weights",
+                "le": "Adam moves every weight by about lr per step, whatever the gradient's scale: a larger "
+                "step wrecks a pretrained policy at once (tiny models train at 1e-3, LLMs at 1e-6)",
+            }
+        },
+    )
     schedule: ScheduleSettings = Field(default_factory=ScheduleSettings, description="lr warm-up and decay.")
     kl: KlSettings = Field(default_factory=KlSettings, description="KL penalty to the initial model.")
     advantage: AdvantageSettings = Field(
@@ -371,7 +397,16 @@ class LearnerSettings(Section):
     prompts_per_step: int = Field(256, ge=1, description="Groups per optimizer step.")
     micro_batch_tokens: int = Field(8192, ge=16, description="Token budget of one forward/backward.")
     max_staleness: int = Field(
-        4, ge=0, description="Groups sampled more than this many versions ago are dropped (counted)."
+        4,
+        ge=0,
+        le=MAX_STALENESS,
+        description="Groups sampled more than this many versions ago are dropped (counted).",
+        json_schema_extra={
+            "why": {
+                "ge": "a group cannot be sampled by a version newer than the learner's",
+                "le": f"{MAX_STALENESS} already means 'never drop'",
+            }
+        },
     )
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     checkpoint_every: int = Field(50, ge=1, description="Checkpoint every N steps (and on stop).")
