@@ -6,6 +6,7 @@ The loss is chosen once by name from the registry (`policy_loss`); nothing here 
 from __future__ import annotations
 
 import functools
+import math
 import os
 import sys
 import tempfile
@@ -147,14 +148,61 @@ def old_policy(
     return OldPolicy(old_logp, proxy, is_weights, inexact, ref_logp)
 
 
-def step_and_grad_norm(engine: deepspeed.DeepSpeedEngine) -> float:
-    """Optimizer step; the pre-clip gradient norm. ZeRO's optimizers record it; without ZeRO, DeepSpeed
-    clips the torch optimizer's gradients and drops the norm, so it is measured here first."""
+def optimizer_step(engine: deepspeed.DeepSpeedEngine) -> tuple[float, bool]:
+    """The optimizer step, unless the gradient norm is not finite: (pre-clip norm, whether it was applied).
+
+    ZeRO's optimizers and DeepSpeed's bf16 one measure the norm and drop such a step themselves (its
+    gradients cleared, `engine.skipped_steps` counted, the same on every rank). The plain torch optimizer
+    of ZeRO stage 0 in float32 would apply NaN, and DeepSpeed clips its gradients and drops the norm, so
+    here it is measured first and a non-finite step is dropped by hand: the gradients of every rank are
+    the all-reduced ones by now, so every rank decides alike."""
+    if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
+        engine.step()
+        norm = engine.get_global_grad_norm()
+        return (float(norm) if norm is not None else float("nan")), engine.was_step_applied()
     grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-    norm = float(torch.nn.utils.get_total_norm(grads)) if grads else None
+    norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    if not math.isfinite(norm):
+        engine.zero_grad()
+        return norm, False
     engine.step()
-    zero_norm = engine.get_global_grad_norm()
-    return float(zero_norm) if zero_norm is not None else (norm if norm is not None else float("nan"))
+    return norm, True
+
+
+def micro_batch_loss(
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    old: OldPolicy,
+    cfg: LearnerSettings,
+    totals: tuple[int, int],
+    norm_length: int | None = None,
+    entropy_grad: bool = True,
+) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+    """One micro-batch's (loss, the loss's statistics, entropy [B, L-1]): the registry's policy loss on its
+    tokens, re-weighted for `learner.loss_aggregation` against the update's `totals` (tokens, sequences),
+    plus the KL term when a reference is loaded."""
+    with autocast(cfg):
+        logp, entropy = token_logp_and_entropy(model, mb, entropy_grad)
+    weights = aggregation_weights(mb.mask, cfg.loss_aggregation, totals[0], totals[1], norm_length)
+    if weights is not None:
+        weights = weights.to(mb.mask.device)
+        weights = weights if old.is_weights is None else weights * old.is_weights
+    inputs = LossInputs(
+        logp=logp,
+        old_logp=old.old_logp,
+        advantages=mb.advantages,
+        mask=mb.mask,
+        proxy_logp=old.proxy_logp,
+        entropy=entropy,
+        is_weights=old.is_weights if weights is None else weights,
+    )
+    loss, stats = policy_loss(cfg.loss.name, inputs, **cfg.loss.model_dump(exclude={"name"}))
+    if old.ref_logp is not None and cfg.kl.coef > 0:
+        kl = kl_to_reference(logp, old.ref_logp, cfg.kl.estimator)
+        kl_mean = (kl * mb.mask).sum() / mb.mask.sum().clamp(min=1)
+        loss = loss + cfg.kl.coef * kl_mean
+        stats = {**stats, "kl_ref": kl_mean.detach()}
+    return loss, stats, entropy
 
 
 def train_step(
@@ -171,7 +219,8 @@ def train_step(
     re-weighted for `learner.loss_aggregation` (aggregation.py; `norm_length`: Dr. GRPO's constant).
     `timings` gets the seconds of `forward_backward` and `optimizer`. `totals`: the update's (tokens,
     sequences) when `batches` is this rank's share of it (a data-parallel learner, ranks.py): each
-    rank's loss is then scaled by the DP size, which DeepSpeed's gradient averaging divides out again."""
+    rank's loss is then scaled by the DP size, which DeepSpeed's gradient averaging divides out again.
+    `skipped` is 1 when the step was not applied: its loss or gradient norm was not finite."""
     started = time.perf_counter()
     tokens, total_sequences = totals or (
         sum(mb.num_tokens for mb in batches),
@@ -179,39 +228,23 @@ def train_step(
     )
     total_tokens = max(tokens, 1)
     dp_size = engine.dp_world_size
-    hparams = cfg.loss.model_dump(exclude={"name"})
     sums: dict[str, float] = defaultdict(float)
     entropy_grad = entropy_has_gradient(cfg.loss.name)
     for index, (mb, old) in enumerate(zip(batches, olds, strict=True)):
         engine.set_gradient_accumulation_boundary(index == len(batches) - 1)
-        with autocast(cfg):
-            logp, entropy = token_logp_and_entropy(engine, mb, entropy_grad)
         if mb.num_tokens == 0:  # a rank's padding (ranks.py): the pass every rank runs, contributing 0
+            with autocast(cfg):
+                logp, _ = token_logp_and_entropy(engine, mb, entropy_grad)
             engine.backward(logp.sum() * 0.0, scale_wrt_gas=False)
             continue
-        weights = aggregation_weights(
-            mb.mask, cfg.loss_aggregation, total_tokens, total_sequences, norm_length
+        loss, stats, entropy = micro_batch_loss(
+            engine, mb, old, cfg, (total_tokens, total_sequences), norm_length, entropy_grad
         )
-        if weights is not None:
-            weights = weights.to(mb.mask.device)
-            weights = weights if old.is_weights is None else weights * old.is_weights
-        inputs = LossInputs(
-            logp=logp,
-            old_logp=old.old_logp,
-            advantages=mb.advantages,
-            mask=mb.mask,
-            proxy_logp=old.proxy_logp,
-            entropy=entropy,
-            is_weights=old.is_weights if weights is None else weights,
-        )
-        loss, stats = policy_loss(cfg.loss.name, inputs, **hparams)
-        if old.ref_logp is not None and cfg.kl.coef > 0:
-            kl = kl_to_reference(logp, old.ref_logp, cfg.kl.estimator)
-            kl_mean = (kl * mb.mask).sum() / mb.mask.sum().clamp(min=1)
-            loss = loss + cfg.kl.coef * kl_mean
-            stats = {**stats, "kl_ref": kl_mean.detach()}
         share = mb.num_tokens / total_tokens
-        engine.backward(loss * share * dp_size, scale_wrt_gas=False)
+        # A non-finite loss goes backward as NaN (a tensor op: no GPU sync here), so its gradient is
+        # non-finite for certain, on every rank once reduced, and `optimizer_step` drops the step.
+        scale = torch.where(torch.isfinite(loss.detach()), share * dp_size, float("nan"))
+        engine.backward(loss * scale, scale_wrt_gas=False)
         sums["loss"] += float(loss.detach()) * share
         sums["entropy"] += float((entropy.detach() * mb.mask).sum()) / total_tokens
         sums["proxy_inexact"] += old.proxy_inexact
@@ -222,7 +255,8 @@ def train_step(
             additive = key in ("reg_tokens", "reg_tokens_pos")
             sums[key] += float(value) * (1.0 if additive else share)
     stepped = time.perf_counter()
-    sums["grad_norm"] = step_and_grad_norm(engine)
+    sums["grad_norm"], applied = optimizer_step(engine)
+    sums["skipped"] = 0.0 if applied else 1.0
     sums["tokens"] = float(total_tokens)
     if timings is not None:
         timings["forward_backward"] = stepped - started

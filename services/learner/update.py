@@ -7,12 +7,19 @@ the groups are split into N mini-batches (contiguous, at group boundaries) and e
 against the same π_old: from the second on, the ratio moves off 1 and the loss's clipping is what
 keeps the step near π_old (the paper's off-policy setting uses 8). The policy version still advances
 once per learner step: the fleet gets one new version per rollout batch.
+
+An update whose loss or gradient norm is not finite is not applied (trainer.py), and the step's later
+updates are not taken: the learner commits the groups the applied ones trained (`split_applied`) and
+sends the rest back, or dead-letters a group whose loss alone is not finite (`loss_is_finite`).
 """
 
 from __future__ import annotations
 
+import math
 import time
+from typing import TypeVar
 
+import torch
 from deepspeed import DeepSpeedEngine
 from torch import nn
 
@@ -24,7 +31,9 @@ from sparkrl.services.learner.collect import Batch
 from sparkrl.services.learner.control import set_lr
 from sparkrl.services.learner.ranks import Ranks, empty_like
 from sparkrl.services.learner.schedule import lr_factor
-from sparkrl.services.learner.trainer import old_policy, train_step
+from sparkrl.services.learner.trainer import micro_batch_loss, old_policy, train_step
+
+T = TypeVar("T")
 
 ADDITIVE = ("reg_tokens", "reg_tokens_pos", "proxy_inexact", "tokens")  # counts add up over updates
 
@@ -33,7 +42,7 @@ def _equal_rewards(group: TrajectoryGroup) -> bool:
     return len(set(group.rewards)) <= 1
 
 
-def split_groups(groups: list[TrajectoryGroup], parts: int) -> list[list[TrajectoryGroup]]:
+def split_groups(groups: list[T], parts: int) -> list[list[T]]:
     """`groups` in `parts` contiguous runs of near-equal size (fewer when there are fewer groups)."""
     parts = max(1, min(parts, len(groups)))
     bounds = [round(i * len(groups) / parts) for i in range(parts + 1)]
@@ -81,15 +90,65 @@ def compute_update(
     set_lr(engine, cfg.lr * lr_factor(step, cfg.schedule, cfg.max_steps))
     if not batches:  # every group had equal rewards and was left out: nothing to learn from
         return extra | {"tokens": 0.0, "updates": 0.0}
-    per_update = []
+    per_update, skipped = [], {}
     for mini, old, total in zip(batches, olds, totals, strict=True):
         part: dict[str, float] = {}
         norm = max((g.sampling.max_new_tokens for g in groups), default=None)  # Dr. GRPO's constant
         stats = train_step(engine, mini, old, cfg, part, norm, total)
-        per_update.append(stats if ranks is None else ranks.sum_stats(stats))
+        stats = stats if ranks is None else ranks.sum_stats(stats)  # every rank skips alike (trainer.py)
         for key, seconds in part.items():
             timings[key] = timings.get(key, 0.0) + seconds
-    return _merge(per_update) | extra | {"updates": float(len(per_update))}
+        if stats.pop("skipped", 0.0):
+            # Not applied: the later updates are not taken either, so what was applied is a prefix of the
+            # step's groups (`split_applied`) and the rest can go back whole.
+            skipped = {
+                "updates_skipped": 1.0,
+                "skipped_loss": stats["loss"],
+                "skipped_grad_norm": stats["grad_norm"],
+            }
+            break
+        per_update.append(stats)
+    return _merge(per_update) | extra | {"updates": float(len(per_update))} | skipped
+
+
+def split_applied(batch: Batch, cfg: LearnerSettings, updates: int) -> tuple[list[int], list[int]]:
+    """Indexes into `batch.groups`: (those the first `updates` updates of `compute_update` trained, the
+    rest). Groups left out for equal rewards need no update: they go with the trained part, if any."""
+    adv = cfg.advantage
+    kept = [i for i, g in enumerate(batch.groups) if not (adv.drop_equal_groups and _equal_rewards(g))]
+    if updates == 0:
+        return [], list(range(len(batch.groups)))
+    parts = split_groups(kept, cfg.updates_per_rollout)
+    left = {i for part in parts[updates:] for i in part}
+    return [i for i in range(len(batch.groups)) if i not in left], sorted(left)
+
+
+@torch.no_grad()
+def loss_is_finite(
+    engine: DeepSpeedEngine,
+    groups: list[TrajectoryGroup],
+    cfg: LearnerSettings,
+    pad_id: int,
+    reference: nn.Module | None = None,
+) -> bool:
+    """Whether `groups` alone give a finite loss under the current weights (nothing is updated): tells a
+    group whose numbers overflow the loss (rollout log-probs far out of range) from a model that
+    overflows on any group. One rank only: under ZeRO-3 across ranks the forward is a collective."""
+    adv = cfg.advantage
+    samples = samples_from_groups(groups, std_normalize=adv.std_normalize, level=adv.level)
+    batches = [mb.to(engine.device) for mb in micro_batches(samples, cfg.micro_batch_tokens, pad_id)]
+    totals = (sum(mb.num_tokens for mb in batches), sum(sequences(mb.mask) for mb in batches))
+    norm = max((g.sampling.max_new_tokens for g in groups), default=None)
+    engine.eval()
+    try:
+        for mb in batches:
+            old = old_policy(engine.module, mb, cfg, reference)
+            loss, _, _ = micro_batch_loss(engine.module, mb, old, cfg, totals, norm, entropy_grad=False)
+            if not math.isfinite(float(loss)):
+                return False
+    finally:
+        engine.train()
+    return True
 
 
 def _merge(stats: list[dict[str, float]]) -> dict[str, float]:
