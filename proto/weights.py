@@ -17,7 +17,7 @@ from pydantic import Field, NonNegativeInt, model_validator
 from sparkrl.proto.base import WireModel
 from sparkrl.proto.errors import FieldError
 
-WEIGHTS_SCHEMA_VERSION = 1
+WEIGHTS_SCHEMA_VERSION = 2  # 2: `incarnation` and `sequence` (a replayed announcement is refused)
 
 WeightDtype = Literal[
     "float64", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2",
@@ -93,8 +93,20 @@ class WeightAnnouncement(WireModel):
     larger than a bucket travels alone); `total_bytes` is the sum of the tensors' sizes.
     """
 
-    schema_version: Literal[1] = Field(
+    schema_version: Literal[2] = Field(
         default=WEIGHTS_SCHEMA_VERSION, description="Wire version; readers reject others."
+    )
+    incarnation: int = Field(
+        ge=0,
+        description="The learner process that announced it: its start time, ns since the epoch, so a "
+        "restarted learner's is larger. Writer: learner. Reader: rollout worker (follows a newer "
+        "incarnation, also back to an older version after a resume; refuses an older one, a replay).",
+    )
+    sequence: int = Field(
+        ge=0,
+        description="Announcements this incarnation made before this one (0, 1, 2, … also when a version is "
+        "announced again for a new group epoch). Writer: learner. Reader: rollout worker (refuses one older "
+        "than the newest it saw from the same incarnation: a replayed announcement is never followed).",
     )
     version: int = Field(
         ge=0,

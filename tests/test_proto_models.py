@@ -229,6 +229,8 @@ def announcement(**change: object) -> dict:
         {"name": "c", "dtype": "float32", "shape": [64], "numel": 64, "bucket": 1, "offset": 0},
     ]
     data = {
+        "incarnation": 1_764_000_000_000_000_000,
+        "sequence": 7,
         "version": 3,
         "manifest": manifest,
         "total_bytes": 64 + 32 + 256,

@@ -5,6 +5,11 @@ and what to expect (the checksum). Anyone who can write to Redis could forge one
 secret (`sync.secret`) the learner signs each and a worker refuses any whose signature does not
 verify; and whatever signs it, a snapshot is only loaded from disk when it lies in this worker's run
 directory's `snapshots/` (elsewhere — the learner's disk, seen from a container — it comes over HTTP).
+
+A genuine announcement written back later (a replay) verifies too, so each carries the learner's
+incarnation and a sequence number inside what is signed: a worker follows only announcements at least
+as fresh as the newest it has seen — a newer incarnation (a restarted learner, even one resumed to an
+older version), or the same one with a sequence number not below it.
 """
 
 from __future__ import annotations
@@ -27,10 +32,12 @@ class AnnouncementGate:
     secret: str | None
     snapshots: Path
     _refused: str | None  # the last announcement refused, so a refusal is logged once, not per poll
+    newest: tuple[int, int, int] | None  # (incarnation, sequence, version) of the newest one seen
 
     def __init__(self, bus: RedisBus, secret: str | None, run_dir: Path) -> None:
         self.bus, self.secret, self.snapshots = bus, secret, (run_dir / "snapshots").resolve()
         self._refused = None
+        self.newest = None
         if secret is None:
             log.warning("sync.secret is not set: weight announcements are not authenticated")
 
@@ -44,7 +51,28 @@ class AnnouncementGate:
             return self._refuse(raw, f"malformed: {exc}")
         if self.secret is not None and not announcement_verifies(announcement, self.secret):
             return self._refuse(raw, "its signature does not verify (forged, or sync.secret differs)")
+        stale = self._older_than_seen(announcement)
+        if stale is not None:
+            return self._refuse(raw, stale)
+        self.newest = (announcement.incarnation, announcement.sequence, announcement.version)
         return announcement
+
+    def _older_than_seen(self, announcement: WeightAnnouncement) -> str | None:
+        """Why `announcement` is older than the newest this worker has seen (a replay), or None."""
+        if self.newest is None:
+            return None
+        incarnation, sequence, version = self.newest
+        if announcement.incarnation < incarnation:
+            return (
+                f"version {announcement.version} comes from an earlier learner incarnation than version "
+                f"{version}, which this worker has seen: a replayed announcement"
+            )
+        if announcement.incarnation == incarnation and announcement.sequence < sequence:
+            return (
+                f"version {announcement.version} (announcement {announcement.sequence}) is older than "
+                f"version {version} (announcement {sequence}) of the same learner: a replayed announcement"
+            )
+        return None
 
     def local_snapshot(self, announcement: WeightAnnouncement) -> Path | None:
         """The announced snapshot as a file to load, only when it lies in our run directory's snapshots/

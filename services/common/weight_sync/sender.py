@@ -89,6 +89,8 @@ class WeightSender:
     _members: tuple[str, ...]
     _epoch: int
     _staging: list[Tensor]
+    incarnation: int  # carried by every announcement, with `_sequence`: what makes a replay detectable
+    _sequence: int
 
     def __init__(
         self,
@@ -119,6 +121,8 @@ class WeightSender:
         self._aborting = []
         self._epoch = -1
         self._staging = []
+        self.incarnation = time.time_ns()  # a restarted learner's is larger: workers follow it back
+        self._sequence = -1
 
     def announce(
         self,
@@ -129,12 +133,16 @@ class WeightSender:
         members: Sequence[str],
         snapshot_path: str | None = None,
     ) -> WeightAnnouncement:
-        """The announcement to publish (in Redis) before `broadcast`: manifest, checksum, rendezvous.
+        """The announcement to publish (in Redis) before `broadcast`: manifest, checksum, rendezvous, and
+        this sender's incarnation and the announcement's sequence number (its freshness).
 
         Hashes every tensor (a device-to-host copy for GPU tensors), so call it once per version.
         """
         manifest = build_manifest(named_tensors, self.bucket_bytes)
+        self._sequence += 1
         return WeightAnnouncement(
+            incarnation=self.incarnation,
+            sequence=self._sequence,
             version=version,
             manifest=manifest,
             total_bytes=sum(spec.nbytes for spec in manifest),
