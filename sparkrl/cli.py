@@ -127,6 +127,16 @@ def learner(
     stop = threading.Event()
     # Signals are taken over once the engine is built: until then SIGTERM ends a stuck start at once.
     main(cfg, resume=resume, stop=stop, engine_built=lambda: stop_on_signals(log, "the current step", stop))
+    from sparkrl.services.common.weight_sync.sender import epochs_tearing_down
+
+    if epochs_tearing_down():  # finalizing now would let gloo abort the process (exit code -6)
+        import logging
+        import sys
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 @app.command()

@@ -66,6 +66,9 @@ class SyncReport:
         return self.bytes / self.transfer_seconds / 1e9 if self.transfer_seconds > 0 else 0.0
 
 
+_ABORT_THREAD = "abort-epoch"
+
+
 class WeightSender:
     """Hosts the rendezvous `TCPStore` and broadcasts each policy version to the epoch's members.
 
@@ -391,9 +394,16 @@ class WeightSender:
         self._abort_off_thread([group, []])
 
     def _abort_off_thread(self, held: list) -> None:  # type: ignore[type-arg]
-        thread = threading.Thread(target=_abort, args=(held,), name="abort-epoch", daemon=True)
+        thread = threading.Thread(target=_abort, args=(held,), name=_ABORT_THREAD, daemon=True)
         thread.start()
         self._aborting = [t for t in self._aborting if t.is_alive()] + [thread]
+
+
+def epochs_tearing_down() -> int:
+    """Dead epochs whose teardown still runs on its thread (see `WeightSender.close`). A process that
+    finalizes its interpreter meanwhile is aborted by gloo's threads ("terminate called without an active
+    exception"): its entry point exits with `os._exit` instead, once everything is written."""
+    return sum(1 for t in threading.enumerate() if t.name == _ABORT_THREAD and t.is_alive())
 
 
 def _abort(held: list) -> None:  # type: ignore[type-arg]
