@@ -413,6 +413,14 @@ class LearnerSettings(Section):
     keep_checkpoints: int = Field(2, ge=1, description="Older checkpoints are deleted.")
     seed: int = Field(0, description="Seed of the learner's randomness (Clip-Cov's choice).")
     tracking: TrackingSettings = Field(
+    max_nonfinite_steps: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="Steps in a row whose loss or gradient norm is not finite before the run stops. Such a "
+        "step is never applied (its gradients are dropped, its groups go back); this many in a row means "
+        "the model or a hyperparameter, not the data, went wrong.",
+    )
         default_factory=TrackingSettings, description="TensorBoard/wandb/MLflow."
     )
     samples_per_step: int = Field(

@@ -7,8 +7,10 @@ newest complete one (written last, so a crash mid-save leaves the previous check
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -37,6 +39,38 @@ class TrainState:
     # Policy versions a lossy resume discarded ([lo, hi], inclusive): never produced again, and a group
     # sampled by one of them is refused (its weights no longer exist).
     void_versions: list[list[int]] = field(default_factory=list)
+    nonfinite_skipped: int = 0  # optimizer updates not applied: their loss or gradient norm was not finite
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written; the message names the path, the errno and the free space."""
+
+    path: Path
+    errno: int | None
+
+    def __init__(self, path: Path, error: OSError) -> None:
+        super().__init__(describe_failure(path, error))
+        self.path, self.errno = path, error.errno
+
+
+def _free_space(path: Path) -> str:
+    """Free space on the filesystem that would hold `path`, in words (its nearest existing folder's)."""
+    where = path
+    while not where.is_dir() and where != where.parent:
+        where = where.parent
+    try:
+        usage = shutil.disk_usage(where)
+    except OSError as exc:
+        return f"free space unknown ({exc.strerror})"
+    return f"{usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB on {where}"
+
+
+def describe_failure(path: Path, error: OSError) -> str:
+    """One line: what could not be written, the errno, and the free space there."""
+    code = errno.errorcode.get(error.errno, "?") if error.errno is not None else "no errno"
+    what = error.strerror or str(error)
+    where = f" ({error.filename})" if error.filename and str(error.filename) != str(path) else ""
+    return f"checkpoint {path} could not be written: [{code}] {what}{where}; {_free_space(path)}"
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -58,13 +92,18 @@ def save_checkpoint(
     learner's rank 0 tells the other ranks there, which write their partitions with `save_partitions`)."""
     root = checkpoint_root(run_dir)
     path = root / (name or f"step-{state.step:06d}")
-    if path.exists():
-        shutil.rmtree(path)
-    before_save(path)
-    engine.save_checkpoint(str(path / "deepspeed"), tag=DEEPSPEED_TAG)
-    save_hf_weights(engine, tokenizer, path / "hf")
-    (path / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
-    (root / "latest").write_text(path.name)
+    try:
+        if path.exists():
+            shutil.rmtree(path)
+        before_save(path)
+        engine.save_checkpoint(str(path / "deepspeed"), tag=DEEPSPEED_TAG)
+        save_hf_weights(engine, tokenizer, path / "hf")
+        (path / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
+        (root / "latest").write_text(path.name)
+    except OSError as exc:
+        # `latest` still names the previous complete checkpoint; this half-written one must not linger.
+        shutil.rmtree(path, ignore_errors=True)
+        raise CheckpointError(path, exc) from exc
     for old in sorted(root.glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     log.info("checkpoint %s (policy version %d)", path, state.policy_version)
@@ -93,6 +132,19 @@ def join_gather(engine: deepspeed.DeepSpeedEngine) -> None:
         log.debug("ZeRO-3 weights gathered for rank 0")
 
 
+def drop_overrides(path: Path, names: list[str]) -> None:
+    """Take live changes out of a written checkpoint's trainer state, so a resume does not re-apply them
+    (replaced whole: a crash leaves the old file or the new one)."""
+    state_file = path / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    kept = {k: v for k, v in state.get("hparam_overrides", {}).items() if k not in names}
+    if kept == state.get("hparam_overrides", {}):
+        return
+    tmp = state_file.with_name(f".{state_file.name}.tmp")
+    tmp.write_text(json.dumps(state | {"hparam_overrides": kept}, indent=2))
+    os.replace(tmp, state_file)
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     marker = checkpoint_root(run_dir) / "latest"
     if not marker.is_file():
@@ -109,6 +161,11 @@ def load_checkpoint(engine: deepspeed.DeepSpeedEngine, path: Path) -> TrainState
     state = TrainState(**json.loads((path / "trainer_state.json").read_text()))
     log.info("resumed from %s: step %d, policy version %d", path, state.step, state.policy_version)
     return state
+
+
+def nonfinite_tensors(weights: dict[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors holding a NaN or an infinity: weights never to publish."""
+    return [name for name, t in weights.items() if t.is_floating_point() and not bool(t.isfinite().all())]
 
 
 @torch.no_grad()

@@ -22,6 +22,18 @@ from sparkrl.services.common.settings import LearnerSettings
 log = logging.getLogger("sparkrl.learner.control")
 
 
+@dataclass(frozen=True)
+class LiveChange:
+    """The last hyperparameter change applied: the first suspect when steps stop being finite."""
+
+    values: dict[str, HparamValue]
+    step: int | None  # the boundary it was applied at; None: re-applied from the checkpoint at start
+
+    def describe(self) -> str:
+        where = f"at step {self.step}" if self.step is not None else "re-applied from the checkpoint"
+        return ", ".join(f"{name}={value}" for name, value in self.values.items()) + f" ({where})"
+
+
 @dataclass
 class Boundary:
     """What the loop must still do at this step boundary (control applied the rest itself)."""
@@ -54,6 +66,7 @@ class LearnerControl:
     paused: bool
     overrides: dict[str, HparamValue]
     on_result: Callable[[CommandResult], None]
+    last_change: LiveChange | None
 
     def __init__(
         self,
@@ -66,6 +79,7 @@ class LearnerControl:
         """`overrides`: live changes a resumed checkpoint carries; re-applied before the first step."""
         self.reader, self.cfg, self.engine, self.on_result = reader, cfg, engine, on_result
         self.overrides = {}
+        self.last_change = LiveChange(dict(overrides), None) if overrides else None
         if overrides:
             log.info("re-applying live hyperparameter changes from the checkpoint: %s", overrides)
         for name, value in overrides.items():
@@ -120,7 +134,14 @@ class LearnerControl:
         except HparamError as exc:
             self.answer(command, "rejected", str(exc), step)
             return
+        self.last_change = LiveChange(applied, step)
         self.answer(command, "applied", f"in force from step {step + 1}", step, applied)
+
+    def forget(self, change: LiveChange) -> None:
+        """Keep `change` out of the next checkpoint, so that a resume trains with the configured values
+        (it is still in force in this process)."""
+        for name in change.values:
+            self.overrides.pop(name, None)
 
     def _apply(self, values: dict[str, HparamValue]) -> dict[str, HparamValue]:
         applied = apply_learner(self.cfg, values)

@@ -21,13 +21,13 @@ import torch
 from deepspeed import DeepSpeedEngine
 from transformers import PreTrainedTokenizerBase
 
-from sparkrl.proto import ControlCommand, RankOrder, StepMetrics, TrajectoryGroup, decode_group
-from sparkrl.services.common.bus import Entry, RedisBus
+from sparkrl.proto import ControlCommand, RankOrder, StepMetrics, decode_group
+from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.recovery import TRAINED_PREFIX, WipeWatch
 from sparkrl.services.common.settings import LearnerSettings, WeightSyncSettings
 from sparkrl.services.common.telemetry import Telemetry
-from sparkrl.services.learner.batch import micro_batches, samples_from_groups
 from sparkrl.services.learner.checkpoint import (
+    CheckpointError,
     TrainState,
     cpu_weights,
     save_checkpoint,
@@ -35,16 +35,13 @@ from sparkrl.services.learner.checkpoint import (
 from sparkrl.services.learner.collect import Batch, BatchCollector
 from sparkrl.services.learner.control import LearnerControl, hparams_in_force
 from sparkrl.services.learner.exploration import exploration_stats, spark_tokens
+from sparkrl.services.learner.guard import StepGuard, Streak
 from sparkrl.services.learner.journal import Journal
 from sparkrl.services.learner.metrics import LearnerMetrics
 from sparkrl.services.learner.publisher import WeightPublisher
 from sparkrl.services.learner.ranks import RankLost, Ranks, lost, train_order
 from sparkrl.services.learner.reporting import Reporter, RunLog, fleet_timings, sample_rows, step_row
 from sparkrl.services.learner.tracking import Tracker
-from sparkrl.services.learner.trainer import (
-    old_policy,
-    token_logp_and_entropy,
-)
 from sparkrl.services.learner.update import compute_update
 from sparkrl.services.learner.validate import ModelLimits
 
@@ -54,21 +51,6 @@ T = TypeVar("T")
 
 PAUSED_POLL_S = 0.2  # how often a paused learner looks at the control stream
 TOP_SPARKS = 10  # sparks per step row, the most frequent
-
-
-@torch.no_grad()
-def probe_group(
-    engine: DeepSpeedEngine, group: TrajectoryGroup, cfg: LearnerSettings, pad_id: int
-) -> str | None:
-    """Forward one group alone (what a step does first); the error it raises, or None."""
-    try:
-        for mb in micro_batches(samples_from_groups([group]), cfg.micro_batch_tokens, pad_id):
-            mb = mb.to(engine.device)
-            old_policy(engine.module, mb, cfg)
-            token_logp_and_entropy(engine.module, mb)
-    except Exception as exc:  # whatever broke the step, for this group alone
-        return f"{type(exc).__name__}: {exc}"[:1500]
-    return None
 
 
 def finish_step(bus: RedisBus, batch: Batch, state: TrainState) -> int:
@@ -114,19 +96,34 @@ class Learner:
     stop_command: ControlCommand | None = field(default=None, init=False)  # the one that ended the run
     waited_data: float = field(default=0.0, init=False)  # seconds in `fill` since the last step
     waited_fleet: float = field(default=0.0, init=False)  # seconds in `fleet_in_reach` since the last step
-    failures: dict[str, int] = field(default_factory=dict)  # group id → failed steps it was in
     ended: str | None = field(default=None, init=False)  # why the run is over, once it is
     rank_lost: str | None = field(default=None, init=False)  # why the ranks cannot go on, once so
+    crashed: str | None = field(default=None, init=False)  # an exception out of the loop (service.main)
+    failed: str | None = field(default=None, init=False)  # why the run ends non-zero (service.close)
+    guard: StepGuard = field(init=False)  # a step that raised or was not finite; why the run must stop
 
     def __post_init__(self) -> None:
         self.collector = BatchCollector(self.bus, self.cfg, ModelLimits.of(self.engine.module, self.cfg))
         self.saved_step = self.state.step
+        self.guard = StepGuard(
+            self.engine,
+            self.cfg,
+            self.pad_id,
+            self.reference,
+            self.ranks is None,
+            self.bus,
+            self.collector,
+            self.control,
+            self.metrics,
+            self.state,
+            Streak(self.cfg.max_nonfinite_steps),
+        )
 
     def turn(self) -> bool:
         """One pass of the loop: the control boundary, then a step (or a paused wait). False once the run
         is over: max_steps, `stop`, or a stop command (kept in `stop_command`, answered at close)."""
         cfg, state = self.cfg, self.state
-        if self.stop.is_set() or self.stop_command is not None or self.rank_lost is not None:
+        if self.stop.is_set() or self.stop_command is not None or self.rank_lost or self.guard.stop:
             return False
         if cfg.max_steps is not None and state.step >= cfg.max_steps:
             self.ended = f"learner.max_steps ({cfg.max_steps}) reached"
@@ -136,7 +133,12 @@ class Learner:
             return False
         todo = self.control.boundary(state.step)
         for command in todo.checkpoints:
-            path = self.checkpoint(command.body.tag)  # type: ignore[union-attr]
+            try:
+                path = self.checkpoint(command.body.tag)  # type: ignore[union-attr]
+            except CheckpointError as exc:
+                log.error("%s (a checkpoint command); training goes on", exc)
+                self.control.answer(command, "rejected", str(exc), state.step)
+                continue
             self.control.answer(command, "applied", f"checkpoint {path}", state.step)
         if todo.stop is not None:
             self.stop_command = todo.stop
@@ -192,25 +194,6 @@ class Learner:
                 return True
             time.sleep(0.05)
 
-    def failed_step(self, batch: Batch, error: Exception) -> None:
-        """A step raised: the process stays up, its groups go back. A group that fails its own probe (a
-        forward pass of it alone), or a second step, is dead-lettered by itself with the error."""
-        log.exception("step %d failed on %d groups; probing each", self.state.step + 1, len(batch.groups))
-        self.metrics.step_failures.inc()
-        self.engine.zero_grad()  # a half-accumulated gradient must not leak into the next step
-        reason = f"{type(error).__name__}: {error}"[:1500]
-        back: tuple[list[TrajectoryGroup], list[Entry]] = ([], [])
-        for group, entry in zip(batch.groups, batch.entries, strict=True):
-            self.failures[group.group_id] = self.failures.get(group.group_id, 0) + 1
-            probe = probe_group(self.engine, group, self.cfg, self.pad_id)
-            if probe is not None or self.failures[group.group_id] >= 2:
-                why = f"fails alone: {probe}" if probe else f"failed two training steps, last: {reason}"
-                self.metrics.dead_lettered.inc(self.bus.dead_letter("trajectories", entry, why))
-                continue
-            back[0].append(group)
-            back[1].append(entry)
-        self.collector.give_back(*back)
-
     def replay(self) -> int:
         """Redo the steps the journal holds after the checkpoint, in order, as the same steps: their
         groups were acknowledged, so only this makes the resumed model reflect them. Returns how many."""
@@ -231,29 +214,29 @@ class Learner:
 
     def train(self, batch: Batch, journaled: bool = False) -> StepMetrics | None:
         """One optimizer step on `batch`: update, journal, acknowledge, publish, report, maybe checkpoint.
-        `journaled`: a replay, whose entries are in the journal already."""
+        `journaled`: a replay, whose entries are in the journal already. None: no step was taken (it
+        raised, or none of its update was applied: its groups went back), or the run must stop
+        (`guard.stop`)."""
         cfg, state = self.cfg, self.state
         started = time.monotonic()
         timings = {"wait_data": self.waited_data, "wait_fleet": self.waited_fleet}
         self.waited_data = self.waited_fleet = 0.0
-        if self.ranks is not None:  # every rank takes part in the update: a failure ends the run
-            ranks = self.ranks
-
-            def update() -> dict[str, float]:
-                ranks.send(train_order(batch.groups, cfg, state.step + 1))
-                return compute_update(
-                    self.engine, batch, cfg, self.pad_id, state.step + 1, self.reference, timings, ranks
-                )
-
-            stats = self.collective(f"step {state.step + 1}", update)
-        else:
-            try:
-                stats = compute_update(
-                    self.engine, batch, cfg, self.pad_id, state.step + 1, self.reference, timings
-                )
-            except Exception as exc:  # a bad batch must cost its step, not the process (and every restart)
-                self.failed_step(batch, exc)
+        stats = self.update(batch, timings)
+        if stats is None:
+            return None
+        if stats.get("updates_skipped"):
+            applied = self.guard.not_applied(batch, stats, journaled)
+            if applied is None:
                 return None
+            batch = applied
+        else:
+            self.guard.streak.reset()
+            self.metrics.nonfinite_in_a_row.set(0)
+        mark = time.perf_counter()
+        weights = self.full_weights()
+        if not self.guard.publishable(weights, self.saved_step):
+            return None
+        timings["copy_weights"] = time.perf_counter() - mark
         state.step += 1
         state.policy_version += 1
         if not journaled:
@@ -262,15 +245,10 @@ class Learner:
         acked = finish_step(self.bus, batch, state) + self.collector.acked
         self.collector.acked = 0
         timings["bookkeeping"], mark = time.perf_counter() - mark, time.perf_counter()
-        self.publisher.submit(state.policy_version, self.full_weights())
-        timings["publish"] = time.perf_counter() - mark  # the CPU copy; the broadcast runs on its thread
+        self.publisher.submit(state.policy_version, weights)
+        timings["publish"] = time.perf_counter() - mark  # the broadcast runs on the publisher's thread
         if state.step == cfg.max_steps:
-            # The last row should show where the fleet ends up, not where it was mid-broadcast; and a
-            # worker outside the group (it joined late, or is still loading) catches up over HTTP while
-            # we still serve the snapshot: a fleet under compose or Kubernetes outlives the learner.
-            self.publisher.flush(self.sync.timeout_s)
-            fleet = tuple(dict.fromkeys([*self.publisher.members, *self.telemetry.worker_versions()]))
-            self.telemetry.wait_for_fleet(fleet, state.policy_version, timeout_s=self.sync.timeout_s)
+            self.settle_fleet()
         depth = (self.bus.pending_info("trajectories"), self.bus.pending_info("prompts"))
         fleet = self.telemetry.live_workers()
         row = step_row(
@@ -294,8 +272,38 @@ class Learner:
         self.metrics.observe_step(row, len(batch.groups), acked)
         self.reporter.update(row=row)
         if state.step % cfg.checkpoint_every == 0:
-            self.checkpoint(None)
+            self.checkpoint_or_log()
         return row
+
+    def settle_fleet(self) -> None:
+        """At the last step: the last row should show where the fleet ends up, not where it was
+        mid-broadcast; and a worker outside the group (it joined late, or is still loading) catches up
+        over HTTP while we still serve the snapshot: a fleet under compose or Kubernetes outlives us."""
+        self.publisher.flush(self.sync.timeout_s)
+        fleet = tuple(dict.fromkeys([*self.publisher.members, *self.telemetry.worker_versions()]))
+        self.telemetry.wait_for_fleet(fleet, self.state.policy_version, timeout_s=self.sync.timeout_s)
+
+    def update(self, batch: Batch, timings: dict[str, float]) -> dict[str, float] | None:
+        """The step's update (compute_update) on every rank; None: it raised, and `failed_step` sent its
+        groups back (one rank; across ranks a failure ends the run)."""
+        cfg, state = self.cfg, self.state
+        if self.ranks is not None:
+            ranks = self.ranks
+
+            def update() -> dict[str, float]:
+                ranks.send(train_order(batch.groups, cfg, state.step + 1))
+                return compute_update(
+                    self.engine, batch, cfg, self.pad_id, state.step + 1, self.reference, timings, ranks
+                )
+
+            return self.collective(f"step {state.step + 1}", update)
+        try:
+            return compute_update(
+                self.engine, batch, cfg, self.pad_id, state.step + 1, self.reference, timings
+            )
+        except Exception as exc:  # a bad batch must cost its step, not the process (and every restart)
+            self.guard.failed_step(batch, exc)
+            return None
 
     def _top_sparks(self, batch: Batch) -> dict[str, int]:
         top: dict[str, int] = {}
@@ -344,23 +352,44 @@ class Learner:
             self.ranks.send(RankOrder(kind="save", path=str(path)))
 
     def checkpoint(self, tag: str | None) -> Path:
+        """Write a checkpoint, then trim the journal up to it. Raises CheckpointError, trimming nothing:
+        the journal must keep every step since the last checkpoint that was written."""
         previous = self.reporter.report.phase
         self.reporter.update(phase="checkpointing")
         self.state.hparam_overrides = dict(self.control.overrides)
-        path = self.collective(
-            "the checkpoint",
-            lambda: save_checkpoint(
-                self.engine,
-                self.tokenizer,
-                self.run_dir,
-                self.state,
-                self.cfg.keep_checkpoints,
-                tag,
-                before_save=self._order_save,
-            ),
-        )
+        try:
+            path = self.collective(
+                "the checkpoint",
+                lambda: save_checkpoint(
+                    self.engine,
+                    self.tokenizer,
+                    self.run_dir,
+                    self.state,
+                    self.cfg.keep_checkpoints,
+                    tag,
+                    before_save=self._order_save,
+                ),
+            )
+        except CheckpointError:
+            self.metrics.checkpoint_failures.inc()
+            raise
+        finally:
+            self.reporter.update(phase=previous)
         self.journal.trim(self.state.step)  # the checkpoint holds those steps now
         self.saved_step = self.state.step
         self.metrics.checkpoints.inc()
-        self.reporter.update(phase=previous, last_checkpoint=str(path))
+        self.reporter.update(last_checkpoint=str(path))
         return path
+
+    def checkpoint_or_log(self) -> None:
+        """A periodic checkpoint; one that cannot be written costs a line, and the next one retries."""
+        try:
+            self.checkpoint(None)
+        except CheckpointError as exc:
+            log.error(
+                "%s; training goes on: the journal keeps the %d steps since step %d, the next checkpoint "
+                "retries",
+                exc,
+                self.state.step - self.saved_step,
+                self.saved_step,
+            )

@@ -50,6 +50,21 @@ class LearnerMetrics:
         self.step_failures = Counter(
             "sparkrl_learner_step_failures", "Steps that raised (their groups went back).", registry=r
         )
+        self.nonfinite_skipped = Counter(
+            "sparkrl_learner_nonfinite_skipped",
+            "Optimizer updates not applied: their loss or gradient norm was not finite.",
+            registry=r,
+        )
+        self.nonfinite_in_a_row = Gauge(
+            "sparkrl_learner_nonfinite_in_a_row",
+            "Steps in a row with an update not applied (learner.max_nonfinite_steps stops the run).",
+            registry=r,
+        )
+        self.checkpoint_failures = Counter(
+            "sparkrl_learner_checkpoint_failures",
+            "Checkpoints that could not be written (training went on; the journal keeps the steps).",
+            registry=r,
+        )
         self.dead_lettered = Counter(
             "sparkrl_learner_groups_dead_lettered", "Groups dead-lettered by the learner.", registry=r
         )

@@ -94,6 +94,7 @@ def step_row(
         "time/tokens_per_s": tokens / seconds if seconds > 0 else None,
     }
     metrics["rollout/dropped_stale_total"] = float(state.groups_dropped_stale)
+    metrics["loss/nonfinite_skipped_total"] = float(state.nonfinite_skipped)  # updates not applied
     metrics |= status_counts(batch.groups)
     metrics |= {f"time/{part}_s": value for part, value in (timings or {}).items()}
     metrics |= exploration or {}

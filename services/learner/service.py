@@ -26,9 +26,17 @@ from sparkrl.services.common.recovery import WipeWatch, warn_if_not_persistent
 from sparkrl.services.common.settings import LearnerSettings, SparkSettings
 from sparkrl.services.common.telemetry import LEARNER, Telemetry
 from sparkrl.services.common.weight_sync.files import WeightFileServer
-from sparkrl.services.learner.checkpoint import TrainState, latest_checkpoint, load_checkpoint
+from sparkrl.services.learner.checkpoint import (
+    CheckpointError,
+    TrainState,
+    drop_overrides,
+    latest_checkpoint,
+    load_checkpoint,
+    nonfinite_tensors,
+)
 from sparkrl.services.learner.control import LearnerControl, hparams_in_force
 from sparkrl.services.learner.follower import follow
+from sparkrl.services.learner.guard import broken_start, final_checkpoint_failed
 from sparkrl.services.learner.journal import Journal
 from sparkrl.services.learner.learner import Learner, Setup
 from sparkrl.services.learner.metrics import LearnerMetrics
@@ -179,9 +187,16 @@ def build(
         void_discarded_versions(state, last_announced_version(bus, run_dir / "snapshots"))
         loop.collector.void_versions = state.void_versions
         files.wait_listed()  # the first announcement carries the model's digest
+        weights = loop.full_weights()
+        if names := nonfinite_tensors(weights):  # a checkpoint or model that was saved broken
+            loop.guard.weights_broken = True
+            loop.guard.stop = broken_start(names, state.step, str(latest_checkpoint(run_dir) or cfg.model))
+            raise RuntimeError(loop.guard.stop)
         # A fresh run's version 0 is the model every worker loaded already; a resumed one must be sent.
-        publisher.submit(state.policy_version, loop.full_weights(), broadcast=resumed or replayed > 0)
-    except BaseException:
+        publisher.submit(state.policy_version, weights, broadcast=resumed or replayed > 0)
+    except BaseException as exc:
+        if loop.guard.stop is None:  # ended.json says why (a replay that failed, a signal, ...)
+            loop.crashed = f"the learner failed to start: {type(exc).__name__}: {exc}"[:2000]
         close(service)
         raise
     return service
@@ -198,23 +213,36 @@ def step(service: LearnerService) -> bool:
 
 def close(service: LearnerService) -> None:
     """The final checkpoint first (disk only, before anything that may wait on the network), then the
-    stop command's answer, the last broadcast, the heartbeat and the listeners."""
+    stop command's answer, the last broadcast, the heartbeat and the listeners. `ended.json` says why
+    the run ended; `loop.failed`, why it ends non-zero (`main` exits so)."""
     loop = service.loop
     state, command = loop.state, loop.stop_command
     keep_final = command is None or command.body.checkpoint  # type: ignore[union-attr]
     keep_final = keep_final and loop.rank_lost is None  # the ranks' partitions cannot all be written
+    keep_final = keep_final and not loop.guard.weights_broken  # never checkpoint weights that are not finite
+    causes = [why for why in (loop.rank_lost, loop.crashed, loop.guard.stop) if why]  # each ends non-zero
+    final_failed: list[str] = []
     if keep_final and state.step > loop.saved_step:
         try:
             loop.checkpoint(None)
         except RankLost:
             log.warning("no final checkpoint: the learner's ranks cannot all write theirs (see above)")
+        except CheckpointError as exc:
+            keep_final = False
+            final_failed.append(final_checkpoint_failed(exc, state.step, loop.saved_step))
+            log.error("%s", final_failed[0])
+    suspect, latest = loop.guard.suspect, latest_checkpoint(loop.run_dir)
+    if suspect is not None and latest is not None:
+        drop_overrides(latest, list(suspect.values))  # an older checkpoint may carry it
     loop.release_ranks()
     loop.reporter.update(phase="stopping")
     if command is not None:
         where = f"; checkpoint {loop.reporter.report.last_checkpoint}" if keep_final else ""
         loop.control.answer(command, "applied", f"stopped at step {state.step}{where}", state.step)
     loop.publisher.close()
-    ended = loop.rank_lost or loop.ended or ("a stop command" if command is not None else "stopped (signal)")
+    loop.failed = "; then ".join(causes + final_failed) or None
+    normal = loop.ended or ("a stop command" if command is not None else "stopped (signal)")
+    ended = loop.failed if causes else "; then ".join([normal, *final_failed])
     write_ended(loop.run_dir, ended, state.step)
     loop.reporter.update(phase="stopped")
     loop.reporter.close()
@@ -243,7 +271,10 @@ def main(
         running = True
         while running:
             running = step(service)
+    except Exception as exc:  # ended.json must say so, not "stopped (signal)"
+        service.loop.crashed = f"the learner failed: {type(exc).__name__}: {exc}"[:2000]
+        raise
     finally:
         close(service)
-    if service.loop.rank_lost is not None:
-        raise SystemExit(f"learner: {service.loop.rank_lost}")
+    if service.loop.failed is not None:
+        raise SystemExit(f"learner: {service.loop.failed}")
