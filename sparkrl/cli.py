@@ -17,9 +17,11 @@ import typer
 from sparkrl.services.common.logs import setup_logging
 from sparkrl.services.common.settings import SparkSettings, describe_settings_error, load_settings
 
-app = typer.Typer(
-    add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help=__doc__.splitlines()[0]
+SUMMARY = (
+    "sparkrl: RL from verifiable rewards with Lp-Reg. `sparkrl up --preset demo` runs the whole stack; one "
+    "command per service, the control clients, `report` and `eval` for the rest."
 )
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False, help=SUMMARY)
 
 
 def _version(value: bool) -> None:
@@ -263,6 +265,12 @@ def up(
             "learner.ranks > 1 runs the learner under torchrun, which --ray does not do yet: drop --ray, "
             "or set learner.ranks=1",
             param_hint="--ray",
+        )
+    if cfg.control.read_token is not None:
+        raise typer.BadParameter(
+            "control.read_token is for a control service that gets its own environment (compose, "
+            "Kubernetes); `sparkrl up` writes no secret into a config file: set control.protect_reads=true "
+            "instead (the run's token, RUN_DIR/control-token, then reads too)"
         )
     from sparkrl.plan import prepare_run_dir
 

@@ -42,7 +42,12 @@ SERVICES = {"redis", "reward", "control", "learner", "rollout", "evaluator", "pr
 # The opt-in profile `monitoring`: not sparkrl commands, started only with `--profile monitoring`.
 MONITORING = {"prometheus", "grafana"}
 # What the stack reads from the environment at `up` (never from a file in the repository).
-SECRETS = {"CONTROL_TOKEN": "t" * 24, "SYNC_SECRET": "s" * 32, "REDIS_PASSWORD": "p" * 24}
+SECRETS = {
+    "CONTROL_TOKEN": "t" * 24,
+    "CONTROL_READ_TOKEN": "r" * 24,
+    "SYNC_SECRET": "s" * 32,
+    "REDIS_PASSWORD": "p" * 24,
+}
 CLI = typing.cast(Any, typer.main.get_command(app))
 Service = dict[str, Any]
 
@@ -387,6 +392,11 @@ def test_secrets_come_from_the_environment_only() -> None:
     for name in STACKS:
         services = stack(name)
         assert environment(services["control"])["SPARKRL_CONTROL__TOKEN"] == SECRETS["CONTROL_TOKEN"]
+        # The read routes need a token too: the control port is published.
+        assert (
+            environment(services["control"])["SPARKRL_CONTROL__READ_TOKEN"] == SECRETS["CONTROL_READ_TOKEN"]
+        )
+        assert service_settings(services["control"]).control.read_token is not None
         for role in ("learner", "rollout", "evaluator"):
             assert environment(services[role])["SPARKRL_SYNC__SECRET"] == SECRETS["SYNC_SECRET"]
         for service in services.values():

@@ -41,6 +41,7 @@ WORKLOADS = ("Deployment", "StatefulSet", "Job")
 # Stand-ins for the user's own deploy/k8s/base/secrets.env, which the test never reads.
 SECRETS = {
     "CONTROL_TOKEN": "test-control-token",
+    "CONTROL_READ_TOKEN": "test-control-read-token",
     "REDIS_PASSWORD": "test-redis-password",
     "SYNC_SECRET": "test-sync-secret-0123456789abcdef",
 }

@@ -12,7 +12,8 @@ free ports, then runs the stack as a user would and checks what it promises:
    inside a container: the run's audit trail, its checkpoint and the bus).
 2. `docker compose down` (the volumes stay) and `up` again with the same preset but a later last step (20):
    the learner resumes from the checkpoint on the volume; while it trains, the control API refuses a
-   command without the token and answers it with the token from the env file; it reaches the new last
+   command without the token (or with the read-only one) and answers it with the token from the env
+   file, and refuses a read without a token; it reaches the new last
    step with both workers on its version; the audit over both runs finds no group trained twice; and
    every query of the Grafana dashboard returns a series from the profile's Prometheus.
 
@@ -113,7 +114,7 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
-                _, fleet = http(f"{self.control}/api/v1/workers")
+                _, fleet = self.read("/api/v1/workers")
                 loaded = [w for w in fleet["workers"] if w["policy_version"] is not None]
                 if len(loaded) >= workers:
                     say(f"{len(loaded)} workers hold the model: the feeder starts")
@@ -122,6 +123,10 @@ class Stack:
                 pass
             time.sleep(1)
         raise SmokeFailed(f"{workers} workers did not load the model within {timeout_s:.0f}s", "rollout")
+
+    def read(self, path: str) -> tuple[int, Any]:
+        """A read route of the control API, with the read-only token (compose sets control.read_token)."""
+        return http(self.control + path, token=self.env["CONTROL_READ_TOKEN"])
 
     def containers(self) -> list[dict[str, Any]]:
         out = self("ps", "--all", "--format", "json", capture_output=True).stdout.strip()
@@ -191,8 +196,8 @@ def wait_for_end(stack: Stack, workers: int, max_steps: int, timeout_s: float, d
         if code not in (None, 0):
             raise LearnerFailed(code)
         try:
-            _, status = http(f"{stack.control}/api/v1/status")
-            _, fleet = http(f"{stack.control}/api/v1/workers")
+            _, status = stack.read("/api/v1/status")
+            _, fleet = stack.read("/api/v1/workers")
             versions = {w["worker_id"]: w["policy_version"] for w in fleet["workers"]}
             held = " ".join(f"{k}:{v}" for k, v in sorted(versions.items())) or "none yet"
             line = f"learner {status['state']} step {status['step']}/{max_steps}; workers {held}"
@@ -232,7 +237,7 @@ def check_audit(stack: Stack, steps: int) -> dict[str, Any]:
 
 
 def check_evals(stack: Stack) -> None:
-    _, page = http(f"{stack.control}/api/v1/evals")
+    _, page = stack.read("/api/v1/evals")
     records = page["items"] if isinstance(page, dict) else []
     versions = sorted({r["policy_version"] for r in records})
     say(f"evaluator: {len(records)} held-out records, versions {versions}")
@@ -252,10 +257,17 @@ class TokenCheck:
         url, token = f"{self.stack.control}/api/v1/checkpoint", self.stack.env["CONTROL_TOKEN"]
         without, _ = http(url, "POST")
         wrong, _ = http(url, "POST", token="not-" + token)
+        viewer, _ = http(url, "POST", token=self.stack.env["CONTROL_READ_TOKEN"])
         code, body = http(url, "POST", token=token)
-        say(f"control API at step {status['step']}: no token {without}, wrong token {wrong}, token {code}")
-        if without != 401 or wrong != 403 or code != 200:
-            raise SmokeFailed(f"POST /api/v1/checkpoint answered {without}/{wrong}/{code}: {body}", "control")
+        unread, _ = http(f"{self.stack.control}/api/v1/status")
+        say(
+            f"control API at step {status['step']}: checkpoint with no token {without}, a wrong one {wrong}, "
+            f"the read token {viewer}, the token {code}; status without a token {unread}"
+        )
+        if (without, wrong, viewer, code, unread) != (401, 403, 403, 200, 401):
+            raise SmokeFailed(
+                f"the control API answered {without}/{wrong}/{viewer}/{code}/{unread}: {body}", "control"
+            )
         self.done = True
 
 
@@ -278,6 +290,7 @@ def write_env_file() -> tuple[Path, dict[str, str]]:
         "BASE_IMAGE": BASE_IMAGE,
         "PROMETHEUS_IMAGE": PROMETHEUS_IMAGE,
         "CONTROL_TOKEN": secrets.token_urlsafe(24),
+        "CONTROL_READ_TOKEN": secrets.token_urlsafe(24),
         "SYNC_SECRET": secrets.token_hex(32),
         "REDIS_PASSWORD": secrets.token_urlsafe(24),
         "ROLLOUT_METRICS_PORTS": ROLLOUT_PORTS,

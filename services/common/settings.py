@@ -177,6 +177,11 @@ class ControlSettings(Section):
         None, description="File holding the token (`sparkrl up` writes RUN_DIR/control-token, mode 0600)."
     )
     protect_reads: bool = Field(False, description="Require the token on the read routes and the page too.")
+    read_token: SecretStr | None = Field(
+        None,
+        description="A read-only token (env SPARKRL_CONTROL__READ_TOKEN): when set, the read routes and the "
+        "page require it or the control token, so viewers can watch without the power to steer.",
+    )
     command_timeout_s: float = Field(
         30.0,
         gt=0,
@@ -593,6 +598,12 @@ def write_resolved(settings: SparkSettings, path: Path) -> Path:
     pydantic would write it masked anyway, breaking the service that reads it back."""
     if settings.control.token is not None:
         raise ValueError("refusing to write control.token into a config file: use control.token_file")
+    if settings.control.read_token is not None:
+        raise ValueError(
+            "control.read_token is for a control service that gets its environment (compose, Kubernetes: "
+            "SPARKRL_CONTROL__READ_TOKEN); `sparkrl up` writes no secret into a config file: use "
+            "control.protect_reads there (the run's token, RUN_DIR/control-token, then reads too)"
+        )
     path.parent.mkdir(parents=True, exist_ok=True)
     # Owner-only: a resolved tree may hold the Redis password and the weight-sync secret.
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -2,13 +2,16 @@
 
 Stateless: everything it shows it reads from the telemetry channel in Redis, and every command it
 writes to the control stream, so it keeps working while the learner restarts and runs as its own
-container. Mutating routes need the bearer token; reads too with `control.protect_reads`.
+container. Mutating routes need the bearer token; reads too with `control.protect_reads`, or the read-only
+`control.read_token` (either token then reads).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
+from types import FrameType
 from typing import Annotated, Any
 
 import uvicorn
@@ -41,7 +44,7 @@ from sparkrl.services.common.http import AsciiJSON, install_validation_handler
 from sparkrl.services.common.settings import BusSettings, ControlSettings, SparkSettings
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.control.auth import TokenCheck, resolve_token
-from sparkrl.services.control.commands import Commander, NoTarget, Rejected, TimedOut
+from sparkrl.services.control.commands import Commander, NoTarget, Rejected, ShuttingDown, TimedOut
 from sparkrl.services.control.events import event_stream, parse_cursor
 from sparkrl.services.control.fleet import fleet_registry
 from sparkrl.services.control.views import status_view, workers_view
@@ -54,7 +57,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"description": "No bearer token."},
     403: {"description": "Wrong bearer token."},
     409: {"description": "Nothing live could apply the command (nothing was sent)."},
-    503: {"description": "Redis is unreachable."},
+    503: {"description": "Redis is unreachable, or the control service is shutting down."},
     504: {"model": CommandTimeout, "description": "Not every target answered in control.command_timeout_s."},
 }
 
@@ -66,7 +69,10 @@ def create_app(cfg: ControlSettings, bus_cfg: BusSettings) -> FastAPI:
     telemetry = Telemetry(bus)
     commander = Commander(bus, telemetry, cfg.command_timeout_s)
     registry, commands_counter = fleet_registry(telemetry, bus)
-    read = [Depends(TokenCheck(token, required=cfg.protect_reads))]
+    read_token = cfg.read_token.get_secret_value() if cfg.read_token is not None else None
+    readers = (token, read_token) if read_token else (token,)
+    protected = cfg.protect_reads or bool(read_token)
+    read = [Depends(TokenCheck(*readers, required=protected))]
     write = [Depends(TokenCheck(token))]
     app = FastAPI(
         title="sparkrl control",
@@ -74,8 +80,12 @@ def create_app(cfg: ControlSettings, bus_cfg: BusSettings) -> FastAPI:
         description="Steer a running sparkrl job and watch its fleet. Mutating routes need "
         "`Authorization: Bearer <token>` (RUN_DIR/control-token under `sparkrl up`).",
         default_response_class=AsciiJSON,
+        **({"docs_url": None, "redoc_url": None, "openapi_url": None} if protected else {}),
     )
     _errors(app)
+    if protected:
+        _schema_behind_the_token(app, read)
+    app.state.stopping = commander.stopping  # set by the server on SIGTERM/SIGINT (`main`)
 
     def run(body: ControlBody) -> CommandResponse | AsciiJSON:
         try:
@@ -85,6 +95,8 @@ def create_app(cfg: ControlSettings, bus_cfg: BusSettings) -> FastAPI:
             response, code = AsciiJSON({"detail": str(exc)}, status_code=409), 409
         except Rejected as exc:
             response, code = AsciiJSON({"detail": [p.as_error() for p in exc.problems]}, status_code=422), 422
+        except ShuttingDown as exc:
+            response, code = AsciiJSON({"detail": str(exc)}, status_code=503), 503
         except TimedOut as exc:
             body_504 = CommandTimeout(
                 detail=str(exc), command_id=exc.command_id, waiting_for=exc.waiting_for, results=exc.results
@@ -197,6 +209,15 @@ def create_app(cfg: ControlSettings, bus_cfg: BusSettings) -> FastAPI:
     return app
 
 
+def _schema_behind_the_token(app: FastAPI, read: list[Any]) -> None:
+    """With protected reads the OpenAPI schema is a read like the others; no /docs page (a browser does not
+    send the bearer token the schema then needs)."""
+
+    @app.get("/openapi.json", dependencies=read, include_in_schema=False)
+    def openapi() -> dict[str, Any]:
+        return app.openapi()
+
+
 def _errors(app: FastAPI) -> None:
     install_validation_handler(app)
 
@@ -218,6 +239,20 @@ def main(cfg: SparkSettings) -> None:
         timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
     )
     try:
-        uvicorn.Server(config).run()
+        _Server(config, app.state.stopping).run()
     except KeyboardInterrupt:
         log.info("control service interrupted")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which on a stop signal first tells the commands still waiting for answers: each
+    answers 503 with what was sent (within a wait slice), instead of being cancelled into a 500 when the
+    graceful shutdown runs out."""
+
+    def __init__(self, config: uvicorn.Config, stopping: threading.Event) -> None:
+        super().__init__(config)
+        self.stopping = stopping
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.stopping.set()
+        super().handle_exit(sig, frame)

@@ -33,10 +33,11 @@ def resolve_token(cfg: ControlSettings) -> str:
 
 
 class TokenCheck:
-    """A FastAPI dependency; `required=False` lets every request through (reads without protect_reads)."""
+    """A FastAPI dependency accepting any of `tokens`; `required=False` lets every request through (reads
+    without protect_reads or a read token)."""
 
-    def __init__(self, token: str, required: bool = True) -> None:
-        self._token = token.encode()
+    def __init__(self, *tokens: str, required: bool = True) -> None:
+        self._tokens = [token.encode() for token in tokens]
         self.required = required
 
     def __call__(self, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> None:
@@ -48,5 +49,7 @@ class TokenCheck:
                 "missing bearer token: send `Authorization: Bearer <token>`",
                 {"WWW-Authenticate": "Bearer"},
             )
-        if not hmac.compare_digest(credentials.credentials.encode(), self._token):
+        given = credentials.credentials.encode()
+        # Every token compared, constant-time: which one matched is not timed out of the service.
+        if not any([hmac.compare_digest(given, token) for token in self._tokens]):
             raise HTTPException(403, "wrong token")

@@ -2,11 +2,14 @@
 to the control stream, and wait for every target's `CommandResult`.
 
 Nothing is sent when a target is missing (409) or a value is out of bounds (422); a target that stops
-heartbeating while we wait is reported as `gone`, not waited for; the wait itself is bounded (504).
+(a learner that stopped or went silent, a worker whose heartbeat expired) while we wait is reported as
+`gone`, not waited for — and when every target went that way, nobody applied it (409); the wait itself is
+bounded (504); when the service itself shuts down, a command waiting is answered at once (503).
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -63,11 +66,31 @@ class TimedOut(RuntimeError):
         )
 
 
+@dataclass
+class ShuttingDown(RuntimeError):
+    """The control service is stopping (503): nothing was sent, or (`command_id`) the command was sent and
+    these targets had not answered yet."""
+
+    command_id: str | None = None
+    waiting_for: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        if self.command_id is None:
+            return "the control service is shutting down: nothing was sent; try again once it is back"
+        return (
+            f"the control service is shutting down: command {self.command_id} was sent and "
+            f"{', '.join(self.waiting_for)} had not answered yet (it may still apply it; "
+            "/api/v1/events shows its results once the service is back)"
+        )
+
+
 class Commander:
-    """The control service's only writer to the control stream."""
+    """The control service's only writer to the control stream. `stopping`: set when the service shuts
+    down; every command then answers at once instead of being cut off mid-wait."""
 
     def __init__(self, bus: RedisBus, telemetry: Telemetry, timeout_s: float) -> None:
         self.bus, self.telemetry, self.timeout_s = bus, telemetry, timeout_s
+        self.stopping = threading.Event()
 
     def targets(self, body: ControlBody) -> list[str]:
         """The live targets that must answer `body`; raises NoTarget when a needed one is missing."""
@@ -101,6 +124,8 @@ class Commander:
 
     def issue(self, body: ControlBody) -> CommandResponse:
         """Send `body` to every live target that obeys it and wait for their answers."""
+        if self.stopping.is_set():
+            raise ShuttingDown()
         if body.command == "set_hparams":
             self.validate(body.values)  # type: ignore[union-attr]
         targets = self.targets(body)
@@ -132,6 +157,8 @@ class Commander:
         cursors = {RESULTS_LOG: cursor}
         while waiting:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
+            if self.stopping.is_set():
+                raise ShuttingDown(command.command_id, tuple(sorted(waiting)))
             if remaining_ms <= 0:
                 raise TimedOut(command.command_id, sorted(waiting), list(results.values()), self.timeout_s)
             for event in self.telemetry.follow(cursors, block_ms=min(_WAIT_SLICE_MS, remaining_ms)):
@@ -140,9 +167,16 @@ class Commander:
                     results[result.target] = result
                     waiting.discard(result.target)
             live = {worker_target(w) for w in self.telemetry.workers()}
-            for target in sorted(t for t in waiting if t != LEARNER and t not in live):
-                waiting.discard(target)  # its heartbeat expired: it will not answer
+            if waiting and Telemetry.learner_alive(self.telemetry.learner()):
+                live.add(LEARNER)
+            for target in sorted(t for t in waiting if t not in live):
+                waiting.discard(target)  # stopped, or its heartbeat expired: it will not answer
                 gone.append(target)
+        if gone and not results:
+            raise NoTarget(
+                f"{', '.join(gone)} stopped before answering command {command.command_id}: it was most "
+                "likely not applied (a run that is stopping takes no more commands)"
+            )
         outcomes = {r.outcome for r in results.values()}
         outcome = outcomes.pop() if len(outcomes) == 1 else ("partial" if outcomes else "rejected")
         return CommandResponse(
