@@ -1,4 +1,5 @@
-"""The prompt feeder: a dataset or task → the prompt stream, with back-pressure and idempotent ids."""
+"""The prompt feeder: a dataset or task → the prompt stream, with back-pressure and idempotent ids; and
+the feed hold: a burst of dead letters stops the fleet taking prompts instead of burning the data set."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from sparkrl.proto import Prompt, encode_message, group_id_for
-from sparkrl.services.common.bus import RedisBus
+from sparkrl.proto.telemetry import StateEvent
+from sparkrl.services.common.bus import DeadLetter, RedisBus
 from sparkrl.services.common.recovery import TRAINED_PREFIX, incarnation
+from sparkrl.services.common.telemetry import Telemetry
 
 log = logging.getLogger("sparkrl.feeder")
 
@@ -83,3 +86,70 @@ def watch_and_refeed(
         known = now
         report = feed_all()
         log.info("fed %d prompts again (%d trained or present)", report.published, report.duplicates)
+
+
+# ── the feed hold ─────────────────────────────────────────────────────────────────────────────────────
+
+FEED_STATE = "feed_state"  # named value: the feed's last `StateEvent` (target `feed`): `held` or `flowing`
+FEED_TARGET = "feed"
+
+
+def feed_state(bus: RedisBus) -> StateEvent | None:
+    """The feed's last change (None: never held); its `state` is `held` or `flowing`."""
+    raw = bus.get_value(FEED_STATE)
+    if not raw:
+        return None
+    try:
+        return StateEvent.model_validate_json(raw)
+    except ValueError:  # another build's or a hand edit: a hold nobody can read must not stop the fleet
+        log.warning("ignoring a malformed feed state: %r", raw[:200])
+        return None
+
+
+def feed_held(bus: RedisBus) -> StateEvent | None:
+    """The hold in force, or None when prompts flow."""
+    state = feed_state(bus)
+    return state if state is not None and state.state == "held" else None
+
+
+def dead_letter_burst(bus: RedisBus, limit: int, window_s: float) -> list[DeadLetter] | None:
+    """The newest prompt dead letters when more than `limit` of them fall within the last `window_s` (and
+    after the feed last flowed again, so a lifted hold is not held again for the same burst); else None.
+
+    The fleet's dead letters, not one worker's: a burst spread over many workers counts whole. The dead
+    stream mixes both streams' letters, so twice the limit is read back (an approximation when the
+    learner dead-letters groups in the same moments)."""
+    state = feed_state(bus)
+    since = max(time.time() - window_s, state.at if state is not None else 0.0)
+    key = bus.stream_key("prompts")
+    letters = bus.dead_letters(count=2 * (limit + 1))
+    recent = [d for d in letters if d.stream == key and d.time_ms >= since * 1000]
+    return recent if len(recent) > limit else None
+
+
+def hold_feed(telemetry: Telemetry, by: str, detail: str) -> bool:
+    """Hold the feed (no worker takes prompts until `resume`) and alert: a log line and a `StateEvent`
+    on the telemetry channel; False when it was held already (the first worker to see a burst alerts)."""
+    if feed_held(telemetry.bus) is not None:
+        return False
+    event = StateEvent(
+        target=FEED_TARGET, state="held", previous="flowing", detail=detail[:2000], at=time.time()
+    )
+    telemetry.bus.set_value(FEED_STATE, event.model_dump_json())
+    telemetry.append(event)
+    log.error("FEED HELD by %s, no worker takes prompts: %s", by, detail)
+    return True
+
+
+def lift_feed_hold(telemetry: Telemetry, by: str) -> StateEvent | None:
+    """Let prompts flow again (a `resume`); the hold that was lifted, or None when none was in force."""
+    held = feed_held(telemetry.bus)
+    if held is None:
+        return None
+    event = StateEvent(
+        target=FEED_TARGET, state="flowing", previous="held", detail=f"lifted by {by}", at=time.time()
+    )
+    telemetry.bus.set_value(FEED_STATE, event.model_dump_json())
+    telemetry.append(event)
+    log.warning("feed hold lifted by %s (it was held: %s)", by, held.detail)
+    return held

@@ -1,6 +1,9 @@
-"""HTTP client of the reward service: one batch call per group, retried with backoff.
+"""HTTP client of the reward service: one batch call per group, retried with backoff within a deadline.
 
-It lives in `common` because the rollout worker calls it and services never import one another.
+It lives in `common` because the rollout worker calls it and services never import one another. A
+reward service that died (and that `sparkrl up` is restarting) is waited for, in growing pauses capped at
+`backoff_max_s`, but never longer than `deadline_s` in all: then `RewardServiceError`, and the worker
+leaves that batch's prompts to be reclaimed instead of hanging on it.
 """
 
 from __future__ import annotations
@@ -23,25 +26,44 @@ class RewardServiceError(RuntimeError):
 class RewardClient:
     """`score(items)` → one `RewardResult` per item, in order."""
 
-    def __init__(self, url: str, timeout_s: float = 60.0, retries: int = 5, backoff_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout_s: float = 60.0,
+        retries: int = 5,
+        backoff_s: float = 0.5,
+        deadline_s: float | None = None,
+        backoff_max_s: float = 8.0,
+    ) -> None:
+        """`timeout_s`: one call; `deadline_s`: a whole `score`, retries included (None: retries only)."""
         self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
+        self.backoff_max_s = backoff_max_s
+        self.deadline_s = deadline_s
         self._http = httpx.Client(timeout=timeout_s)
 
     def score(self, items: list[RewardItem], item_timeout_s: float | None = None) -> list[RewardResult]:
         request = RewardRequest(items=items, timeout_s=item_timeout_s)
         body = request.model_dump_json()
+        started = time.monotonic()
         for attempt in range(self.retries + 1):
+            # A call never outlasts the deadline either: a hung service costs the deadline, not more.
+            left = self._left(started)
             try:
                 reply = self._http.post(
-                    f"{self.url}/score", content=body, headers={"content-type": "application/json"}
+                    f"{self.url}/score",
+                    content=body,
+                    headers={"content-type": "application/json"},
+                    timeout=self.timeout_s if left is None else max(min(self.timeout_s, left), 0.1),
                 )
             except httpx.TransportError as exc:
-                self._wait_or_raise(attempt, f"cannot reach {self.url}: {exc}")
+                self._wait_or_raise(attempt, started, f"cannot reach {self.url}: {exc}")
                 continue
             if reply.status_code >= 500:
-                self._wait_or_raise(attempt, f"{self.url} answered {reply.status_code}: {reply.text[:300]}")
+                reason = f"{self.url} answered {reply.status_code}: {reply.text[:300]}"
+                self._wait_or_raise(attempt, started, reason)
                 continue
             if reply.status_code != 200:
                 # A 4xx will not get better by retrying: the request itself is wrong.
@@ -60,10 +82,20 @@ class RewardClient:
         except httpx.TransportError:
             return False
 
-    def _wait_or_raise(self, attempt: int, reason: str) -> None:
+    def _left(self, started: float) -> float | None:
+        return None if self.deadline_s is None else self.deadline_s - (time.monotonic() - started)
+
+    def _wait_or_raise(self, attempt: int, started: float, reason: str) -> None:
         if attempt >= self.retries:
             raise RewardServiceError(f"gave up after {self.retries + 1} attempts: {reason}")
-        delay = self.backoff_s * 2**attempt * (1 + random.random() / 2)
+        delay = min(self.backoff_s * 2**attempt, self.backoff_max_s) * (1 + random.random() / 2)
+        left = self._left(started)
+        if left is not None and delay >= left:
+            waited = time.monotonic() - started
+            raise RewardServiceError(
+                f"gave up after {waited:.0f}s and {attempt + 1} attempts (deadline {self.deadline_s:g}s): "
+                f"{reason}"
+            )
         log.warning("reward call failed (%s); retrying in %.1fs", reason, delay)
         time.sleep(delay)
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from sparkrl.proto import TrajectoryGroup, decode_group
 from sparkrl.services.common.bus import Entry, RedisBus
-from sparkrl.services.common.feeder import FEED_DONE
+from sparkrl.services.common.feeder import FEED_DONE, feed_held
 from sparkrl.services.common.recovery import TRAINED_PREFIX
 from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner.validate import ModelLimits, group_problem
@@ -116,12 +116,18 @@ class BatchCollector:
             return None
         done = json.loads(raw)
         epochs = f"{done['epochs']} epoch{'s' if done['epochs'] != 1 else ''}"
-        return f"the data ran out: all {done['prompts']} prompts fed ({epochs}) were sampled and trained"
+        return data_ran_out(self.bus, done["prompts"], epochs)
 
     def _say_starved(self, need: int, waited_s: float) -> None:
         """A learner waiting long for groups says so, and what the prompt stream holds: an empty one with
-        nothing pending means the prompts ran out (or no worker is running)."""
-        prompts = self.bus.pending_info("prompts")
+        nothing pending means the prompts ran out (or no worker is running); a held feed says why."""
+        prompts, hold = self.bus.pending_info("prompts"), feed_held(self.bus)
+        if hold is not None:
+            why = f" — the feed is held ({hold.detail})"
+        elif prompts.lag == 0 and prompts.pending == 0:
+            why = " — the prompts ran out: raise prompts.count, or feed more (sparkrl prompts)"
+        else:
+            why = ""
         log.warning(
             "waiting %.0fs for trajectory groups (%d of %d held); prompt stream: %d unread, %d in work%s",
             waited_s,
@@ -129,9 +135,7 @@ class BatchCollector:
             need,
             prompts.lag,
             prompts.pending,
-            " — the prompts ran out: raise prompts.count, or feed more (sparkrl prompts)"
-            if prompts.lag == 0 and prompts.pending == 0
-            else "",
+            why,
         )
 
     def give_back(self, groups: list[TrajectoryGroup], entries: list[Entry]) -> None:
@@ -203,6 +207,26 @@ class BatchCollector:
         self.seen.add(group.group_id)
         self.groups.append(group)
         self.entries.append(entry)
+
+
+def data_ran_out(bus: RedisBus, fed: int, epochs: str) -> str:
+    """The end reason once every prompt fed is used up: how many were trained, and how many were
+    dead-lettered instead (by the workers: prompts; by the learner: their groups), read off the dead-letter
+    stream, so the count covers every process and restart of the run (a trimmed stream: "at least")."""
+    letters = bus.dead_letters(count=bus.settings.dead_letter_maxlen)
+    by_stream = {bus.stream_key("prompts"): set(), bus.stream_key("trajectories"): set()}
+    for letter in letters:
+        by_stream.get(letter.stream, set()).add(letter.item_id)
+    prompts, groups = (len(ids) for ids in by_stream.values())
+    dead = min(prompts + groups, fed)
+    if not dead:
+        return f"the data ran out: all {fed} prompts fed ({epochs}) were sampled and trained"
+    some = "at least " if len(letters) >= bus.settings.dead_letter_maxlen else ""
+    return (
+        f"the data ran out: of the {fed} prompts fed ({epochs}), {some}{dead} were dead-lettered, not "
+        f"trained ({prompts} prompts by the workers, {groups} groups by the learner; `sparkrl dead` lists "
+        f"them with the reason) and {fed - dead} were sampled and trained"
+    )
 
 
 def _oldest(group: TrajectoryGroup, version: int) -> int:

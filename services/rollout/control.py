@@ -1,8 +1,10 @@
 """A rollout worker's side of the control plane: pause, resume, stop and sampling values, between batches.
 
 Pause means "take no new prompts": a batch in hand is still generated, scored and published (even if
-that waits on a full trajectory stream), so nothing in flight is lost. The sampling values change only
-between batches, so every completion of a group is sampled, and recorded, at one temperature.
+that waits on a full trajectory stream), so nothing in flight is lost. Resume also lifts a feed hold (a
+burst of dead letters held it: `health.py`), once the operator has looked at the dead letters. The
+sampling values change only between batches, so every completion of a group is sampled, and recorded,
+at one temperature.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import threading
 
 from sparkrl.proto import ControlCommand
 from sparkrl.services.common.control_channel import ControlReader
+from sparkrl.services.common.feeder import lift_feed_hold
 from sparkrl.services.common.hparams import HparamError, apply_sampling, split
 from sparkrl.services.common.settings import SamplingSettings
 
@@ -54,7 +57,10 @@ class WorkerControl:
             self.reader.answer(command, "applied", "takes no new prompts" + after)
         elif name == "resume":
             was, self.paused = self.paused, False
-            self.reader.answer(command, "applied", "takes prompts again" if was else "was not paused")
+            held = lift_feed_hold(self.reader.telemetry, self.reader.target)
+            lifted = f"; the feed hold is lifted (it was held: {held.detail})" if held is not None else ""
+            said = "takes prompts again" if was or held is not None else "was not paused"
+            self.reader.answer(command, "applied", said + lifted)
         elif name == "stop":
             self.stop.set()
             self.reader.answer(command, "applied", "stopping after the batch in hand")

@@ -26,6 +26,7 @@ class WorkerState:
     worker_id: str
     engine: str
     state: str = "starting"
+    state_reason: str | None = None  # why `unhealthy` or `held`
     policy_version: int | None = None
     in_hand_version: int | None = None  # the version the groups being made or published were made with
     timings: dict[str, float] = field(default_factory=dict)  # seconds per part of the last batch
@@ -68,6 +69,7 @@ class Heartbeat(threading.Thread):
                 worker_id=s.worker_id,
                 engine=s.engine,
                 state=s.state,
+                state_reason=s.state_reason[:2000] if s.state_reason is not None else None,
                 policy_version=s.policy_version,
                 weights_checksum=s.weights_checksum,
                 tokens_per_s=s.tokens_per_s,

@@ -45,3 +45,9 @@ class WorkerMetrics:
         self.policy_version = gauge("sparkrl_rollout_policy_version", "Policy version held (-1: initial).")
         self.in_flight = gauge("sparkrl_rollout_prompts_in_flight", "Prompts taken, not yet published.")
         self.paused = gauge("sparkrl_rollout_paused", "1 while paused by the control API.")
+        self.unhealthy = gauge(
+            "sparkrl_rollout_unhealthy", "1 while its model or engine fails to generate (takes no prompts)."
+        )
+        self.feed_held = gauge(
+            "sparkrl_rollout_feed_held", "1 while the feed is held by a burst of dead letters (no prompts)."
+        )

@@ -25,6 +25,7 @@ from sparkrl.services.rollout.announcements import AnnouncementGate
 from sparkrl.services.rollout.catch_up import model_dir_for
 from sparkrl.services.rollout.control import WorkerControl
 from sparkrl.services.rollout.engine import Engine, make_engine
+from sparkrl.services.rollout.health import HealthGuard
 from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
 from sparkrl.services.rollout.lockstep import Lockstep
 from sparkrl.services.rollout.metrics import WorkerMetrics
@@ -48,10 +49,11 @@ def build(cfg: SparkSettings, stop: threading.Event) -> Worker:
     engine = make_engine(model, cfg.rollout.engine, native_transfer=native)
     telemetry, metrics = Telemetry(bus), WorkerMetrics(worker_id)
     state = WorkerState(worker_id, cfg.rollout.engine.kind, policy_version=engine.policy_version)
+    heartbeat = Heartbeat(telemetry, state, cfg.rollout.sampling, cfg.rollout.heartbeat_s)
     worker = Worker(
         bus=bus,
         engine=engine,
-        reward=RewardClient(cfg.reward.url, cfg.rollout.reward_timeout_s, cfg.rollout.reward_retries),
+        reward=_reward_client(cfg),
         cfg=cfg.rollout,
         state=state,
         control=WorkerControl(
@@ -61,13 +63,12 @@ def build(cfg: SparkSettings, stop: threading.Event) -> Worker:
         stop=stop,
         gate=gate,
         receiver=_receiver(worker_id, cfg, engine),
-        heartbeat=Heartbeat(telemetry, state, cfg.rollout.sampling, cfg.rollout.heartbeat_s),
+        heartbeat=heartbeat,
         telemetry=telemetry,
         secret=cfg.sync.secret,
-        server=MetricsServer(
-            cfg.rollout.metrics, metrics.registry, lambda: {"status": "ok", "state": state.state}
-        ),
+        server=MetricsServer(cfg.rollout.metrics, metrics.registry, lambda: _health(state)),
         lockstep=Lockstep(cfg.rollout.lockstep_groups, cfg.rollout.lockstep_wait_s),
+        health=HealthGuard(engine, telemetry, state, heartbeat, metrics, cfg.rollout.health),
     )
     worker.heartbeat.beat()
     worker.heartbeat.start()
@@ -86,17 +87,35 @@ def _receiver(worker_id: str, cfg: SparkSettings, engine: Engine) -> WeightRecei
     return WeightReceiver(worker_id, backend=cfg.sync.backend, timeout_s=cfg.sync.timeout_s)
 
 
+def _reward_client(cfg: SparkSettings) -> RewardClient:
+    r = cfg.rollout
+    return RewardClient(cfg.reward.url, r.reward_timeout_s, r.reward_retries, deadline_s=r.reward_deadline_s)
+
+
+def _health(state: WorkerState) -> dict[str, str | None]:
+    """`/healthz`: 503 while the model or engine fails to generate (a held feed is not the worker's ill)."""
+    status = "unhealthy" if state.state == "unhealthy" else "ok"
+    return {"status": status, "state": state.state, "reason": state.state_reason}
+
+
 def step(worker: Worker) -> None:
-    """One turn: control commands, the newest weights, then a batch (or, paused, a short wait)."""
+    """One turn: control commands, the newest weights, then a batch (or, paused, unhealthy or held by the
+    feed, a short wait)."""
     state, control = worker.state, worker.control
     state.progress_at = time.time()
     control.boundary()
     worker.sync()
+    if not worker.health.recovered(worker.cfg.sampling):
+        worker.stop.wait(PAUSED_POLL_S)  # following weights and answering control; new ones are probed
+        return
     worker.metrics.paused.set(float(control.paused))
     if control.paused:
         if state.state != "paused":
             state.state, state.tokens_per_s = "paused", 0.0  # the fleet's speed reads 0 while paused
             worker.heartbeat.beat()
+        worker.stop.wait(PAUSED_POLL_S)
+        return
+    if worker.health.held():
         worker.stop.wait(PAUSED_POLL_S)
         return
     if worker.lockstep.holds(worker.engine.policy_version):

@@ -5,7 +5,9 @@ A prompt is acknowledged only after its group is published (idempotently, by gro
 dies at any point loses nothing: its pending prompts are reclaimed by another worker after
 `bus.claim_idle_ms`, and a replayed group id is dropped by the bus. SIGTERM/SIGINT or a stop command
 finish the batch in hand and exit; SIGKILL leaves the batch to be reclaimed. Paused, it takes no new
-prompts but keeps syncing weights and reporting.
+prompts but keeps syncing weights and reporting. A generation that fails for a reason of the model or the
+engine makes it unhealthy (`health.py`): its prompts go back to the fleet; only a prompt shown to be the
+cause is dead-lettered.
 """
 
 from __future__ import annotations
@@ -17,28 +19,25 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from sparkrl.proto import (
-    LearnerStatus,
-    Prompt,
-    RewardItem,
-    RewardResult,
-    SamplingParams,
-    TrajectoryGroup,
-    decode_message,
-    encode_group,
-    group_id_for,
-)
+from sparkrl.proto import LearnerStatus, TrajectoryGroup, encode_group
 from sparkrl.services.common.bus import BusBackpressureTimeout, Entry, RedisBus
 from sparkrl.services.common.metrics_server import MetricsServer
-from sparkrl.services.common.modeling import apply_chat_template_if_any
 from sparkrl.services.common.reward_client import RewardClient, RewardServiceError
 from sparkrl.services.common.settings import RolloutSettings
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.common.weight_sync import NotAMember, SyncFailed, WeightReceiver
 from sparkrl.services.rollout.announcements import AnnouncementGate
+from sparkrl.services.rollout.batch import (
+    PromptBatch,
+    build_groups,
+    generate_groups,
+    pull_prompts,
+    score_groups,
+)
 from sparkrl.services.rollout.catch_up import catch_up
 from sparkrl.services.rollout.control import WorkerControl
 from sparkrl.services.rollout.engine import Engine
+from sparkrl.services.rollout.health import HealthGuard, diagnose
 from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
 from sparkrl.services.rollout.lockstep import Lockstep
 from sparkrl.services.rollout.metrics import WorkerMetrics
@@ -48,99 +47,8 @@ log = logging.getLogger("sparkrl.rollout")
 
 LEARNER_STATUS_REUSE_S = 0.05  # a batch's groups share one read of the learner's status
 PUBLISH_POLL_S = 0.25  # a full stream is retried in turns this long, answering control and stop between
-
 PAUSED_POLL_S = 0.2  # how often a paused worker looks at the control stream and the announcement
 _REGENERATE_ROUNDS = 3  # a group is made again at most twice; the last round publishes whatever it is
-
-
-@dataclass
-class PromptBatch:
-    """Prompts taken from the stream together, with their entries (for ack) and token ids."""
-
-    entries: list[Entry]
-    prompts: list[Prompt]
-    token_ids: list[list[int]]
-
-
-def pull_prompts(
-    bus: RedisBus,
-    engine: Engine,
-    worker_id: str,
-    count: int,
-    max_prompt_tokens: int | None = None,
-    overlong: str = "drop",
-) -> PromptBatch | None:
-    """Up to `count` prompts; malformed ones go to the dead-letter stream with the reason. A prompt longer
-    than `max_prompt_tokens` is dead-lettered (`overlong="drop"`, the reason says how long) or keeps its
-    last `max_prompt_tokens` tokens (`"truncate"`: the question's end, where the instruction usually is)."""
-    decoded = bus.read_decoded("prompts", worker_id, count, lambda raw: decode_message(raw, Prompt))
-    if not decoded:
-        return None
-    batch = PromptBatch([], [], [])
-    for entry, prompt in decoded:
-        ids = apply_chat_template_if_any(engine.tokenizer, prompt.messages or prompt.text)
-        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-            if overlong == "drop":
-                why = f"prompt has {len(ids)} tokens, over rollout.max_prompt_tokens ({max_prompt_tokens})"
-                bus.dead_letter("prompts", entry, why)
-                continue
-            ids = ids[-max_prompt_tokens:]
-        batch.entries.append(entry)
-        batch.prompts.append(prompt)
-        batch.token_ids.append(ids)
-    return batch if batch.prompts else None
-
-
-def generate_groups(
-    engine: Engine, batch: PromptBatch, cfg: RolloutSettings, worker_id: str
-) -> list[TrajectoryGroup]:
-    """Sample n completions per prompt; rewards are filled in by `score_groups`."""
-    created_at = time.time()
-    completions = engine.generate(batch.token_ids, cfg.sampling)
-    sampling = SamplingParams(
-        temperature=cfg.sampling.temperature,
-        top_p=cfg.sampling.top_p,
-        max_new_tokens=cfg.sampling.max_new_tokens,
-    )
-    groups = []
-    for prompt, prompt_ids, group in zip(batch.prompts, batch.token_ids, completions, strict=True):
-        placeholder = RewardResult(score=0.0, status="no_answer", detail="not scored yet", elapsed_s=0.0)
-        groups.append(
-            TrajectoryGroup(
-                group_id=group_id_for(prompt.prompt_id),
-                prompt=prompt,
-                prompt_token_ids=prompt_ids,
-                completions=group,
-                rewards=[0.0] * len(group),
-                reward_details=[placeholder] * len(group),
-                task=prompt.task,
-                producer=worker_id,
-                vocab_size=engine.vocab_size,
-                topk=cfg.sampling.topk_logprobs,
-                sampling=sampling,
-                created_at=created_at,
-                scored_at=created_at,
-                published_at=created_at,
-            )
-        )
-    return groups
-
-
-def score_groups(reward: RewardClient, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
-    """One batched HTTP call for every completion of every group; retried inside the client."""
-    items = [
-        RewardItem(task=g.task, completion=c.text, answer=g.prompt.answer, task_data=g.prompt.task_data)
-        for g in groups
-        for c in g.completions
-    ]
-    results = iter(reward.score(items))
-    scored_at = time.time()
-    scored = []
-    for group in groups:
-        details = [next(results) for _ in group.completions]
-        update = {"rewards": [d.score for d in details], "reward_details": details, "scored_at": scored_at}
-        scored.append(group.model_copy(update=update))
-    return scored
 
 
 def publish_groups(
@@ -263,6 +171,7 @@ class Worker:
     secret: str | None  # sync.secret: authenticates announcements and the learner's weight files
     server: MetricsServer  # /metrics and /healthz
     lockstep: Lockstep  # rollout.lockstep_groups: wait for each new version after this worker's share
+    health: HealthGuard  # unhealthy (a sick model) and the feed hold (a burst of dead letters)
     parts: dict[str, float] = field(default_factory=dict)  # seconds per part of the batch in hand
 
     def sync(self) -> None:
@@ -281,34 +190,32 @@ class Worker:
         batch = pull_prompts(self.bus, self.engine, self.state.worker_id, cfg.prompts_per_batch,
                              cfg.max_prompt_tokens, cfg.overlong)  # fmt: skip
         if batch is None:
+            self.health.check_burst()  # a pull may have dead-lettered every prompt it took
             return False
         self.state.in_flight = [e.entry_id for e in batch.entries]
         self.metrics.in_flight.set(len(self.state.in_flight))
         for attempt in range(_REGENERATE_ROUNDS):
-            redo = self._generate_score_publish(batch, last=attempt == _REGENERATE_ROUNDS - 1)
-            if not redo:
+            again = self._generate_score_publish(batch, last=attempt == _REGENERATE_ROUNDS - 1)
+            if again is None:
                 break
-            self.metrics.regenerated.inc(len(redo))
+            self.metrics.regenerated.inc(len(again.prompts))
             self.sync()  # the newest weights first
-            batch = PromptBatch(
-                *([getattr(batch, f)[i] for i in redo] for f in ("entries", "prompts", "token_ids"))
-            )
+            batch = again
+        self.health.check_burst()
         return self._done()
 
-    def _generate_score_publish(self, batch: PromptBatch, last: bool) -> list[int]:
-        """The indices (in `batch`) of groups to make again; [] when done (published or given up)."""
+    def _generate_score_publish(self, batch: PromptBatch, last: bool) -> PromptBatch | None:
+        """The prompts whose groups to make again; None when done (published, dead-lettered, given up)."""
         state, metrics = self.state, self.metrics
         state.state = "generating"
         state.in_hand_version = state.policy_version
-        try:
-            with metrics.generation_seconds.time(), self._part("generate"):
-                start = time.monotonic()
-                groups = generate_groups(self.engine, batch, self.cfg, state.worker_id)
-        except Exception as exc:  # a prompt the engine cannot take (too long, bad template) must not kill us
-            log.exception("generation failed; dead-lettering %d prompts", len(batch.entries))
-            for entry in batch.entries:
-                self.bus.dead_letter("prompts", entry, f"generation failed: {type(exc).__name__}: {exc}")
-            return []
+        with metrics.generation_seconds.time(), self._part("generate"):
+            start = time.monotonic()
+            made = self._generate(batch)
+        if made is None:
+            state.in_hand_version = None
+            return None
+        batch, groups = made
         tokens = sum(c.num_tokens for g in groups for c in g.completions)
         state.tokens_per_s = tokens / max(time.monotonic() - start, 1e-9)
         metrics.tokens.inc(tokens)
@@ -317,8 +224,9 @@ class Worker:
                 groups = score_groups(self.reward, groups)
         except RewardServiceError as exc:
             # Not acked: the prompts come back (to us or another worker) after bus.claim_idle_ms.
-            log.error("scoring failed, leaving %d prompts to be retried: %s", len(groups), exc)
-            return []
+            log.error("scoring failed, leaving %d prompts to be reclaimed: %s", len(groups), exc)
+            state.in_hand_version = None
+            return None
         doomed = (lambda group: False) if last else self.doomed_check()
         try:
             with self._part("publish"):  # waiting on a full stream (the learner's pace) included
@@ -333,7 +241,29 @@ class Worker:
         state.groups_published += published
         metrics.groups.inc(published)
         self.lockstep.record(made_with, published)
-        return redo
+        return batch.subset(redo) if redo else None
+
+    def _generate(self, batch: PromptBatch) -> tuple[PromptBatch, list[TrajectoryGroup]] | None:
+        """The batch's groups; after a failure, those of the prompts that generate alone (the ones that
+        fail alone while the engine works are dead-lettered), or None when the model or engine is at
+        fault (the worker falls sick, the prompts stay unacknowledged, to be reclaimed)."""
+        try:
+            return batch, generate_groups(self.engine, batch, self.cfg, self.state.worker_id)
+        except Exception as exc:  # a prompt the engine refuses, or a sick model: `diagnose` tells which
+            log.warning("generation of %d prompts failed (%s: %s); diagnosing", len(batch.prompts),
+                        type(exc).__name__, exc)  # fmt: skip
+            found = diagnose(self.engine, batch.token_ids, self.cfg.sampling, exc)
+        if found.sick is not None:
+            self.health.fall_sick(found.sick)
+            return None
+        for index, why in found.bad.items():
+            self.bus.dead_letter("prompts", batch.entries[index], f"generation failed: {why}")
+        keep = sorted(found.completions)
+        if not keep:
+            return None
+        kept = batch.subset(keep)
+        completions = [found.completions[i] for i in keep]
+        return kept, build_groups(self.engine, kept, completions, self.cfg, self.state.worker_id)
 
     def doomed_check(self) -> Callable[[TrajectoryGroup], bool]:
         """Whether a group is already older than the learner's `max_staleness` (in force, as its status

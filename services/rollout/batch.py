@@ -1,0 +1,138 @@
+"""A batch's way to groups: pull prompts (dead-lettering the ones that cannot be taken), generate the
+GRPO groups, score them. The worker's loop (`worker.py`) strings these together."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from sparkrl.proto import (
+    Completion,
+    Prompt,
+    RewardItem,
+    RewardResult,
+    SamplingParams,
+    TrajectoryGroup,
+    decode_message,
+    group_id_for,
+)
+from sparkrl.services.common.bus import Entry, RedisBus
+from sparkrl.services.common.modeling import apply_chat_template_if_any
+from sparkrl.services.common.reward_client import RewardClient
+from sparkrl.services.common.settings import RolloutSettings
+from sparkrl.services.rollout.engine import Engine
+
+
+@dataclass
+class PromptBatch:
+    """Prompts taken from the stream together, with their entries (for ack) and token ids."""
+
+    entries: list[Entry]
+    prompts: list[Prompt]
+    token_ids: list[list[int]]
+
+    def subset(self, indices: list[int]) -> PromptBatch:
+        return PromptBatch(
+            *([getattr(self, f)[i] for i in indices] for f in ("entries", "prompts", "token_ids"))
+        )
+
+
+def pull_prompts(
+    bus: RedisBus,
+    engine: Engine,
+    worker_id: str,
+    count: int,
+    max_prompt_tokens: int | None = None,
+    overlong: str = "drop",
+) -> PromptBatch | None:
+    """Up to `count` prompts; malformed ones go to the dead-letter stream with the reason. A prompt longer
+    than `max_prompt_tokens` is dead-lettered (`overlong="drop"`, the reason says how long) or keeps its
+    last `max_prompt_tokens` tokens (`"truncate"`: the question's end, where the instruction usually is)."""
+    decoded = bus.read_decoded("prompts", worker_id, count, lambda raw: decode_message(raw, Prompt))
+    if not decoded:
+        return None
+    batch = PromptBatch([], [], [])
+    for entry, prompt in decoded:
+        try:
+            ids = apply_chat_template_if_any(engine.tokenizer, prompt.messages or prompt.text)
+        except Exception as exc:  # this prompt's text or messages, which the tokenizer or template refuses
+            bus.dead_letter(
+                "prompts", entry, f"the tokenizer refuses the prompt: {type(exc).__name__}: {exc}"
+            )
+            continue
+        if not ids:
+            bus.dead_letter("prompts", entry, "the prompt has no tokens")
+            continue
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            if overlong == "drop":
+                why = f"prompt has {len(ids)} tokens, over rollout.max_prompt_tokens ({max_prompt_tokens})"
+                bus.dead_letter("prompts", entry, why)
+                continue
+            ids = ids[-max_prompt_tokens:]
+        batch.entries.append(entry)
+        batch.prompts.append(prompt)
+        batch.token_ids.append(ids)
+    return batch if batch.prompts else None
+
+
+def generate_groups(
+    engine: Engine, batch: PromptBatch, cfg: RolloutSettings, worker_id: str
+) -> list[TrajectoryGroup]:
+    """Sample n completions per prompt; rewards are filled in by `score_groups`."""
+    completions = engine.generate(batch.token_ids, cfg.sampling)
+    return build_groups(engine, batch, completions, cfg, worker_id)
+
+
+def build_groups(
+    engine: Engine,
+    batch: PromptBatch,
+    completions: list[list[Completion]],
+    cfg: RolloutSettings,
+    worker_id: str,
+) -> list[TrajectoryGroup]:
+    """One unscored group per prompt of `batch`, from its completions."""
+    created_at = time.time()
+    sampling = SamplingParams(
+        temperature=cfg.sampling.temperature,
+        top_p=cfg.sampling.top_p,
+        max_new_tokens=cfg.sampling.max_new_tokens,
+    )
+    groups = []
+    for prompt, prompt_ids, group in zip(batch.prompts, batch.token_ids, completions, strict=True):
+        placeholder = RewardResult(score=0.0, status="no_answer", detail="not scored yet", elapsed_s=0.0)
+        groups.append(
+            TrajectoryGroup(
+                group_id=group_id_for(prompt.prompt_id),
+                prompt=prompt,
+                prompt_token_ids=prompt_ids,
+                completions=group,
+                rewards=[0.0] * len(group),
+                reward_details=[placeholder] * len(group),
+                task=prompt.task,
+                producer=worker_id,
+                vocab_size=engine.vocab_size,
+                topk=cfg.sampling.topk_logprobs,
+                sampling=sampling,
+                created_at=created_at,
+                scored_at=created_at,
+                published_at=created_at,
+            )
+        )
+    return groups
+
+
+def score_groups(reward: RewardClient, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
+    """One batched HTTP call for every completion of every group; retried inside the client."""
+    items = [
+        RewardItem(task=g.task, completion=c.text, answer=g.prompt.answer, task_data=g.prompt.task_data)
+        for g in groups
+        for c in g.completions
+    ]
+    results = iter(reward.score(items))
+    scored_at = time.time()
+    scored = []
+    for group in groups:
+        details = [next(results) for _ in group.completions]
+        update = {"rewards": [d.score for d in details], "reward_details": details, "scored_at": scored_at}
+        scored.append(group.model_copy(update=update))
+    return scored
