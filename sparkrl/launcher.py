@@ -24,15 +24,15 @@ import httpx
 import redis
 
 from sparkrl.plan import STOP_TIERS, Role, ServiceSpec, StackPlan, plan_stack, write_configs
-from sparkrl.run_report import progress_line, startup_line, summarize, tail_bytes
+from sparkrl.run_report import progress_line, startup_line, summarize
 from sparkrl.services.common.bus import BusError, RedisBus
 from sparkrl.services.common.paths import cache_dir
 from sparkrl.services.common.settings import SparkSettings
 from sparkrl.services.common.telemetry import Telemetry
+from sparkrl.supervision import Restarts, failure, logtail_bytes, on_exit, record_end
 from sparkrl.terminal import Terminal, header
 from sparkrl.torchrun import is_torchrun, rank_zero
 
-REDIS_RESTARTS = 5
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
 _DIST_ENV += ("GLOO_SOCKET_IFNAME",)
 _PR_SET_PDEATHSIG = 1
@@ -44,6 +44,7 @@ __all__ = [
     "Stack",
     "StackError",
     "StackPlan",
+    "logtail_bytes",
     "plan_stack",
     "run_stack",
     "write_configs",
@@ -101,16 +102,6 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def logtail_bytes(path: Path, lines: int = 20) -> str:
-    """The last `lines` lines of a log, indented for a report."""
-    text = tail_bytes(path, 16_384).decode(errors="replace")
-    return "\n".join("    " + line for line in text.splitlines()[-lines:]) or "    (empty log)"
-
-
-def _failure(spec: ServiceSpec, what: str) -> str:
-    return f"{spec.name} {what}; last lines of {spec.log_path}:\n{logtail_bytes(spec.log_path)}"
-
-
 def _is_ready(spec: ServiceSpec) -> bool:
     """The spec's readiness probe (plan.py decides it): Redis answers PING, a /healthz answers 200, or
     none (started is ready)."""
@@ -132,7 +123,8 @@ def _is_ready(spec: ServiceSpec) -> bool:
 
 
 class Stack:
-    """The running services: start in order and wait until each is ready, supervise, stop in reverse.
+    """The running services: start in order and wait until each is ready, supervise (restarting what
+    dies, `supervision.py`), stop in reverse.
 
     Call from the main thread: a service's parent-death signal fires when the thread that spawned it ends.
     """
@@ -145,7 +137,8 @@ class Stack:
     ended: set[str]
     terminal: Terminal  # the progress line and messages
     telemetry: Telemetry | None  # the stack's telemetry channel, once Redis is up
-    redis_restarts: list[float]  # when the private Redis was restarted (monotonic), within the last minute
+    restarts: Restarts  # each service's restarts, held to `supervision`
+    end_reason: str | None  # why the launcher ended the run (a service it could not keep alive)
 
     def __init__(
         self,
@@ -167,7 +160,8 @@ class Stack:
         self.ended = set()
         self.terminal = Terminal()
         self.telemetry = None
-        self.redis_restarts = []
+        self.restarts = Restarts(plan.settings.supervision)
+        self.end_reason = None
         self.started_at: float | None = None  # when start() began: the start-up line's clock
 
     def start(self) -> None:
@@ -192,9 +186,9 @@ class Stack:
             returncode = self.procs[spec.name].poll()
             if returncode is not None:
                 self._reaped(spec)
-                raise StackError(_failure(spec, f"exited with code {returncode} while starting"))
+                raise StackError(failure(spec, f"exited with code {returncode} while starting"))
             if time.monotonic() > deadline:
-                raise StackError(_failure(spec, f"was not ready after {self.ready_timeout_s:.0f}s"))
+                raise StackError(failure(spec, f"was not ready after {self.ready_timeout_s:.0f}s"))
             time.sleep(0.1)
 
     def _reaped(self, spec: ServiceSpec) -> None:
@@ -210,51 +204,37 @@ class Stack:
     def show_progress(self, line: str | None) -> None:
         self.terminal.show_progress(line)
 
+    @property
+    def redis_restarts(self) -> list[float]:
+        """When the private Redis was restarted (monotonic seconds)."""
+        return self.restarts.times.get("redis", [])
+
     def poll(self) -> int | None:
-        """None while the stack should run on; else its exit code (learner done: 0)."""
+        """None while the stack should run on; else its exit code (learner done: 0). A service that died is
+        restarted here, within `supervision`'s budget."""
         for spec in self.specs:
             returncode = self.procs[spec.name].poll() if spec.name in self.procs else None
             if returncode is None or spec.name in self.ended:
                 continue
             self._reaped(spec)
-            if spec.role == "redis" and self._restart_redis(spec, returncode):
-                continue
-            if spec.role == "learner" and returncode == 0:
-                self.report("learner finished")
-                return 0
-            if spec.role == "prompts" and returncode == 0:
-                continue  # the feeder exits once the dataset is in the stream
-            if spec.role == "evaluator":
-                self.report(f"warning: {_failure(spec, f'exited with code {returncode}')}\n(training goes on "
-                            "without held-out evaluation)")  # fmt: skip
-                continue
-            if spec.role == "rollout" and returncode == 0:
-                self.report(f"{spec.name} stopped")  # a stop command: the learner follows with its checkpoint
-                continue
-            text = _failure(spec, f"exited with code {returncode}")
-            workers_left = [s for s in self.specs if s.role == "rollout" and s.name not in self.ended]
-            if spec.role == "rollout" and workers_left:
-                self.report(f"warning: {text}\n(the fleet is elastic; workers left: {len(workers_left)})")
-                continue
-            self.report(f"error: {text}" + ("\nno rollout worker is left" if spec.role == "rollout" else ""))
-            # A signal death (-N) becomes 128+N, as a shell reports it.
-            return (returncode if returncode > 0 else 128 - returncode) if spec.role == "learner" else 1
+            left = sum(1 for s in self.specs if s.role == "rollout" and s.name not in self.ended)
+            outcome = on_exit(spec, returncode, self.restarts, time.monotonic(), left)
+            if outcome.message is not None:
+                self.report(outcome.message)
+            if outcome.action == "restart":
+                self._restart(spec, returncode)
+            elif outcome.action == "end":
+                self.end_reason = outcome.reason
+                return outcome.code
         return None
 
-    def _restart_redis(self, spec: ServiceSpec, returncode: int) -> bool:
-        """The private Redis died: start it again on its port and append-only file (the services are
-        reconnecting meanwhile). False after REDIS_RESTARTS within a minute: something is wrong for good."""
-        now = time.monotonic()
-        self.redis_restarts = [t for t in self.redis_restarts if now - t < 60.0] + [now]
-        if len(self.redis_restarts) > REDIS_RESTARTS:
-            self.report(f"error: {_failure(spec, f'exited with code {returncode}, again')}")
-            return False
-        self.report(
-            f"warning: redis exited with code {returncode}; restarting it ({len(self.redis_restarts)})"
-        )
+    def _restart(self, spec: ServiceSpec, returncode: int) -> None:
+        """Spawn a dead service again from its config (Redis on its port and append-only file); the others
+        reconnect or retry meanwhile, so nothing waits for it to be ready here."""
+        with spec.log_path.open("a") as log:
+            log.write(f"--- sparkrl up: exited with code {returncode}; restarted ---\n")
         self.procs[spec.name] = _spawn(spec)
         self.ended.discard(spec.name)
-        return True
 
     def wait(self, poll_s: float = 0.5) -> int:
         """Supervise until the learner ends, a service fails, or Ctrl-C/SIGTERM; returns the exit code."""
@@ -308,6 +288,8 @@ class Stack:
             atexit.unregister(self.kill_all)
             if self.telemetry is not None:
                 self.telemetry.bus.close()
+            if self.end_reason is not None:
+                record_end(self.plan.run_dir, self.end_reason)
 
     def _stop_tier(self, specs: list[ServiceSpec]) -> None:
         for spec in specs:

@@ -281,8 +281,12 @@ def _fake_plan(run_dir: Path, services: dict[str, tuple[Role, str]]) -> StackPla
             ServiceSpec(name, role, command, config, SparkSettings(), run_dir / "logs" / f"{name}.log")
         )
     # Nothing listens on port 1: the progress line finds no Redis (and never touches the system's on 6379).
+    # One restart each: a service that dies for good is given up quickly (test_supervision.py has more).
     settings = SparkSettings(
-        run_dir=str(run_dir), learner={"max_steps": 3}, bus={"url": "redis://127.0.0.1:1/0"}
+        run_dir=str(run_dir),
+        learner={"max_steps": 3},
+        bus={"url": "redis://127.0.0.1:1/0"},
+        supervision={"max_restarts": 1},
     )
     return StackPlan(run_dir, settings, tuple(specs), False)
 
@@ -328,8 +332,12 @@ def test_dead_worker_is_tolerated_and_a_dead_service_stops_the_stack(
     finally:
         stack.shutdown()
     err = capsys.readouterr().err
-    assert "warning: worker-0 exited with code 3" in err and "boom: out of memory" in err
-    assert "error: prompts exited with code 2" in err and "feeder dies" in err
+    assert "warning: worker-0 exited with code 3; restarting it (1 of at most 1" in err
+    assert (
+        "warning: worker-0 exited with code 3, after 1 restart within" in err and "boom: out of memory" in err
+    )
+    assert "warning: prompts exited with code 2; restarting it" in err
+    assert "error: prompts exited with code 2, after 1 restart within" in err and "feeder dies" in err
     assert "worker-1 did not stop within 0.5s: killing it" in err
     _assert_gone([proc.pid for proc in stack.procs.values()])
     assert stack.procs["worker-1"].returncode == -signal.SIGKILL
