@@ -413,11 +413,6 @@ class LearnerSettings(Section):
             }
         },
     )
-    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
-    checkpoint_every: int = Field(50, ge=1, description="Checkpoint every N steps (and on stop).")
-    keep_checkpoints: int = Field(2, ge=1, description="Older checkpoints are deleted.")
-    seed: int = Field(0, description="Seed of the learner's randomness (Clip-Cov's choice).")
-    tracking: TrackingSettings = Field(
     max_nonfinite_steps: int = Field(
         3,
         ge=1,
@@ -426,6 +421,11 @@ class LearnerSettings(Section):
         "step is never applied (its gradients are dropped, its groups go back); this many in a row means "
         "the model or a hyperparameter, not the data, went wrong.",
     )
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    checkpoint_every: int = Field(50, ge=1, description="Checkpoint every N steps (and on stop).")
+    keep_checkpoints: int = Field(2, ge=1, description="Older checkpoints are deleted.")
+    seed: int = Field(0, description="Seed of the learner's randomness (Clip-Cov's choice).")
+    tracking: TrackingSettings = Field(
         default_factory=TrackingSettings, description="TensorBoard/wandb/MLflow."
     )
     samples_per_step: int = Field(
