@@ -12,6 +12,7 @@ checkpoints, then the workers, then Serve.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import threading
 import time
@@ -130,6 +131,40 @@ def start_reward(cfg: SparkSettings, timeout_s: float = 180.0) -> str:
     raise StackError(f"the reward deployment did not answer {rs.url}/healthz within {timeout_s:.0f}s")
 
 
+def fit_to_cluster(s: SparkSettings, workers: int, cpus: float) -> tuple[list[str], list[str]]:
+    """Make the actors' CPU requests fit a cluster of `cpus` CPUs: a request left at its default (1 CPU)
+    becomes a fair share (`cpus` over every actor and reward replica); explicit ones are kept. Changes
+    `s.ray` in place; (what was fitted, why it cannot fit) — the second empty when it fits."""
+    r = s.ray
+    replicas = r.reward.autoscaling.min_replicas if r.reward.autoscaling else r.reward.num_replicas
+    parts = [
+        (r.learner, 1, "ray.learner"),
+        (r.rollout, workers, "ray.rollout"),
+        (r.reward, replicas, "ray.reward"),
+    ]
+
+    def asked() -> float:
+        return sum(section.num_cpus * count for section, count, _ in parts)
+
+    fitted: list[str] = []
+    if asked() > cpus:
+        share = max(0.01, int(100 * cpus / max(1, 1 + workers + replicas)) / 100)
+        for section, count, name in parts:
+            if "num_cpus" not in section.model_fields_set and count and section.num_cpus > share:
+                fitted.append(f"{name}.num_cpus {section.num_cpus:g} → {share:g}")
+                section.num_cpus = share
+    if asked() <= cpus + 1e-9:
+        return fitted, []
+    asks = ", ".join(
+        f"{name.removeprefix('ray.')} {count} × {section.num_cpus:g}" for section, count, name in parts
+    )
+    return fitted, [
+        f"the actors ask for {asked():g} CPUs ({asks}) and the Ray cluster has {cpus:g}: lower "
+        "ray.learner.num_cpus / ray.rollout.num_cpus / ray.reward.num_cpus (fractions work), start fewer "
+        "workers, or give Ray more CPUs (ray.num_cpus)"
+    ]
+
+
 def _actor_env() -> dict[str, str]:
     keep = ("TORCH_EXTENSIONS_DIR", "SPARKRL_LOG_LEVEL", "PYTHONPATH")
     env = {k: os.environ[k] for k in keep if k in os.environ}
@@ -146,6 +181,8 @@ class RayStack:
         self.learner: Any = None
         self.workers: dict[str, Any] = {}
         self.runs: dict[str, Any] = {}  # name → the ObjectRef of its run()
+        self.placing: dict[str, tuple[Any, float]] = {}  # name → (its pid() ref, CPUs asked): not placed yet
+        self.started_at = time.monotonic()
 
     def start(self) -> None:
         import ray
@@ -159,6 +196,16 @@ class RayStack:
             runtime_env={"env_vars": _actor_env()},
             log_to_driver=False,  # each actor writes RUN_DIR/logs/<name>.log
         )
+        # ray.init installs its own SIGTERM handler (a stack dump, then abort): take it back, so SIGTERM is
+        # the ordered stop Ctrl-C is (learner's step and checkpoint, workers, Serve) and ends in a summary.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        cpus = float(ray.cluster_resources().get("CPU", 0))
+        workers = sum(1 for spec in self.plan.services if spec.role == "rollout")
+        fitted, refused = fit_to_cluster(s, workers, cpus)
+        if refused:
+            raise StackError(refused[0])
+        if fitted:
+            self.beside.report(f"Ray cluster of {cpus:g} CPUs: requests fitted ({'; '.join(fitted)})")
         start_reward(s)
         tree = s.model_dump(mode="json")
         actor = ray.remote(ServiceActor)
@@ -178,7 +225,29 @@ class RayStack:
                 self.learner = handle
             else:
                 self.workers[spec.name] = handle
+            self.placing[spec.name] = (handle.pid.remote(), res.num_cpus)
             self.runs[spec.name] = handle.run.remote()
+        self.started_at = time.monotonic()
+
+    def check_placement(self, after_s: float = 20.0) -> None:
+        """Say, once, which actors Ray has not placed after `after_s`: what they ask, what is free."""
+        import ray
+
+        if not self.placing:
+            return
+        refs = [ref for ref, _ in self.placing.values()]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for name in [n for n, (ref, _) in self.placing.items() if ref in done]:
+            del self.placing[name]
+        if not self.placing or time.monotonic() - self.started_at < after_s:
+            return
+        free, total = ray.available_resources().get("CPU", 0.0), ray.cluster_resources().get("CPU", 0.0)
+        for name, (_, cpus) in sorted(self.placing.items()):
+            self.beside.report(
+                f"{name} not schedulable yet: asks for {cpus:g} CPU, the cluster has {free:g} of {total:g} "
+                "free (ray.learner / ray.rollout .num_cpus; other jobs on a shared cluster count too)"
+            )
+        self.placing.clear()
 
     def wait(self, poll_s: float = 0.5) -> int:
         """Until the learner's run() returns (0), it fails for good, or a process beside fails."""
@@ -198,6 +267,7 @@ class RayStack:
                 code = self.beside.poll()
                 if code is not None:
                     return code
+                self.check_placement()
                 self.beside.show_progress(self.beside.progress())
         except KeyboardInterrupt:
             self.beside.report("interrupted: stopping the learner (it finishes its step and checkpoints)")

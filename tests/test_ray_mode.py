@@ -1,6 +1,8 @@
 """`sparkrl up --ray` on a local Ray (2 CPUs): the learner and the workers are Ray actors, the reward
-service a Ray Serve deployment. One worker actor's process is killed mid-run: Ray restarts it and it joins
-the broadcast group again while training goes on; then `sparkrl stop` ends the run cleanly."""
+service a Ray Serve deployment. The actors' default requests (1 CPU each) are fitted to the 2 CPUs; a run
+finishes its steps. One worker actor's process is killed mid-run: Ray restarts it and it joins the
+broadcast group again while training goes on; then SIGTERM to the driver ends the run cleanly, with its
+summary."""
 
 from __future__ import annotations
 
@@ -45,10 +47,7 @@ def test_worker_actors_are_restarted_and_rejoin(tiny_model_dir: Path, tmp_path: 
         "prompts.count=20000",
         "sync.timeout_s=10",
         "bus.claim_idle_ms=2000",
-        "ray.num_cpus=2",
-        "ray.learner.num_cpus=0.5",
-        "ray.rollout.num_cpus=0.5",
-        "ray.reward.num_cpus=0.25",
+        "ray.num_cpus=2",  # the actors' requests are left at their defaults: fitted to these 2 CPUs
     ]
     command = [sys.executable, "-m", "sparkrl.cli", "up", "--ray", "--preset", "smoke", "--workers", "2"]
     command += ["--run-dir", str(run_dir)] + [a for o in overrides for a in ("--set", o)]
@@ -89,21 +88,17 @@ def test_worker_actors_are_restarted_and_rejoin(tiny_model_dir: Path, tmp_path: 
                 if m.startswith("worker-0.") and m != f"worker-0.{victim}"
             }
             time.sleep(0.5)
-        stopped = subprocess.run(
-            [sys.executable, "-m", "sparkrl.cli", "stop", "--run-dir", str(run_dir)],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-        )
-        assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+        driver.send_signal(signal.SIGTERM)  # the driver alone, as a supervisor would
         code = driver.wait(timeout=300)
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGINT)
             driver.wait(60)
     text = (tmp_path / "up.log").read_text()
-    assert code == 0, f"{text[-3000:]}\n{_logs(run_dir)}"
+    assert code == 130, f"{text[-3000:]}\n{_logs(run_dir)}"  # interrupted, and stopped in order
+    assert "requests fitted" in text and "ray.rollout.num_cpus 1 → 0.5" in text
+    assert f"run {run_dir}:" in text and "ended: stopped" in text, text[-2000:]  # the summary
+    assert "SIGTERM received" not in text  # no stack dumps from Ray's own processes
     rows = _read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))  # training never stopped
     assert rows[-1]["step"] > step_at_kill  # and went on after the kill
@@ -113,3 +108,37 @@ def test_worker_actors_are_restarted_and_rejoin(tiny_model_dir: Path, tmp_path: 
     log = (run_dir / "logs" / "worker-0.log").read_text()
     assert "restarted by Ray" in log
     assert "Ray Serve" in text  # the reward service ran as a Serve deployment
+
+
+def test_a_run_with_default_requests_finishes_on_two_cpus(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    """The learner, the worker and the reward replica each ask Ray for 1 CPU by default: on 2 CPUs they
+    used to wait forever; fitted, the run reaches its last step."""
+    run_dir = tmp_path / "run"
+    overrides = [f"model={tiny_model_dir}", "learner.max_steps=4", "prompts.count=400", "ray.num_cpus=2"]
+    command = [sys.executable, "-m", "sparkrl.cli", "up", "--ray", "--preset", "smoke", "--workers", "1"]
+    command += ["--run-dir", str(run_dir)] + [a for o in overrides for a in ("--set", o)]
+    env = clean_env() | {"RAY_AUTH_MODE": "disabled"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, f"{text[-3000:]}\n{_logs(run_dir)}"
+    assert "Ray cluster of 2 CPUs: requests fitted" in text
+    assert [r["step"] for r in _read_jsonl(run_dir / "metrics.jsonl")][-1] == 4
+
+
+def test_requests_that_cannot_fit_are_refused_with_the_numbers() -> None:
+    from sparkrl.ray_mode import fit_to_cluster
+    from sparkrl.services.common.settings import load_settings
+
+    defaults = load_settings("smoke")
+    fitted, refused = fit_to_cluster(defaults, workers=2, cpus=2)
+    assert not refused and defaults.ray.learner.num_cpus == defaults.ray.rollout.num_cpus == 0.5
+    assert fitted == [
+        "ray.learner.num_cpus 1 → 0.5",
+        "ray.rollout.num_cpus 1 → 0.5",
+        "ray.reward.num_cpus 1 → 0.5",
+    ]
+    explicit = load_settings("smoke", ["ray.learner.num_cpus=2", "ray.rollout.num_cpus=1"])
+    fitted, refused = fit_to_cluster(explicit, workers=2, cpus=2)
+    assert explicit.ray.learner.num_cpus == 2 and explicit.ray.rollout.num_cpus == 1  # what you set is kept
+    assert refused and "ask for 4.5 CPUs (learner 1 × 2, rollout 2 × 1, reward 1 × 0.5)" in refused[0]
+    assert "the Ray cluster has 2" in refused[0] and "ray.rollout.num_cpus" in refused[0]
