@@ -1,11 +1,14 @@
-"""The engine contract, checked on every engine: torch (CPU) and vLLM (GPU; skipped without one).
+"""The engine contract, checked on every engine: torch, and vLLM (its CPU build here, run by `make test`
+in .venv-vllm: `-m vllm`; the CUDA build where there is a GPU).
 
-Reference numbers come from the Hugging Face model on CPU, never from the engine under test.
+Reference numbers come from the Hugging Face model on CPU (what the torch engine runs), teacher-forced on
+the engine's own completions, never from the engine under test.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,28 +24,28 @@ from sparkrl.services.common.settings import SamplingSettings, TorchEngineSettin
 from sparkrl.services.common.weight_sync import weights_checksum
 from sparkrl.services.rollout.engine import Engine, make_engine
 
+VLLM_HERE = importlib.util.find_spec("vllm") is not None
+NO_VLLM = "vLLM is not in this interpreter: `make test` runs these in .venv-vllm (`make vllm-env`)"
 
-def _vllm_skip_reason() -> str | None:
-    if importlib.util.find_spec("vllm") is None:
-        return "vLLM not installed (it lives in its own environment: the `vllm` extra)"
-    if not torch.cuda.is_available():
-        return "no CUDA device"
-    return None
+
+def require_vllm() -> None:
+    """Skip where vLLM is not installed; fail instead under `make test`, which must run them."""
+    if not VLLM_HERE:
+        if os.environ.get("SPARKRL_REQUIRE_VLLM"):
+            pytest.fail(NO_VLLM, pytrace=False)
+        pytest.skip(NO_VLLM)
 
 
 ENGINES = [
     pytest.param("torch", id="torch"),
-    pytest.param(
-        "vllm",
-        id="vllm",
-        marks=[
-            pytest.mark.gpu,
-            pytest.mark.skipif(_vllm_skip_reason() is not None, reason=str(_vllm_skip_reason())),
-        ],
-    ),
+    pytest.param("vllm", id="vllm", marks=[pytest.mark.vllm, pytest.mark.slow]),
 ]
-# Same float32 weights; vLLM's GPU kernels round differently from the CPU reference.
-TOLERANCE = {"torch": 1e-4, "vllm": 1e-2}
+# Same float32 weights. The torch engine runs the reference model itself. vLLM's CPU kernels (oneDNN
+# GEMMs, its own attention and fused RMSNorm) sum in other orders. Measured here (24-token completions,
+# top-20): ≤ 1e-5 on the trained model, ≤ 1.9e-4 on the noised weights of the load test (activations ~10x
+# larger, then / 0.7), so 5e-4; a real mismatch (raw instead of processed log-probs at T=0.7, a missed
+# temperature, stale weights) is ≥ 1e-2. Its GPU kernels (TF32, bf16 accumulation) need 1e-2.
+TOLERANCE = {"torch": 1e-4, "vllm": 5e-4 if not torch.cuda.is_available() else 1e-2}
 PROMPTS = ["Use 3 7 to make 21.\n", "Use 8 2 6 to make 40.\n", "Use 1 9 to make 10.\n"]
 
 
@@ -51,6 +54,7 @@ def engine(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[Eng
     if request.param == "torch":
         settings: TorchEngineSettings | VllmEngineSettings = TorchEngineSettings()
     else:
+        require_vllm()
         settings = VllmEngineSettings(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3)
     engine = make_engine(tiny_model_dir, settings)
     yield engine
@@ -153,8 +157,8 @@ def test_load_weights_swaps_and_restores(engine: Engine, reference: PreTrainedMo
 
 
 def _native_skip_reason() -> str | None:
-    if _vllm_skip_reason() is not None:
-        return _vllm_skip_reason()
+    if not VLLM_HERE:
+        return NO_VLLM
     if torch.cuda.device_count() < 2:
         return "vLLM's NCCL weight transfer needs 2 GPUs (one per NCCL rank: the learner, vLLM's worker)"
     return None
@@ -167,9 +171,9 @@ def test_vllm_native_transfer_loads_and_verifies_the_announced_weights(
     tiny_model_dir: Path,  # noqa: F811
     reference: PreTrainedModel,
 ) -> None:
-    """sync.backend vllm_nccl: the learner (GPU 1) sends through vLLM's NCCLWeightTransferEngine into a vLLM
-    started with weight_transfer_config (GPU 0); the engine reports the announced checksum of what it
-    loaded, and samples from the new weights."""
+    """sync.backend vllm_nccl: the learner (GPU 1) broadcasts over vLLM's NCCL transfer group into a vLLM
+    (GPU 0) whose registered engine receives in a weight-update session; it reports the announced checksum
+    of what it loaded, and samples from the new weights."""
     import threading
 
     from sparkrl.services.common.weight_sync import WeightSender
@@ -241,6 +245,9 @@ def test_vllm_output_conversion_handles_the_extra_sampled_entry() -> None:
     assert c.policy_versions.tolist() == [5, 5] and c.finish_reason == "stop"
     with pytest.raises(RuntimeError, match="expected 3"):
         VllmEngine._completion(sample, k=3, version=5)
+    sample.logprobs[1].pop(2)
+    with pytest.raises(RuntimeError, match="no log-prob for the sampled token 2"):
+        VllmEngine._completion(sample, k=2, version=5)
 
 
 def test_vllm_initial_checksum_is_the_learners(tiny_model_dir: Path, reference: PreTrainedModel) -> None:  # noqa: F811

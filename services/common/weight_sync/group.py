@@ -165,8 +165,8 @@ def require_backend(backend: Backend) -> None:
         )
     elif backend == "vllm_nccl" and importlib.util.find_spec("vllm") is None:
         raise BackendUnavailable(
-            "sync.backend=vllm_nccl sends through vLLM's NCCLWeightTransferEngine, so vLLM must import in "
-            "the learner's environment too: pip install 'vllm>=0.16' there, or set sync.backend=nccl"
+            "sync.backend=vllm_nccl sends through vLLM's NCCL weight transfer, so vLLM must import in "
+            "the learner's environment too: pip install 'vllm>=0.32' there, or set sync.backend=nccl"
         )
 
 

@@ -1,6 +1,6 @@
 """The rollout worker's side: join the announced epoch's group, receive the buckets, verify, unpack."""
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +31,9 @@ from sparkrl.services.common.weight_sync.group import (
 )
 from sparkrl.services.common.weight_sync.manifest import raw_bytes, tensor_view, unpack
 
+Install = Callable[[dict[str, Tensor], WeightAnnouncement], str]
+"""Loads a verified version into the engine; returns the checksum of what the engine now holds."""
+
 
 class WeightReceiver:
     """Receives announced versions (into fresh buckets unless `reuse_buffers`); keeps the epoch's group
@@ -49,6 +52,7 @@ class WeightReceiver:
     _address: tuple[str, int] | None
     _group: EpochGroup | None
     _buckets: list[Tensor]  # kept between receives only with reuse_buffers
+    install: Install | None
     failed_epoch: int | None  # the last epoch a receive failed in: dead, the learner forms a new one
 
     def __init__(
@@ -58,12 +62,16 @@ class WeightReceiver:
         backend: Backend = "gloo",
         timeout_s: float = 60.0,
         reuse_buffers: bool = False,
+        install: Install | None = None,
     ) -> None:
         """`reuse_buffers`: receive every version into the same buckets. Fresh buckets cost page faults
         that halve gloo's throughput here, but with reuse the tensors `receive` returned are overwritten
         by the next `receive`, even one that fails: only for a caller that copies them into its engine
         before receiving again. Raises BackendUnavailable (naming the fix) when `backend` cannot run
-        here; `vllm_nccl` is received by the engine itself (`services/rollout/vllm_transfer.py`)."""
+        here; `vllm_nccl` is received by the engine itself (`services/rollout/vllm_transfer.py`).
+
+        `install`: the acknowledgement waits until the engine holds the version (`receive` then returns
+        None); it acknowledges the checksum `install` returns (a vLLM engine's, of what it loaded)."""
         if backend == "vllm_nccl":
             raise ValueError("sync.backend=vllm_nccl is received by vLLM itself: use VllmNativeReceiver")
         require_backend(backend)
@@ -75,6 +83,7 @@ class WeightReceiver:
         self._address = None
         self._group = None
         self._buckets = []
+        self.install = install
         self.failed_epoch = None
 
     @property
@@ -82,8 +91,8 @@ class WeightReceiver:
         """The epoch whose group this receiver holds (it received a version in it), or None."""
         return self._group.epoch if self._group is not None else None
 
-    def receive(self, announcement: WeightAnnouncement) -> dict[str, Tensor]:
-        """The announced weights, in manifest order, checksum verified.
+    def receive(self, announcement: WeightAnnouncement) -> dict[str, Tensor] | None:
+        """The announced weights, in manifest order, checksum verified (None: `install` loaded them).
 
         `announcement.members` lists the epoch in rank order (rank i + 1 = members[i]). The tensors are
         views into freshly received buckets (no copy), on the CPU for gloo and on the current GPU for NCCL.
@@ -101,6 +110,8 @@ class WeightReceiver:
         try:
             store, group = self._connection(announcement, rank=list(members).index(self.worker_id) + 1)
             tensors, checksum = self._receive_buckets(group, announcement)
+            if self.install is not None and checksum == announcement.checksum:
+                checksum = self.install(tensors, announcement)
             verified = checksum == announcement.checksum
             # The learner waits for one acknowledgement per member; a mismatch is acknowledged too, so
             # the learner learns it now rather than at its timeout.
@@ -118,7 +129,7 @@ class WeightReceiver:
         if not verified:
             self._fail(epoch)
             raise SyncFailed(f"checksum mismatch: got {checksum}", epoch=epoch, phase="verify")
-        return tensors
+        return None if self.install is not None else tensors
 
     def close(self) -> None:
         """Drops the group and the store connection."""

@@ -1,13 +1,16 @@
 """`sync.backend: vllm_nccl`, the learner's side: vLLM's own NCCL weight-transfer engine moves the tensors.
 
-vLLM (≥ 0.16, `vllm/distributed/weight_transfer/nccl_engine.py`) ships a trainer ↔ engine transfer:
-the engine is started with `weight_transfer_config=WeightTransferConfig(backend="nccl")` (`vllm serve
---weight-transfer-config '{"backend": "nccl"}'`), each of its GPU workers joins a trainer-hosted NCCL
-group through `init_weight_transfer_engine(init_info)` and receives through its
-`NCCLWeightTransferEngine.receive_weights(update_info, load_weights)`; the trainer side is
-`NCCLWeightTransferEngine.trainer_init(...)` (a `PyNcclCommunicator` over vLLM's `StatelessProcessGroup`,
-rank 0) and `trainer_send_weights(iterator, NCCLTrainerSendWeightsArgs(...))`. The weights land in the
-engine's GPU memory directly: no host copy in the rollout worker, no pickled `collective_rpc` payload.
+vLLM (≥ 0.32, `vllm/distributed/weight_transfer/nccl_engine.py`, `nccl_common.py`) ships a trainer ↔
+engine transfer: each GPU worker of the engine joins a trainer-hosted NCCL group through the worker method
+`init_weight_transfer_engine(init_info)`, and a weight-update session (`start_weight_update`,
+`update_weights(update_info)`, `finish_weight_update`) receives one tensor per NCCL broadcast in the
+`update_info`'s order (`packed` off in the init info). The rollout worker's engine is our subclass of
+vLLM's NCCL engine (`services/rollout/vllm_worker.py`), which hashes what it loads. The trainer side is
+`nccl_common.trainer_init(...)` (a `PyNcclCommunicator` over vLLM's `StatelessProcessGroup`, rank 0) and
+one `broadcast` per tensor. (vLLM's own trainer engine, `NCCLTrainerWeightTransferEngine`, drives the
+inference side itself through a client; here each rollout worker drives its own engine, so the learner
+only broadcasts.) The weights land in the engine's GPU memory directly: no host copy in the rollout
+worker, no pickled `collective_rpc` payload.
 
 Our contract around it stays the same as the other backends' (`sender.py`): the announcement (version,
 manifest, checksum) goes out first; members join the epoch with their joined key; the learner then
@@ -110,13 +113,12 @@ def write_plan(store: dist.Store, epoch: int, members: Sequence[str], host: str)
 
 def update_info(announcement: WeightAnnouncement) -> dict[str, Any]:
     """The `update_info` both sides agree on: every tensor of the manifest, in manifest order (the
-    checksum's order), one NCCL broadcast each (`packed=False`: the learner's send then runs on a stream
-    of ours that it can wait for; vLLM's packed producer makes streams of its own)."""
+    checksum's order), one NCCL broadcast each (the init info leaves `packed` off: the learner's send
+    then runs on a stream of ours that it can wait for; vLLM's packed producer makes streams of its own)."""
     return {
         "names": [spec.name for spec in announcement.manifest],
         "dtype_names": [spec.dtype for spec in announcement.manifest],
         "shapes": [list(spec.shape) for spec in announcement.manifest],
-        "packed": False,
     }
 
 
@@ -157,7 +159,7 @@ class VllmNativeGroup:
 
     def __init__(self, plan: TransferPlan, epoch: int, timeout: timedelta) -> None:
         """Joins the group: blocks until every member's engine workers connected, at most `timeout`."""
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+        from vllm.distributed.weight_transfer.nccl_common import trainer_init
 
         self.epoch, self.timeout = epoch, timeout
         self.device = torch.device("cuda", torch.cuda.current_device())
@@ -170,30 +172,22 @@ class VllmNativeGroup:
 
         def connect() -> Any:
             torch.cuda.set_device(self.device)  # trainer_init uses the current device
-            return NCCLWeightTransferEngine.trainer_init(init_info)
+            return trainer_init(init_info)
 
         self._comm = _Call(connect, "vllm-transfer-init").join(timeout, "joining vLLM's transfer group")
 
     def send(self, named_tensors: Mapping[str, Tensor], announcement: WeightAnnouncement) -> _Call:
         """Starts sending every tensor in manifest order; returns the transfer to `wait` for."""
-        from vllm.distributed.weight_transfer.nccl_engine import (
-            NCCLTrainerSendWeightsArgs,
-            NCCLWeightTransferEngine,
-        )
-
-        tensors = [(spec.name, named_tensors[spec.name]) for spec in announcement.manifest]
-        device, stream = self.device, self._stream
-
-        def on_device(item: tuple[str, Tensor]) -> Tensor:
-            return item[1].detach().to(device).contiguous()  # on `stream`: the thread's current one
+        tensors = [named_tensors[spec.name] for spec in announcement.manifest]
+        device, stream, comm = self.device, self._stream, self._comm
 
         def transfer() -> None:
             torch.cuda.set_device(device)
             with torch.cuda.stream(stream):
-                args = NCCLTrainerSendWeightsArgs(
-                    group=self._comm, src=0, post_iter_func=on_device, packed=False, stream=stream
-                )
-                NCCLWeightTransferEngine.trainer_send_weights(iter(tensors), args)
+                for tensor in tensors:
+                    # NCCL sends numel elements from data_ptr(): contiguous, on this device, kept referenced
+                    # until enqueued (the copy is made on `stream`, the thread's current one).
+                    comm.broadcast(tensor.detach().to(device).contiguous(), src=0, stream=stream)
             stream.synchronize()  # only this stream: the learner's compute stream is never waited on
 
         return _Call(transfer, "vllm-transfer-send")
