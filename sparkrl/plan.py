@@ -117,6 +117,10 @@ def _resolve_root(cfg: SparkSettings, private_redis: bool, run_dir: Path, ports:
     redis_port, reward_port, sync_port, control_port, learner_metrics = ports
     root = cfg.model_copy(deep=True)
     root.run_dir = str(run_dir)
+    if root.rollout.python is not None and os.sep in root.rollout.python:
+        # Absolute, so the resolved file works from any directory; abspath, not resolve(): a venv's
+        # python is a symlink to the base interpreter, which knows none of the venv's packages.
+        root.rollout.python = os.path.abspath(root.rollout.python)
     if private_redis:
         # Its own password too: nothing else on the machine can read or write the run's bus.
         root.bus.url = f"redis://:{secrets.token_urlsafe(24)}@127.0.0.1:{redis_port}/0"

@@ -3,10 +3,12 @@ spawned, each as one line that names the setting and the fix.
 
 Checked: the model directory and its tokenizer load; the prompt file exists and has the fields; the
 prompts and the longest completion fit the model's context; the rollout engine imports in the interpreter
-that will run the workers (`rollout.python` for a separate vLLM environment); requested GPUs exist and
-the learner's do not overlap the workers'; the sync backend is there (torch's NCCL, nccl4py in both
-environments, vLLM on both sides for its weight transfer) with a GPU; the top-k fits the vocabulary.
-Cheap by design: config files and the tokenizer, never the weights.
+that will run the workers (`rollout.python` for a separate vLLM environment), and for vLLM what that
+environment holds (`vllm_check.py`: its version, CPU or GPU build, the model's head size on CPU);
+requested GPUs exist and the learner's do not overlap the workers'; the sync backend is there (torch's
+NCCL, nccl4py in both environments, vLLM on both sides for its weight transfer) with a GPU; the top-k fits
+the vocabulary. Cheap by design: config files and the tokenizer, never the weights (vLLM's import, in the
+workers' interpreter, is the dearest part: ~10 s).
 """
 
 from __future__ import annotations
@@ -99,26 +101,64 @@ def _context(cfg: SparkSettings, config: dict, tokenizer: object, texts: list[st
     longest = max(_tokens(tokenizer, text) for text in sorted(texts, key=len)[-LONGEST:]) + allowance
     if cfg.rollout.max_prompt_tokens is not None:  # longer ones are dropped or cut by the workers
         longest = min(longest, cfg.rollout.max_prompt_tokens)
-    need = longest + cfg.rollout.sampling.max_new_tokens
+    new_tokens = cfg.rollout.sampling.max_new_tokens
+    need = longest + new_tokens
     if need <= limit:
         return []
-    return [
-        Problem(
-            "rollout.sampling.max_new_tokens",
-            f"the longest prompt ({longest} tokens) + max_new_tokens ({cfg.rollout.sampling.max_new_tokens}) "
-            f"= {need} exceeds the model's context ({limit}): lower max_new_tokens or set "
-            "rollout.max_prompt_tokens",
+    return [Problem("rollout.sampling.max_new_tokens", _context_fix(longest, new_tokens, limit))]
+
+
+def _context_fix(longest: int, new_tokens: int, limit: int) -> str:
+    """What to change when prompt + answer overflow the context: the answer's budget, and when prompts are
+    too long for any sensible answer budget, a prompt budget (`rollout.max_prompt_tokens`) and what
+    happens to longer prompts."""
+    said = f"the longest prompt ({longest} tokens) + max_new_tokens ({new_tokens}) exceeds the model's "
+    said += f"context ({limit})"
+    fixes = []
+    if limit - new_tokens < 16:  # the answer budget alone fills the context
+        new_tokens = limit // 4
+        fixes.append(
+            f"max_new_tokens alone fills it: lower it (e.g. rollout.sampling.max_new_tokens={new_tokens})"
         )
-    ]
+    room = limit - new_tokens
+    if longest <= room:
+        return f"{said}: {fixes[0] if fixes else f'lower max_new_tokens to {limit - longest}'}"
+    fixes.append(
+        f"give prompts at most {room} tokens: rollout.max_prompt_tokens={room} with rollout.overlong=drop "
+        f"(longer ones are dead-lettered, with their length) or rollout.overlong=truncate (their last {room} "
+        "tokens are kept)"
+    )
+    if longest > limit:  # no answer budget makes such a prompt fit
+        fixes.append("or use a model with a longer context")
+    return f"{said}; " + "; ".join(fixes)
 
 
-def _engine(cfg: SparkSettings) -> list[Problem]:
+def _engine(cfg: SparkSettings, model_config: dict | None) -> tuple[list[Problem], bool | None]:
+    """The engine's problems, and (vLLM) whether the workers' vLLM is its CPU build (None: unknown)."""
+    kind = cfg.rollout.engine.kind
+    if kind == "vllm":
+        return _vllm(cfg, model_config)
+    return _torch_engine(cfg), None
+
+
+def _vllm(cfg: SparkSettings, model_config: dict | None) -> tuple[list[Problem], bool | None]:
+    """vLLM in the workers' interpreter, probed there (sparkrl/vllm_check.py)."""
+    from sparkrl import vllm_check
+
+    python = cfg.rollout.python
+    if python is None and importlib.util.find_spec("vllm") is None:  # not here: no probe needed
+        fix = "install it in its own environment and set rollout.python: " + vllm_check.INSTALL_HINT
+        return [Problem("rollout.engine.kind", f"vllm is not installed in {sys.executable}: {fix}")], None
+    found = vllm_check.probe(python or sys.executable)
+    return [Problem(*p) for p in vllm_check.problems(cfg, found, model_config)], found.cpu
+
+
+def _torch_engine(cfg: SparkSettings) -> list[Problem]:
     kind = cfg.rollout.engine.kind
     if cfg.rollout.python is None:  # the workers run in this interpreter: look here, without importing
         if importlib.util.find_spec(ENGINE_MODULES[kind]) is not None:
             return []
-        fix = "install the `vllm` extra in its own environment and set rollout.python to its interpreter"
-        return [Problem("rollout.engine.kind", f"{kind} is not installed in {sys.executable}: {fix}")]
+        return [Problem("rollout.engine.kind", f"{kind} is not installed in {sys.executable}")]
     python = cfg.rollout.python
     probe = subprocess.run(
         [python, "-c", f"import {ENGINE_MODULES[kind]}"], capture_output=True, text=True, timeout=120
@@ -126,14 +166,17 @@ def _engine(cfg: SparkSettings) -> list[Problem]:
     if probe.returncode == 0:
         return []
     last = (probe.stderr.strip().splitlines() or ["it failed"])[-1]
-    fix = "set rollout.python to the interpreter of an environment with `pip install sparkrl[vllm]`"
+    fix = "set rollout.python to an interpreter with sparkrl's rollout extra"
     return [Problem("rollout.engine.kind", f"{kind} does not import in {python} ({last}): {fix}")]
 
 
-def _devices(cfg: SparkSettings) -> list[Problem]:
+def _devices(cfg: SparkSettings, vllm_on_cpu: bool | None) -> list[Problem]:
     problems = []
     engine = cfg.rollout.engine
-    gpu_engine = engine.kind == "vllm" or getattr(engine, "device", "cpu").startswith("cuda")
+    if engine.kind == "vllm":  # a GPU engine unless its vLLM is the CPU build (or it is asked to be)
+        gpu_engine = engine.device == "cuda" or (engine.device == "auto" and vllm_on_cpu is False)
+    else:
+        gpu_engine = engine.device.startswith("cuda")
     wants_gpu = cfg.learner.device != "cpu" or gpu_engine or bool(cfg.learner.gpus or cfg.rollout.gpus)
     if not wants_gpu:
         return []
@@ -225,7 +268,7 @@ def _vllm_transfer(cfg: SparkSettings) -> list[Problem]:
             )
         )
     if importlib.util.find_spec("vllm") is None:
-        fix = "install vLLM ≥ 0.16 in the learner's environment too (it sends through vLLM), or use nccl"
+        fix = "install vLLM ≥ 0.32 in the learner's environment too (it sends through vLLM), or use nccl"
         problems.append(
             Problem("sync.backend", f"vllm_nccl: vLLM is not installed in {sys.executable}: {fix}")
         )
@@ -244,4 +287,5 @@ def check(cfg: SparkSettings) -> list[Problem]:
             problems.append(
                 Problem("rollout.sampling.topk_logprobs", f"exceeds the vocabulary ({vocab}): lower it")
             )
-    return problems + _engine(cfg) + _devices(cfg) + _sync(cfg)
+    engine_problems, vllm_on_cpu = _engine(cfg, config)
+    return problems + engine_problems + _devices(cfg, vllm_on_cpu) + _sync(cfg)
