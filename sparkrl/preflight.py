@@ -109,20 +109,19 @@ def _context(cfg: SparkSettings, config: dict, tokenizer: object, texts: list[st
 
 
 def _context_fix(longest: int, new_tokens: int, limit: int) -> str:
-    """What to change when prompt + answer overflow the context: the answer's budget, and when prompts are
-    too long for any sensible answer budget, a prompt budget (`rollout.max_prompt_tokens`) and what
-    happens to longer prompts."""
+    """What to change when prompt + answer overflow the context: a smaller answer budget where the prompts
+    fit with one, else a prompt budget (`rollout.max_prompt_tokens`) and what happens to longer prompts."""
     said = f"the longest prompt ({longest} tokens) + max_new_tokens ({new_tokens}) exceeds the model's "
     said += f"context ({limit})"
+    if longest + 16 <= limit:  # the prompts fit beside a smaller answer budget
+        return f"{said}: lower rollout.sampling.max_new_tokens to {limit - longest} or less"
     fixes = []
     if limit - new_tokens < 16:  # the answer budget alone fills the context
         new_tokens = limit // 4
         fixes.append(
-            f"max_new_tokens alone fills it: lower it (e.g. rollout.sampling.max_new_tokens={new_tokens})"
+            f"lower rollout.sampling.max_new_tokens (e.g. to {new_tokens}): alone it fills the context"
         )
     room = limit - new_tokens
-    if longest <= room:
-        return f"{said}: {fixes[0] if fixes else f'lower max_new_tokens to {limit - longest}'}"
     fixes.append(
         f"give prompts at most {room} tokens: rollout.max_prompt_tokens={room} with rollout.overlong=drop "
         f"(longer ones are dead-lettered, with their length) or rollout.overlong=truncate (their last {room} "
