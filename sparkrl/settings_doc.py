@@ -90,8 +90,9 @@ def annotated_yaml(settings: SparkSettings) -> str:
     """The resolved tree as YAML, each leaf followed by its description as a comment."""
     import yaml
 
-    # A variant's fields by their path in the tree (`learner.loss.rho`): the tree holds one variant.
-    described = {re.sub(r"\[[^\]]*\]", "", path): note for path, _, _, note in fields(SparkSettings)}
+    # Each field by its path with the variant it belongs to (`learner.loss[grpo].clip_low`): the tree holds
+    # one variant per choice, and two variants may describe a field of the same name differently.
+    described = {one: note for path, _, _, note in fields(SparkSettings) for one in _variant_paths(path)}
     out: list[str] = []
 
     def walk(node: Any, prefix: str, indent: int) -> None:
@@ -100,7 +101,10 @@ def annotated_yaml(settings: SparkSettings) -> str:
             pad = "  " * indent
             if isinstance(value, dict) and value:
                 out.append(f"{pad}{key}:")
-                walk(value, f"{path}.", indent + 1)
+                chosen = f"{path}[{value.get('name', value.get('kind'))}]."  # a variant chosen by name
+                walk(
+                    value, chosen if any(k.startswith(chosen) for k in described) else f"{path}.", indent + 1
+                )
                 continue
             line = yaml.safe_dump({key: value}, default_flow_style=True, width=10_000).strip()
             line = line[1:-1] if line.startswith("{") else line
@@ -109,6 +113,15 @@ def annotated_yaml(settings: SparkSettings) -> str:
 
     walk(settings.model_dump(mode="json"), "", 0)
     return "\n".join(out) + "\n"
+
+
+def _variant_paths(path: str) -> list[str]:
+    """`learner.loss[ppo_clip|grpo].clip_low` → one path per variant name it holds."""
+    found = re.search(r"\[([^\]]*)\]", path)
+    if found is None:
+        return [path]
+    head, tail = path[: found.start()], path[found.end() :]
+    return [f"{head}[{name}]{rest}" for name in found.group(1).split("|") for rest in _variant_paths(tail)]
 
 
 def main() -> None:

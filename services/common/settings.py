@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.resources
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 
@@ -625,5 +626,23 @@ def describe_settings_error(exc: Exception) -> str:
         path = ".".join(str(part) for part in error["loc"])
         got = error.get("input")
         shown = "" if isinstance(got, dict) or error["type"] == "missing" else f" (got {got!r})"
-        lines.append(f"  {path}: {error['msg']}{shown}")
+        hint = _did_you_mean(path) if error["type"] == "extra_forbidden" else ""
+        lines.append(f"  {path}: {error['msg']}{shown}{hint}")
     return "\n".join(lines)
+
+
+def _did_you_mean(path: str) -> str:
+    """`; did you mean learner.lr?` for a setting that does not exist but whose name is close to one in
+    the same section (the deepest section the path names, a variant's tag skipped)."""
+    import difflib
+
+    from sparkrl.settings_doc import fields
+
+    known = {re.sub(r"\[[^\]]*\]", "", p) for p, _, _, _ in fields(SparkSettings)}
+    sections = {p.rsplit(".", 1)[0] for p in known if "." in p} | {""}
+    parts, leaf = path.split(".")[:-1], path.split(".")[-1]
+    section = next(".".join(parts[:n]) for n in range(len(parts), -1, -1) if ".".join(parts[:n]) in sections)
+    prefix = f"{section}." if section else ""
+    siblings = {p[len(prefix) :].split(".")[0] for p in known if p.startswith(prefix)}
+    close = difflib.get_close_matches(leaf, sorted(siblings), n=1, cutoff=0.6)
+    return f"; did you mean {prefix}{close[0]}?" if close else ""
