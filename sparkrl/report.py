@@ -296,18 +296,36 @@ _CHARTS: tuple[tuple[str, str, Callable[[_Run, Path], str | None]], ...] = (
 
 
 def _hparam_text(value: HparamValue | None) -> str:
-    return "—" if value is None else str(value)
+    if value is None:
+        return "—"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)  # 6e-05, not 5.9999999999999995e-05
+
+
+SCHEDULED = 4  # a value that changes at more steps than this is a schedule, not a live change
 
 
 def hparam_changes(rows: list[StepMetrics]) -> list[str]:
-    """`lr: 0.0003 → 0.0001 at step 40` for every live change, so a curve's kink can be explained."""
-    changes = []
+    """`lr: 0.0003 → 0.0001 at step 40` for every live change, so a curve's kink can be explained; a value
+    that moves at many steps (an lr schedule) is summed up as one range instead of a change per step."""
+    changes: dict[str, list[str]] = {}
     for previous, row in itertools.pairwise(rows):
         for key in sorted(previous.hparams.keys() | row.hparams.keys()):
             before, after = previous.hparams.get(key), row.hparams.get(key)
             if before != after or type(before) is not type(after):
-                changes.append(f"{key}: {_hparam_text(before)} → {_hparam_text(after)} at step {row.step}")
-    return changes
+                text = f"{key}: {_hparam_text(before)} → {_hparam_text(after)} at step {row.step}"
+                changes.setdefault(key, []).append(text)
+    out = []
+    for key, lines in changes.items():
+        if len(lines) <= SCHEDULED:
+            out += lines
+            continue
+        values = [row.hparams.get(key) for row in rows]
+        first, last = values[0], values[-1]
+        out.append(
+            f"{key}: scheduled, {_hparam_text(first)} → {_hparam_text(last)} over steps "
+            f"{rows[0].step}–{rows[-1].step} ({len(lines)} changes)"
+        )
+    return out
 
 
 def reward_halves(run: _Run) -> tuple[int, float | None, float | None]:

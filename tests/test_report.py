@@ -160,3 +160,23 @@ def test_report_errors(tmp_path: Path) -> None:
 def test_import_is_cheap() -> None:
     code = "import sys, sparkrl.report; assert 'matplotlib' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_schedule_is_one_line_and_values_are_short() -> None:
+    """A cosine lr moves at every step: one 'scheduled' line, not one change per step, and 6e-05 rather
+    than 5.9999999999999995e-05; a live change among them is still its own line."""
+    import math
+
+    from sparkrl.proto import StepMetrics
+    from sparkrl.report import hparam_changes
+
+    rows = []
+    for step in range(1, 41):
+        row = _row(step, 0.5, t=T0 + step)
+        row["hparams"] = {"lr": 6e-05 * 0.5 * (1 + math.cos(math.pi * (step - 1) / 40)), "beta": 1.0}
+        row["hparams"]["beta"] = 1.0 if step < 30 else 0.5
+        rows.append(StepMetrics.model_validate(row))
+    assert hparam_changes(rows) == [
+        "lr: scheduled, 6e-05 → 9.248e-08 over steps 1–40 (39 changes)",
+        "beta: 1 → 0.5 at step 30",
+    ]
