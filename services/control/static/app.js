@@ -20,7 +20,8 @@ const CHARTS = [
   { id: "reg-tokens", title: "regularized tokens", metric: "loss/reg_tokens" },
   { id: "sparks", title: "sparks: rare tokens in correct answers", metric: "explore/sparks" },
   // From the in-training evaluator (eval.every), against the policy version it evaluated.
-  { id: "heldout", title: "held-out pass@1 (evaluator)", metric: "eval/pass@1", evals: true },
+  { id: "heldout", title: "held-out pass@1 (evaluator)", metric: "eval/pass@1", evals: true,
+    empty: "no held-out evaluation yet (the evaluator runs when eval.every is set)" },
   { id: "tokens-per-s", title: "tokens/s trained", metric: "time/tokens_per_s" },
   { id: "versions", title: "policy versions", versions: true },
 ];
@@ -172,8 +173,12 @@ function renderHyperparameterNames(s) {
 function renderWorkers(view) {
   $("learner-version").textContent = view.learner_version ?? "–";
   const rows = view.workers.map((w) => {
-    const note = w.dropped_reason || (w.in_broadcast_group ? "" : "not in the broadcast group");
-    const tr = tableRow(note ? "flagged" : "", [
+    // Before the first broadcast (the learner is still starting) or while the worker loads its model,
+    // being outside the group is the normal state of things: said, not flagged.
+    const early = !view.learner_version || w.state === "starting";
+    const waiting = early ? "joins at the next broadcast" : "not in the broadcast group";
+    const note = w.dropped_reason || (w.in_broadcast_group ? "" : waiting);
+    const tr = tableRow(note && !(early && !w.dropped_reason) ? "flagged" : "", [
       [w.worker_id, "id"], [w.state, `wstate wstate-${w.state}`], [w.policy_version ?? "initial", "version"],
       [w.lag ?? "–", w.lag > 1 ? "lag warn" : "lag"], [fmtSec(w.last_sync_seconds)],
       [fmtBytes(w.last_sync_bytes)], [w.sync_failures, w.sync_failures ? "warn" : ""],

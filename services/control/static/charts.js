@@ -34,10 +34,12 @@ class LineChart {
     const pts = series.flatMap((s) => s.points.filter((p) => Number.isFinite(p[1])));
     if (!pts.length) {
       ctx.fillStyle = INK.empty;
-      ctx.fillText("waiting for steps…", 12, h / 2);
+      this.figure.dataset.empty = this.spec.empty || "waiting for steps…";
+      ctx.fillText(this.figure.dataset.empty, 12, h / 2);
       this.value.textContent = "";
       return;
     }
+    delete this.figure.dataset.empty;
     const xs = pts.map((p) => p[0]);
     const ys = pts.map((p) => p[1]);
     let [x0, x1, y0, y1] = [Math.min(...xs), Math.max(...xs), Math.min(...ys), Math.max(...ys)];
