@@ -20,6 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from sparkrl import ports
 from sparkrl.services.common.settings import SparkSettings
 
 ENGINE_MODULES = {"torch": "torch", "vllm": "vllm"}
@@ -279,6 +280,7 @@ def check(cfg: SparkSettings) -> list[Problem]:
     problems, config, tokenizer = _model(cfg)
     found, texts = _prompt_texts(cfg)
     problems += found
+    problems += [Problem(*problem) for problem in ports.problems(cfg)]
     if config is not None and tokenizer is not None:
         problems += _context(cfg, config, tokenizer, texts)
         vocab = config.get("vocab_size")
