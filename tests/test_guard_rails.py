@@ -92,11 +92,17 @@ def overflowing_model(tiny_model_dir: Path, out: Path) -> Path:  # noqa: F811
 # ── one update on the real engine ────────────────────────────────────────────────────────────────────
 
 
-@pytest.mark.parametrize("zero_stage", [0, 2])
-def test_an_update_whose_loss_is_not_finite_is_not_applied(zero_stage: int, tiny_model_dir: Path) -> None:  # noqa: F811
-    """Plain torch AdamW (stage 0, dropped by the learner) and ZeRO (dropped by DeepSpeed): the weights
-    do not move, and the gradients are gone: the next update is exactly the one a fresh engine takes."""
-    cfg = load_settings("smoke", [f"learner.zero_stage={zero_stage}", "learner.lr=1e-3"]).learner
+@pytest.mark.parametrize(("zero_stage", "dtype"), [(0, "float32"), (2, "float32"), (2, "bfloat16")])
+def test_an_update_whose_loss_is_not_finite_is_not_applied(
+    zero_stage: int,
+    dtype: str,
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    """Plain torch AdamW (stage 0 in float32: dropped by the learner), ZeRO and the bf16 optimizer
+    (dropped by DeepSpeed's own check): the weights do not move, and the gradients are gone: the next
+    update is exactly the one a fresh engine takes."""
+    overrides = [f"learner.zero_stage={zero_stage}", f"learner.dtype={dtype}", "learner.lr=1e-3"]
+    cfg = load_settings("smoke", overrides).learner
     init_distributed(cfg)
 
     def update(engine, groups: list[TrajectoryGroup]) -> dict[str, float]:  # type: ignore[no-untyped-def]

@@ -106,15 +106,18 @@ def broken_start(names: list[str], step: int, source: str) -> str:
     )
 
 
-def final_checkpoint_failed(error: CheckpointError, step: int, saved_step: int) -> str:
+def final_checkpoint_failed(error: Exception, step: int, saved_step: int) -> str:
     """Why the run ends non-zero when its final checkpoint cannot be written, and the fix."""
     kept = (
         f"step {saved_step}'s checkpoint and the journal after it hold" if saved_step else "the journal holds"
     )
+    if isinstance(error, CheckpointError):
+        what, fix = str(error), "make RUN_DIR/checkpoints a writable directory with room for a checkpoint"
+    else:
+        what, fix = f"{type(error).__name__}: {error}", "mend what the error names (learner.log)"
     return (
-        f"the final checkpoint (step {step}) failed: {error}. Nothing is lost: {kept} every step "
-        "(RUN_DIR/journal). Fix: make RUN_DIR/checkpoints a writable directory with room for a "
-        "checkpoint, then `sparkrl up --resume` (or `sparkrl learner --resume`)"
+        f"the final checkpoint (step {step}) failed: {what}. Nothing is lost: {kept} every step "
+        f"(RUN_DIR/journal). Fix: {fix}, then `sparkrl up --resume` (or `sparkrl learner --resume`)"
     )
 
 

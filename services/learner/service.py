@@ -35,6 +35,7 @@ from sparkrl.services.learner.checkpoint import (
     nonfinite_tensors,
 )
 from sparkrl.services.learner.control import LearnerControl, hparams_in_force
+from sparkrl.services.learner.data_end import steps_the_data_allows
 from sparkrl.services.learner.follower import follow
 from sparkrl.services.learner.guard import broken_start, final_checkpoint_failed
 from sparkrl.services.learner.journal import Journal
@@ -150,7 +151,11 @@ def build(
     control = LearnerControl(
         ControlReader(bus, telemetry, LEARNER), lc, engine, state.hparam_overrides, metrics.observe_command
     )
-    reporter = Reporter(telemetry, state, StatusSource(publisher, lc.max_steps))
+    # The status's max_steps (the progress line's total): learner.max_steps, or where the data runs out.
+    status = StatusSource(
+        publisher, lc.max_steps, lambda now: steps_the_data_allows(bus, lc.prompts_per_step, now)
+    )
+    reporter = Reporter(telemetry, state, status)
     server = MetricsServer(
         lc.metrics, metrics.registry, lambda: {"status": "ok", "phase": reporter.report.phase}
     )
@@ -186,6 +191,7 @@ def build(
         replayed = loop.replay() if resume else 0
         void_discarded_versions(state, last_announced_version(bus, run_dir / "snapshots"))
         loop.collector.void_versions = state.void_versions
+        loop.collector.progress = state  # the end reason counts what it trained
         files.wait_listed()  # the first announcement carries the model's digest
         weights = loop.full_weights()
         if names := nonfinite_tensors(weights):  # a checkpoint or model that was saved broken
@@ -227,13 +233,16 @@ def close(service: LearnerService) -> None:
             loop.checkpoint(None)
         except RankLost:
             log.warning("no final checkpoint: the learner's ranks cannot all write theirs (see above)")
-        except CheckpointError as exc:
+        except Exception as exc:  # a disk full or gone (CheckpointError), or DeepSpeed's own error
             keep_final = False
             final_failed.append(final_checkpoint_failed(exc, state.step, loop.saved_step))
-            log.error("%s", final_failed[0])
+            log.error("%s", final_failed[0], exc_info=not isinstance(exc, CheckpointError))
     suspect, latest = loop.guard.suspect, latest_checkpoint(loop.run_dir)
     if suspect is not None and latest is not None:
-        drop_overrides(latest, list(suspect.values))  # an older checkpoint may carry it
+        try:
+            drop_overrides(latest, list(suspect.values))  # an older checkpoint may carry it
+        except OSError as exc:
+            log.warning("%s still carries %s: %s", latest, suspect.describe(), exc)
     loop.release_ranks()
     loop.reporter.update(phase="stopping")
     if command is not None:
@@ -243,7 +252,7 @@ def close(service: LearnerService) -> None:
     loop.failed = "; then ".join(causes + final_failed) or None
     normal = loop.ended or ("a stop command" if command is not None else "stopped (signal)")
     ended = loop.failed if causes else "; then ".join([normal, *final_failed])
-    write_ended(loop.run_dir, ended, state.step)
+    write_ended(loop.run_dir, ended, state.step, loop.collector.counts)
     loop.reporter.update(phase="stopped")
     loop.reporter.close()
     service.files.close()
