@@ -1,0 +1,83 @@
+"""What a run directory holds for other processes to read: the lock of a live run (`RUN_DIR/run.lock`) and
+the dead letters the run left (`RUN_DIR/dead_letters.jsonl`, one record a line).
+
+Writer: `sparkrl up` (both). Readers: a second `sparkrl up` on the same directory (the lock), `sparkrl
+dead` and `sparkrl report` (the lock: is the run live?), `sparkrl dead` and the run's summary (the dead
+letters, once the run is over and its private Redis is gone).
+"""
+
+from typing import Literal
+
+from pydantic import Field
+
+from sparkrl.proto.base import WireModel
+
+RUN_FILES_SCHEMA_VERSION = 1
+
+
+class RunLock(WireModel):
+    """`RUN_DIR/run.lock`: the directory is live, held by this process until it exits."""
+
+    schema_version: Literal[1] = Field(
+        default=RUN_FILES_SCHEMA_VERSION, description="File version; readers reject others."
+    )
+    pid: int = Field(ge=1, description="The process holding the run (`sparkrl up`). Writer: that process.")
+    host: str = Field(
+        min_length=1,
+        max_length=255,
+        description="Hostname of the holder: its pid means something only there. Writer: the holder.",
+    )
+    pid_started: int | None = Field(
+        default=None,
+        ge=0,
+        description="When the holder started (clock ticks since boot, /proc/<pid>/stat), so a pid the "
+        "system reused for another process is not taken for the holder. None: not on Linux.",
+    )
+    since: float = Field(ge=0, description="When it took the directory, Unix seconds. Writer: the holder.")
+    command: str = Field(
+        max_length=200, description="What holds it, for people: `sparkrl up`, `sparkrl up --ray`."
+    )
+
+
+DeadLetterStream = Literal["prompts", "trajectories"]
+
+
+class DeadLetterRecord(WireModel):
+    """One line of `RUN_DIR/dead_letters.jsonl`: a dead letter as the run left it (without its payload)."""
+
+    schema_version: Literal[1] = Field(
+        default=RUN_FILES_SCHEMA_VERSION, description="File version; readers reject others."
+    )
+    record_id: str = Field(description="Its id in the run's dead-letter stream (`sparkrl dead --requeue`).")
+    stream: DeadLetterStream = Field(
+        description="Where it came from: `prompts` (set aside by a worker), `trajectories` (a group set "
+        "aside by the learner)."
+    )
+    item_id: str = Field(description="The prompt id or group id it was published under.")
+    reason: str = Field(description="Why it was set aside, as the service that did it said.")
+    time_ms: int = Field(ge=0, description="When, Unix milliseconds.")
+    deliveries: int = Field(ge=0, description="How often it had been delivered by then.")
+
+
+class PromptCounts(WireModel):
+    """How the prompts of a run whose data ran out ended: `RUN_DIR/ended.json`'s `prompts`. Every prompt
+    fed is trained, dead-lettered or dropped. Writer: learner. Readers: people, scripts, tests."""
+
+    fed: int = Field(ge=0, description="Prompts fed, every epoch counted (`sparkrl prompts`' done mark).")
+    epochs: int = Field(ge=1, description="Passes over the data.")
+    trained: int = Field(ge=0, description="Prompts whose group was trained (the learner's groups trained).")
+    dead_lettered_prompts: int = Field(
+        ge=0, description="Prompts the workers set aside (too long, failed generation, ...): `sparkrl dead`."
+    )
+    dead_lettered_groups: int = Field(
+        ge=0, description="Groups the learner set aside (its model cannot take them, loss not finite)."
+    )
+    dead_letters_trimmed: bool = Field(
+        description="The dead-letter stream held bus.dead_letter_maxlen records: the counts are a minimum."
+    )
+    dropped: int = Field(ge=0, description="Fed, yet neither trained nor dead-lettered: lost.")
+    sampled_again: int = Field(
+        ge=0,
+        description="Groups that went stale (older than learner.max_staleness) and whose prompt was fed "
+        "again to be made anew; those prompts count as trained once their new group was.",
+    )
