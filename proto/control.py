@@ -91,7 +91,8 @@ class HyperparameterPatch(WireModel):
 
     lr: float | None = Field(default=None, description="Learning rate (learner.lr).")
     max_staleness: int | None = Field(
-        default=None, description="Versions a group may lag before it is dropped (learner.max_staleness)."
+        default=None,
+        description="Versions a group may lag before it is made again (learner.max_staleness).",
     )
     kappa: float | None = Field(
         default=None, description="Min-p κ of the Lp-Reg proxy (learner.proxy_kappa)."

@@ -199,8 +199,9 @@ class LearnerStatus(WireModel):
     max_steps: int | None = Field(
         default=None,
         ge=1,
-        description="Where the run ends (learner.max_steps). Writer: learner. Reader: page (progress). "
-        "None: it runs until stopped.",
+        description="Where the run ends: learner.max_steps, or sooner where the data runs out (the steps "
+        "taken plus those the prompts left make, once all are fed). Writer: learner. Readers: page, "
+        "`sparkrl up`'s progress line. None: it runs until stopped.",
     )
     last_checkpoint: str | None = Field(
         default=None,

@@ -263,10 +263,11 @@ class Stack:
             self.telemetry = Telemetry(RedisBus(quick))
         settings = self.plan.settings
         try:
-            line = progress_line(self.telemetry.last_step(), settings.learner.max_steps)
+            learner = self.telemetry.learner()  # its max_steps: where the data ends the run, if sooner
+            total = learner.max_steps if learner is not None else settings.learner.max_steps
+            line = progress_line(self.telemetry.last_step(), total)
             if line is not None or self.started_at is None:
                 return line
-            learner = self.telemetry.learner()
             workers = {w: s.state for w, s in self.telemetry.workers().items()}
         except (BusError, redis.RedisError):
             return None
@@ -367,13 +368,17 @@ def supervise(stack: Supervised, report: Callable[[str], None], run_dir: Path) -
         finally:
             stack.shutdown()
     print(summarize(run_dir), flush=True)
-    _write_report(run_dir)
+    _write_report(run_dir, interrupted=code == 130)
     return code
 
 
-def _write_report(run_dir: Path) -> None:
-    """`sparkrl report RUN_DIR` at the end of every run that trained a step."""
+def _write_report(run_dir: Path, interrupted: bool) -> None:
+    """`sparkrl report RUN_DIR` at the end of every run that trained a step; after Ctrl-C it is only named
+    (its charts take seconds, and an interrupted user is waiting for the prompt)."""
     if not (run_dir / "metrics.jsonl").is_file():
+        return
+    if interrupted:
+        print(f"  report: `sparkrl report {run_dir}` writes it", flush=True)
         return
     try:
         from sparkrl.report import write_report

@@ -56,12 +56,13 @@ def _metric(record: dict[str, Any], name: str) -> float | None:
 def progress_line(row: StepMetrics | None, max_steps: int | None = None) -> str | None:
     """`step 12/40 | reward 0.31 | entropy 1.23 | loss -0.004 | versions w0:11 w1:12 | sync 0.21s`.
 
-    From the newest step row (None before the first step: no line). Without `max_steps`
-    (`learner.max_steps`) the step has no total; metrics the row lacks are left out.
+    From the newest step row (None before the first step: no line). `max_steps` is where the run ends (the
+    learner's status: learner.max_steps, or sooner where the data runs out); without it the step has no
+    total. Metrics the row lacks are left out.
     """
     if row is None:
         return None
-    parts = [f"step {row.step}" + (f"/{max_steps}" if max_steps else "")]
+    parts = [f"step {row.step}" + (f"/{max(max_steps, row.step)}" if max_steps else "")]
     for name, label, spec in (
         ("rollout/reward_mean", "reward", ".2f"),
         ("loss/entropy", "entropy", ".2f"),
@@ -77,7 +78,7 @@ def progress_line(row: StepMetrics | None, max_steps: int | None = None) -> str 
         parts.append(f"sync {sync:.2f}s")
     stale = row.value("rollout/dropped_stale_total")
     if stale:
-        parts.append(f"stale dropped {stale:.0f}")
+        parts.append(f"stale made again {stale:.0f}")
     return " | ".join(parts)
 
 
@@ -159,9 +160,9 @@ def summarize(run_dir: Path | str) -> str:
             f"  reward mean: {_fmt(summary['reward_mean_first_20pct'])} (first 20% of steps)"
             f" → {_fmt(summary['reward_mean_last_20pct'])} (last 20%)",
             f"  final entropy: {_fmt(summary['final_entropy'])}",
-            f"  groups dropped as stale: {summary['groups_dropped_stale']}"
+            f"  groups gone stale: {summary['groups_dropped_stale']}"
             + (
-                " (older than learner.max_staleness when they arrived)"
+                " (older than learner.max_staleness: their prompts were fed again and made anew)"
                 if summary["groups_dropped_stale"]
                 else ""
             ),

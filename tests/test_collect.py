@@ -1,11 +1,12 @@
 """The learner's batch collector on a real redis-server: a burst of groups near the end of their reach
-is trained, not dropped; read-ahead is bounded; what is past reach is acknowledged and counted."""
+is trained, not dropped; read-ahead is bounded; what is past reach is sent back (its prompt fed again, to
+be made anew: finite data is not lost) and counted."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from sparkrl.proto import TrajectoryGroup, encode_group
+from sparkrl.proto import Prompt, TrajectoryGroup, decode_message, encode_group
 from sparkrl.proto.testing import random_group
 from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.settings import BusSettings, LearnerSettings
@@ -47,12 +48,23 @@ def test_a_burst_at_the_edge_of_reach_joins_the_step(bus_settings: BusSettings) 
         assert nxt is not None and {g.group_id for g in nxt.groups} == {g.group_id for g in new[:4]}
 
 
-def test_groups_past_reach_are_acknowledged_and_counted(bus_settings: BusSettings) -> None:
+def test_groups_past_reach_are_sent_back_to_be_made_again(bus_settings: BusSettings) -> None:
     with RedisBus(bus_settings) as bus:
         groups = [sampled_by(i, 0) for i in range(3)] + [sampled_by(10 + i, 5) for i in range(4)]
         for g in groups:
+            assert bus.publish_prompt(g.prompt.prompt_id, b"as fed")  # the feeder's dedup marks
             assert bus.publish_group(g.group_id, encode_group(g))
+        bus.ack("prompts", [e.entry_id for e in bus.read("prompts", "worker", 7)])  # sampled, published
         batch = collector(bus).fill(5, lambda: False)
         assert batch is not None and batch.dropped_stale == 3
         assert {g.group_id for g in batch.groups} == {g.group_id for g in groups[3:]}
         assert bus.pending_info("trajectories").pending == 4  # the stale ones are acked, not pending
+        # Their prompts are back in the feed, as they were delivered (same ids: the same group ids) ...
+        back = bus.read("prompts", "worker", 10)
+        assert [decode_message(e.payload, Prompt) for e in back] == [g.prompt for g in reversed(groups[:3])]
+        # ... and the groups made again are accepted, though their ids were published before.
+        assert all(bus.publish_group(g.group_id, encode_group(g)) for g in groups[:3])
+        assert not bus.publish_prompt(groups[0].prompt.prompt_id, b"fed again")  # the feeder's dedup holds
+        bus.ack("trajectories", [e.entry_id for e in batch.entries])  # trained
+        assert not bus.send_back(batch.entries[0], "p", b"")  # no longer pending: nothing is sent back
+        assert bus.pending_info("prompts").lag == 0

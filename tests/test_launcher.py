@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -23,7 +24,7 @@ from sparkrl.launcher import (
     run_stack,
     write_configs,
 )
-from sparkrl.proto import StepMetrics
+from sparkrl.proto import LearnerStatus, StepMetrics
 from sparkrl.run_report import progress_line, startup_line, summarize
 from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.settings import SparkSettings, load_settings, write_resolved
@@ -198,6 +199,11 @@ def test_the_progress_line_reads_the_telemetry_channel(redis_url: str, tmp_path:
         telemetry.append(StepMetrics.model_validate(_record(step, 0.5)))
     assert stack.progress() == progress_line(StepMetrics.model_validate(_record(2, 0.5)), 9)
     assert stack.progress().startswith("step 2/9 | reward 0.50")
+    # Where the learner says the run ends (its data runs out at step 4) is the total from then on.
+    status = LearnerStatus(step=2, policy_version=2, state="training", groups_trained=8, group_epoch=1,
+                           max_steps=4, heartbeat_at=time.time())  # fmt: skip
+    telemetry.put_learner(status)
+    assert stack.progress().startswith("step 2/4 | reward 0.50")
     telemetry.bus.close()
     stack.shutdown()
 

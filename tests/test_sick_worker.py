@@ -32,6 +32,7 @@ from sparkrl.services.common.settings import (
 )
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.learner.collect import BatchCollector
+from sparkrl.services.learner.data_end import Tally
 from sparkrl.services.learner.validate import ModelLimits
 from sparkrl.services.rollout import service
 from sparkrl.services.rollout.health import diagnose, is_model_fault, probe
@@ -252,9 +253,11 @@ def test_the_end_reason_counts_dead_lettered_prompts_apart_from_trained_ones(
         batch = collector.fill(0, lambda: False)  # the 4 sampled groups: one step, trained
         assert batch is not None and len(batch.groups) == 4
         bus.ack("trajectories", [e.entry_id for e in batch.entries])
+        collector.progress = Tally(step=1, groups_trained=4)  # what the learner's train state says then
         assert collector.fill(1, lambda: False) is None
         assert collector.exhausted == (
-            "the data ran out: of the 6 prompts fed (1 epoch), 2 were dead-lettered, not trained (2 prompts "
-            "by the workers, 0 groups by the learner; `sparkrl dead` lists them with the reason) and 4 were "
-            "sampled and trained"
+            "the data ran out: of the 6 prompts fed (1 epoch), 4 were trained, 2 dead-lettered (2 prompts by "
+            "the workers, 0 groups by the learner; `sparkrl dead` lists them with the reason) and 0 dropped "
+            "(neither trained nor dead-lettered)"
         )
+        assert collector.counts is not None and collector.counts.dead_lettered_prompts == 2

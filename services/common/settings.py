@@ -406,7 +406,8 @@ class LearnerSettings(Section):
         4,
         ge=0,
         le=MAX_STALENESS,
-        description="Groups sampled more than this many versions ago are dropped (counted).",
+        description="Groups sampled more than this many versions ago are not trained: their prompts are "
+        "fed again and the groups made anew with newer weights (counted).",
         json_schema_extra={
             "why": {
                 "ge": "a group cannot be sampled by a version newer than the learner's",

@@ -4,22 +4,25 @@ A collector keeps what it has gathered when it is interrupted (a pause, a contro
 goes on from there, so an interruption never drops or re-reads a group. While it holds entries it keeps
 them from being reclaimed (`touch`), including while the learner is paused. A group the learner's model
 cannot take (`validate.py`) is dead-lettered alone, with the reason, before it joins a batch; the groups
-of a failed step come back through `give_back`.
+of a failed step come back through `give_back`. A group that went stale in the stream or in hand is sent
+back: acknowledged and its prompt fed again (`RedisBus.send_back`), so finite data is made again with
+newer weights instead of lost; the run ends only once every prompt fed is trained or dead-lettered.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sparkrl.proto import TrajectoryGroup, decode_group
+from sparkrl.proto import TrajectoryGroup, decode_group, encode_message
+from sparkrl.proto.run_files import PromptCounts
 from sparkrl.services.common.bus import Entry, RedisBus
-from sparkrl.services.common.feeder import FEED_DONE, feed_held
+from sparkrl.services.common.feeder import feed_held
 from sparkrl.services.common.recovery import TRAINED_PREFIX
 from sparkrl.services.common.settings import LearnerSettings
+from sparkrl.services.learner.data_end import Fed, Progress, Tally, count_prompts, end_reason, feed_done
 from sparkrl.services.learner.validate import ModelLimits, group_problem
 
 CONSUMER = "learner"
@@ -35,7 +38,7 @@ class Batch:
 
     groups: list[TrajectoryGroup]
     entries: list[Entry]
-    dropped_stale: int
+    dropped_stale: int  # stale groups sent back (their prompts fed again) while gathering this batch
     staleness_mean: float
 
 
@@ -49,11 +52,22 @@ class BatchCollector:
     groups: list[TrajectoryGroup] = field(default_factory=list)  # held for a coming batch, in arrival order
     entries: list[Entry] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)
-    dropped: int = 0  # stale groups acknowledged and dropped while gathering this batch
-    acked: int = 0  # entries acknowledged here (dropped or already trained), since start
+    dropped: int = 0  # stale groups sent back while gathering this batch
+    acked: int = 0  # entries acknowledged here (sent back or already trained), since start
     dead_lettered: int = 0  # groups the model cannot take, since start
     void_versions: list[list[int]] = field(default_factory=list)  # see TrainState.void_versions
-    exhausted: str | None = None  # why no more data will come (the feed is done and all of it is read)
+    progress: Progress = field(default_factory=Tally)  # the learner's TrainState: what it has trained
+    ran_out: Fed | None = None  # the feed is done and all of it is read: no more data will come
+    counts: PromptCounts | None = None  # how the prompts fed ended, as the last end reason said
+
+    @property
+    def exhausted(self) -> str | None:
+        """The end reason once no more data will come (None before), with how the prompts fed ended:
+        counted when read, so the last step's groups are in it (and kept in `counts`, for ended.json)."""
+        if self.ran_out is None:
+            return None
+        self.counts = count_prompts(self.bus, self.ran_out, self.progress)
+        return end_reason(self.counts)
 
     def fill(self, version: int, interrupted: Callable[[], bool]) -> Batch | None:
         """Read until the batch is full (then hand it over and start the next), or None as soon as
@@ -73,8 +87,8 @@ class BatchCollector:
             self._read(version, need - len(self.groups), block_ms=None)
             if time.monotonic() - checked > EXHAUSTED_CHECK_S:
                 checked = time.monotonic()
-                self.exhausted = self._data_exhausted()
-                if self.exhausted is not None:  # the last, partial step: what is held (nothing: no step)
+                self.ran_out = self._data_exhausted()
+                if self.ran_out is not None:  # the last, partial step: what is held (nothing: no step)
                     need = len(self.groups)
                     if not need:
                         return None
@@ -104,19 +118,18 @@ class BatchCollector:
         self.seen, self.dropped = {g.group_id for g in self.groups}, 0
         return batch
 
-    def _data_exhausted(self) -> str | None:
-        """Why nothing more will come, or None: the feeder fed all it had, no prompt is unread or in a
-        worker's hands (a worker acknowledges its prompt once the group is published), and no group is
-        left in the trajectory stream but the ones held here."""
-        raw = self.bus.get_value(FEED_DONE)
-        if not raw:  # no feed yet, or one under way
+    def _data_exhausted(self) -> Fed | None:
+        """What was fed, once nothing more will come (else None): the feeder fed all it had, no prompt is
+        unread or in a worker's hands (a worker acknowledges its prompt once the group is published, and a
+        stale group's prompt goes back in the same step as the group goes), and no group is left in the
+        trajectory stream but the ones held here."""
+        fed = feed_done(self.bus)
+        if fed is None:  # no feed yet, or one under way
             return None
         prompts, trajectories = self.bus.pending_info("prompts"), self.bus.pending_info("trajectories")
         if prompts.lag or prompts.pending or trajectories.lag or trajectories.pending > len(self.entries):
             return None
-        done = json.loads(raw)
-        epochs = f"{done['epochs']} epoch{'s' if done['epochs'] != 1 else ''}"
-        return data_ran_out(self.bus, done["prompts"], epochs)
+        return fed
 
     def _say_starved(self, need: int, waited_s: float) -> None:
         """A learner waiting long for groups says so, and what the prompt stream holds: an empty one with
@@ -168,15 +181,26 @@ class BatchCollector:
     def _read(self, version: int, count: int, block_ms: int | None) -> None:
         for entry, group in self.bus.read_decoded("trajectories", CONSUMER, count, decode_group, block_ms):
             self._take(entry, group, version)
-        # Held groups age as the version moves on: those past reach go now, acknowledged and counted.
+        # Held groups age as the version moves on: those past reach are sent back to be made again.
         stale = [
             i for i, g in enumerate(self.groups) if version - _oldest(g, version) > self.cfg.max_staleness
         ]
         for i in reversed(stale):
-            self.acked += self.bus.ack("trajectories", [self.entries[i].entry_id])
+            group = self.groups[i]
+            self.acked += self.bus.send_back(
+                self.entries[i], group.prompt.prompt_id, encode_message(group.prompt)
+            )
             self.dropped += 1
-            self.seen.discard(self.groups[i].group_id)
+            self.seen.discard(group.group_id)
             del self.groups[i], self.entries[i]
+        if stale:
+            log.info(
+                "%d groups older than max_staleness %d (learner at version %d): their prompts go back to "
+                "the feed, to be made again",
+                len(stale),
+                self.cfg.max_staleness,
+                version,
+            )
 
     def _from_another_lineage(self, group: TrajectoryGroup, version: int) -> str | None:
         """Staleness is two-sided: a group sampled by a version this learner never produced (ahead of it,
@@ -207,26 +231,6 @@ class BatchCollector:
         self.seen.add(group.group_id)
         self.groups.append(group)
         self.entries.append(entry)
-
-
-def data_ran_out(bus: RedisBus, fed: int, epochs: str) -> str:
-    """The end reason once every prompt fed is used up: how many were trained, and how many were
-    dead-lettered instead (by the workers: prompts; by the learner: their groups), read off the dead-letter
-    stream, so the count covers every process and restart of the run (a trimmed stream: "at least")."""
-    letters = bus.dead_letters(count=bus.settings.dead_letter_maxlen)
-    by_stream = {bus.stream_key("prompts"): set(), bus.stream_key("trajectories"): set()}
-    for letter in letters:
-        by_stream.get(letter.stream, set()).add(letter.item_id)
-    prompts, groups = (len(ids) for ids in by_stream.values())
-    dead = min(prompts + groups, fed)
-    if not dead:
-        return f"the data ran out: all {fed} prompts fed ({epochs}) were sampled and trained"
-    some = "at least " if len(letters) >= bus.settings.dead_letter_maxlen else ""
-    return (
-        f"the data ran out: of the {fed} prompts fed ({epochs}), {some}{dead} were dead-lettered, not "
-        f"trained ({prompts} prompts by the workers, {groups} groups by the learner; `sparkrl dead` lists "
-        f"them with the reason) and {fed - dead} were sampled and trained"
-    )
 
 
 def _oldest(group: TrajectoryGroup, version: int) -> int:

@@ -29,6 +29,7 @@ from sparkrl.proto import (
     TrajectoryGroup,
     WorkerStatus,
 )
+from sparkrl.proto.run_files import PromptCounts
 from sparkrl.services.common.bus import QueueDepth
 from sparkrl.services.common.telemetry import LEARNER, LEARNER_HEARTBEAT_S, Telemetry
 from sparkrl.services.learner.checkpoint import TrainState
@@ -122,8 +123,19 @@ class LearnerReport:
 class StatusSource:
     """Builds the status from the report, the train state and the publisher (callable)."""
 
-    def __init__(self, publisher: WeightPublisher, max_steps: int | None) -> None:
-        self.publisher, self.max_steps = publisher, max_steps
+    def __init__(
+        self,
+        publisher: WeightPublisher,
+        max_steps: int | None,
+        data_steps: Callable[[TrainState], int | None] = lambda state: None,
+    ) -> None:
+        """`data_steps`: where the data ends the run (None: not known, or no end), `data_end.py`."""
+        self.publisher, self.max_steps, self.data_steps = publisher, max_steps, data_steps
+
+    def limit(self, state: TrainState) -> int | None:
+        """Where the run ends: learner.max_steps, or sooner where the data runs out."""
+        ends = [n for n in (self.max_steps, self.data_steps(state)) if n is not None]
+        return max(1, min(ends)) if ends else None
 
     def __call__(self, report: LearnerReport, state: TrainState) -> LearnerStatus:
         row, sync = report.row, self.publisher.last_sync
@@ -140,7 +152,7 @@ class StatusSource:
             last_sync_seconds=sync.seconds if sync else None,
             group_epoch=self.publisher.epoch,
             members=list(self.publisher.members),
-            max_steps=self.max_steps,
+            max_steps=self.limit(state),
             last_checkpoint=report.last_checkpoint,
             hyperparameters=report.hparams,
             heartbeat_at=time.time(),
@@ -277,7 +289,10 @@ def sample_rows(step: int, groups: list[TrajectoryGroup], count: int) -> list[di
     return rows
 
 
-def write_ended(run_dir: Path, reason: str, step: int) -> None:
+def write_ended(run_dir: Path, reason: str, step: int, prompts: PromptCounts | None = None) -> None:
     """Why the run ended (`learner.max_steps` reached, the data ran out, a stop command, a signal), for
-    the launcher's summary."""
-    (run_dir / ENDED_FILE).write_text(json.dumps({"reason": reason, "step": step, "time": time.time()}))
+    the launcher's summary; `prompts`: how the prompts fed ended, when the data ran out."""
+    ended: dict[str, object] = {"reason": reason, "step": step, "time": time.time()}
+    if prompts is not None:
+        ended["prompts"] = prompts.model_dump()
+    (run_dir / ENDED_FILE).write_text(json.dumps(ended))

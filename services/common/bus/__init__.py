@@ -8,6 +8,8 @@ knows nothing of `sparkrl.proto`. Guarantees:
   acks (or `touch`es) what it holds within `claim_idle_ms`, else it is handed out again; ids make such a
   replay harmless downstream.
 - Publishing is idempotent per prompt id / group id, so a retried or re-run producer never adds twice.
+  The one exception is deliberate: `send_back` drops a group and feeds its prompt again, forgetting both
+  ids, so the group is made anew (the learner's trained marks still keep any id from training twice).
 - Back-pressure, never trimming: a producer waits while a stream holds `maxlen` entries. Consumers delete
   what they acknowledge, so a stream's length is exactly unread + pending.
 - Every Redis call has a timeout; connection failures are retried with backoff, then `BusUnavailable`.

@@ -32,3 +32,17 @@ local id = redis.call('XADD', values['stream'], '*', 'id', values['id'], 'payloa
 redis.call('XDEL', KEYS[1], ARGV[1])
 return id
 """
+
+# A trajectory group dropped and its prompt fed again, in one step (a crash between the two would lose
+# the prompt): XACK first, so only a group still pending is sent back and a retried call does nothing
+# twice. The group's dedup mark goes, so the group made again (same id) is accepted; the prompt goes in
+# past the stream's cap, as a requeue does (the learner holds at most its reach of such groups), and its
+# mark names the new entry. Returns 1 if sent back, 0 if the group was not pending.
+SEND_BACK_LUA = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XDEL', KEYS[1], ARGV[2])
+redis.call('DEL', KEYS[3])
+local id = redis.call('XADD', KEYS[2], '*', 'id', ARGV[3], 'payload', ARGV[4])
+redis.call('SET', KEYS[4], id, 'PX', ARGV[5])
+return 1
+"""

@@ -18,7 +18,7 @@ from redis.retry import Retry
 
 from sparkrl.services.common.bus._text import is_missing_group, mask_password, text
 from sparkrl.services.common.bus.logs import LogStreams
-from sparkrl.services.common.bus.lua import DEAD_LETTER_LUA, PUBLISH_LUA, REQUEUE_LUA
+from sparkrl.services.common.bus.lua import DEAD_LETTER_LUA, PUBLISH_LUA, REQUEUE_LUA, SEND_BACK_LUA
 from sparkrl.services.common.bus.records import (
     GROUPS,
     BusBackpressureTimeout,
@@ -56,6 +56,7 @@ class RedisBus:
     _publish_script: Script
     _dead_letter_script: Script
     _requeue_script: Script
+    _send_back_script: Script
 
     def __init__(self, settings: BusSettings) -> None:
         if settings.block_ms >= settings.socket_timeout_s * 1000:
@@ -77,6 +78,7 @@ class RedisBus:
         self._publish_script = self._redis.register_script(PUBLISH_LUA)
         self._dead_letter_script = self._redis.register_script(DEAD_LETTER_LUA)
         self._requeue_script = self._redis.register_script(REQUEUE_LUA)
+        self._send_back_script = self._redis.register_script(SEND_BACK_LUA)
         self.logs = LogStreams(self._redis, self._run, settings.namespace, settings.telemetry_maxlen)
         self.status_board = Statuses(self._redis, self._run, settings.namespace)
         self.values = NamedValues(self._redis, self._run, settings.namespace)
@@ -230,6 +232,15 @@ class RedisBus:
         keys, args = [self.stream_key("dead")], [record_id]
         new_id = self._run(lambda: self._requeue_script(keys=keys, args=args))
         return text(new_id) if new_id else None
+
+    def send_back(self, entry: Entry, prompt_id: str, prompt: bytes) -> bool:
+        """Drop a trajectory group and feed its prompt again, atomically, so it is made again: both ids
+        are forgotten by the dedup (the new group keeps the old id). False when it was not pending."""
+        group_mark = self._published_key("trajectories", entry.item_id)
+        keys = [self.stream_key("trajectories"), self.stream_key("prompts"), group_mark]
+        keys.append(self._published_key("prompts", prompt_id))
+        args = [GROUPS["trajectories"], entry.entry_id, prompt_id, prompt, int(self.dedup_ttl_s * 1000)]
+        return self._run(lambda: self._send_back_script(keys=keys, args=args), "trajectories") == 1
 
     def persistence(self) -> str | None:
         """`aof`, `snapshots only`, `nothing`; None when Redis will not say (CONFIG is often locked down)."""
