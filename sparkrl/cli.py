@@ -273,19 +273,30 @@ def up(
             "instead (the run's token, RUN_DIR/control-token, then reads too)"
         )
     from sparkrl.plan import prepare_run_dir
+    from sparkrl.run_lock import RunDirLive, lock_run_dir
 
-    _preflight(cfg)
-    try:
-        prepare_run_dir(Path(cfg.run_dir), resume, overwrite)
-    except ValueError as exc:
+    holder = "sparkrl up --ray" if ray else "sparkrl up"
+    try:  # first: a live run's directory is refused as live, whatever else is wrong
+        lock = lock_run_dir(Path(cfg.run_dir).resolve(), holder, resume, overwrite, _say)
+    except RunDirLive as exc:
         raise typer.BadParameter(str(exc), param_hint="--run-dir") from exc
-    if ray:
-        from sparkrl.ray_mode import run_on_ray
+    with lock:  # held until the run is over and summarized
+        _preflight(cfg)
+        try:
+            prepare_run_dir(Path(cfg.run_dir), resume, overwrite)
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--run-dir") from exc
+        if ray:
+            from sparkrl.ray_mode import run_on_ray
 
-        raise typer.Exit(run_on_ray(cfg, workers, private_redis, preset, resume, address))
-    from sparkrl.launcher import run_stack
+            raise typer.Exit(run_on_ray(cfg, workers, private_redis, preset, resume, address))
+        from sparkrl.launcher import run_stack
 
-    raise typer.Exit(run_stack(cfg, workers, private_redis, preset, resume))
+        raise typer.Exit(run_stack(cfg, workers, private_redis, preset, resume))
+
+
+def _say(line: str) -> None:
+    typer.echo(line, err=True)
 
 
 def _preflight(cfg: SparkSettings) -> None:

@@ -183,7 +183,15 @@ def dead(
 def report(run_dir: Annotated[Path, typer.Argument(help="The run directory.")]) -> None:
     """Charts (reward, entropy, regularized tokens, worker versions and lag, sync seconds) and report.md."""
     from sparkrl.report import write_report
+    from sparkrl.run_lock import describe, live_holder
 
+    holder = live_holder(run_dir)
+    if holder is not None:  # the run goes on: this is a snapshot, the launcher writes the final report
+        typer.echo(
+            f"note: {run_dir} is live ({describe(holder)}): this report covers its steps so far; "
+            "`sparkrl up` writes the final one when the run ends",
+            err=True,
+        )
     try:
         typer.echo(write_report(run_dir))
     except (FileNotFoundError, ValueError) as exc:

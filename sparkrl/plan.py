@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
+from sparkrl.run_lock import LOCK_FILE
 from sparkrl.services.common.settings import BusSettings, SparkSettings, write_resolved
 from sparkrl.torchrun import torchrun_command
 
@@ -48,7 +49,8 @@ def earlier_run(run_dir: Path) -> list[str]:
 
 def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
     """One run per directory: an earlier run is continued (`resume`), removed first (`overwrite`), or the
-    start is refused with what to do (ValueError) before anything is spawned."""
+    start is refused with what to do (ValueError) before anything is spawned. A live run never gets here:
+    `sparkrl up` holds the directory's lock first (`run_lock.py`), and `overwrite` keeps that lock."""
     held = earlier_run(run_dir)
     if not held or resume:
         return
@@ -57,7 +59,13 @@ def prepare_run_dir(run_dir: Path, resume: bool, overwrite: bool) -> None:
             f"{run_dir} holds an earlier run ({', '.join(held)}): continue it with --resume, start over "
             "with --overwrite (deletes that directory), or give another --run-dir"
         )
-    shutil.rmtree(run_dir)
+    for child in run_dir.iterdir():
+        if child.name == LOCK_FILE:
+            continue
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
 
 
 @dataclass(frozen=True)
