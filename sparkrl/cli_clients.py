@@ -145,12 +145,15 @@ def dead(
     ] = None,
     count: Annotated[int, typer.Option(min=1, max=10_000, help="How many to list, newest first.")] = 20,
 ) -> None:
-    """The dead-letter stream: what was set aside and why; `--requeue ID` delivers one again."""
-    import datetime
-
+    """The dead-letter stream: what was set aside and why; `--requeue ID` delivers one again. For a run
+    that is over, what it left in RUN_DIR/dead_letters.jsonl."""
+    from sparkrl.dead_letters import as_record, listing
     from sparkrl.services.common.bus import RedisBus
 
     if run_dir is not None:
+        if _run_is_over(run_dir):
+            _left_behind(run_dir, bool(requeue), count)
+            return
         preset = str(run_dir / "config" / "learner.yaml")
     cfg = _settings(preset, overrides)
     if run_dir is None and "url" not in cfg.bus.model_fields_set:
@@ -171,12 +174,42 @@ def dead(
         typer.echo(
             f"{bus.dead_letter_count()} dead letters in {bus.stream_key('dead')}" + (":" if letters else "")
         )
-        for d in letters:
-            when = datetime.datetime.fromtimestamp(d.time_ms / 1000).isoformat(timespec="seconds")
-            stream = d.stream.rsplit(":", 1)[-1]
-            typer.echo(
-                f"{d.record_id}  {when}  {stream:<12} {d.item_id}  deliveries {d.deliveries}\n    {d.reason}"
-            )
+        for letter in letters:
+            typer.echo(listing(as_record(bus, letter)))
+
+
+def _run_is_over(run_dir: Path) -> bool:
+    """No `sparkrl up` holds the directory and its Redis was the run's own: gone with it."""
+    from sparkrl.run_lock import live_holder
+
+    return live_holder(run_dir) is None and (run_dir / "config" / "redis.conf").is_file()
+
+
+def _left_behind(run_dir: Path, requeue: bool, count: int) -> None:
+    """`sparkrl dead` of a run that is over: what it left in RUN_DIR/dead_letters.jsonl, at once."""
+    from sparkrl.dead_letters import DEAD_LETTERS_FILE, listing, load_dead_letters
+
+    back = f"`sparkrl up --resume --run-dir {run_dir}` brings its Redis back"
+    if requeue:
+        typer.echo(
+            f"error: the run in {run_dir} is over and its Redis with it: {back}, then requeue", err=True
+        )
+        raise typer.Exit(1)
+    records = load_dead_letters(run_dir)
+    if records is None:
+        typer.echo(
+            f"error: the run in {run_dir} is over and left no {DEAD_LETTERS_FILE} (`sparkrl up` writes it "
+            f"as it stops; one killed outright cannot): {back}",
+            err=True,
+        )
+        raise typer.Exit(1)
+    path = run_dir / DEAD_LETTERS_FILE
+    typer.echo(
+        f"the run in {run_dir} is over: {len(records)} dead letters as it left them ({path})"
+        + (":" if records else "")
+    )
+    for record in records[::-1][:count]:
+        typer.echo(listing(record))
 
 
 @app.command()

@@ -23,11 +23,12 @@ from typing import Protocol
 import httpx
 import redis
 
+from sparkrl.dead_letters import save_dead_letters
 from sparkrl.plan import STOP_TIERS, Role, ServiceSpec, StackPlan, plan_stack, write_configs
 from sparkrl.run_report import progress_line, startup_line, summarize
 from sparkrl.services.common.bus import BusError, RedisBus
 from sparkrl.services.common.paths import cache_dir
-from sparkrl.services.common.settings import SparkSettings
+from sparkrl.services.common.settings import BusSettings, SparkSettings
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.supervision import Restarts, failure, logtail_bytes, on_exit, record_end
 from sparkrl.terminal import Terminal, header
@@ -120,6 +121,11 @@ def _is_ready(spec: ServiceSpec) -> bool:
         return False
     finally:
         client.close()
+
+
+def _quick(settings: SparkSettings) -> BusSettings:
+    # Short timeouts: a Redis that is down must not stall supervision (the poll reports it) nor shutdown.
+    return settings.bus.model_copy(update={"socket_timeout_s": 1.0, "reconnect_max_s": 0.2, "block_ms": 100})
 
 
 class Stack:
@@ -256,11 +262,7 @@ class Stack:
     def progress(self) -> str | None:
         """The progress line from the telemetry channel; None before the first step or without Redis."""
         if self.telemetry is None:
-            # Short timeouts: a Redis that is down must not stall supervision (the poll reports it).
-            quick = self.plan.settings.bus.model_copy(
-                update={"socket_timeout_s": 1.0, "reconnect_max_s": 0.2, "block_ms": 100}
-            )
-            self.telemetry = Telemetry(RedisBus(quick))
+            self.telemetry = Telemetry(RedisBus(_quick(self.plan.settings)))
         settings = self.plan.settings
         try:
             learner = self.telemetry.learner()  # its max_steps: where the data ends the run, if sooner
@@ -281,6 +283,8 @@ class Stack:
         """SIGTERM tier by tier (plan.STOP_TIERS), each given `grace_s`; SIGKILL what is left."""
         try:
             for roles in STOP_TIERS:
+                if "redis" in roles and self.procs:
+                    self._keep_dead_letters()  # everyone that dead-letters has stopped; Redis still runs
                 self._stop_tier([s for s in self.specs if s.role in roles and s.name in self.procs])
         except KeyboardInterrupt:
             self.report("interrupted again: killing every service")
@@ -291,6 +295,18 @@ class Stack:
                 self.telemetry.bus.close()
             if self.end_reason is not None:
                 record_end(self.plan.run_dir, self.end_reason)
+
+    def _keep_dead_letters(self) -> None:
+        """RUN_DIR/dead_letters.jsonl: what `sparkrl dead` and the summary read once the run is over."""
+        bus = self.telemetry.bus if self.telemetry is not None else RedisBus(_quick(self.plan.settings))
+        try:
+            save_dead_letters(bus, self.plan.run_dir)
+        except (BusError, redis.RedisError, OSError) as exc:
+            if self.plan.private_redis:  # an external Redis keeps them: `sparkrl dead` reads them there
+                self.report(f"warning: the dead letters were not saved to {self.plan.run_dir}: {exc}")
+        finally:
+            if self.telemetry is None:
+                bus.close()
 
     def _stop_tier(self, specs: list[ServiceSpec]) -> None:
         for spec in specs:

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from sparkrl.dead_letters import count_by_stream, load_dead_letters
 from sparkrl.proto import StepMetrics
 
 
@@ -126,6 +127,19 @@ def _ended(run_dir: Path) -> str | None:
     return None
 
 
+def _dead_lettered(run_dir: Path) -> dict[str, int] | None:
+    """Prompts and groups set aside, from what the run left (None: it left no record)."""
+    records = load_dead_letters(run_dir)
+    return count_by_stream(records) if records is not None else None
+
+
+def _dead_text(counts: dict[str, int] | None, run_dir: Path) -> str:
+    if counts is None:
+        return "unknown (no dead_letters.jsonl)"
+    said = f"{counts['prompts']} prompts (by the workers), {counts['groups']} groups (by the learner)"
+    return said + (f": `sparkrl dead --run-dir {run_dir}` lists them" if any(counts.values()) else "")
+
+
 def _fmt(value: float | None, spec: str = ".3f") -> str:
     return "n/a" if value is None else f"{value:{spec}}"
 
@@ -149,6 +163,7 @@ def summarize(run_dir: Path | str) -> str:
         "checkpoints_dir": str(checkpoints),
         "checkpoints": sorted(p.name for p in checkpoints.iterdir()) if checkpoints.is_dir() else [],
         "groups_dropped_stale": int(_metric(last, "rollout/dropped_stale_total") or 0),
+        "dead_lettered": _dead_lettered(run_dir),
         "ended": _ended(run_dir),
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -166,6 +181,7 @@ def summarize(run_dir: Path | str) -> str:
                 if summary["groups_dropped_stale"]
                 else ""
             ),
+            f"  dead-lettered: {_dead_text(summary['dead_lettered'], run_dir)}",
             f"  ended: {summary['ended'] or 'unknown (the learner wrote no ended.json)'}",
             f"  versions: learner {summary['policy_version']} | workers {versions}",
             f"  checkpoints: {checkpoints}/ ({', '.join(summary['checkpoints']) or 'none'})",

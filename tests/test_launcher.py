@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from sparkrl import launcher
+from sparkrl.dead_letters import load_dead_letters
 from sparkrl.launcher import (
     Role,
     ServiceSpec,
@@ -25,6 +26,7 @@ from sparkrl.launcher import (
     write_configs,
 )
 from sparkrl.proto import LearnerStatus, StepMetrics
+from sparkrl.proto.run_files import DeadLetterRecord
 from sparkrl.run_report import progress_line, startup_line, summarize
 from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.settings import SparkSettings, load_settings, write_resolved
@@ -245,6 +247,22 @@ def test_summarize_reports_and_writes_summary_json(tmp_path: Path) -> None:
     assert "learner 10 | workers w0:9 w1:10" in text and str(tmp_path / "checkpoints") in text
 
 
+def test_summarize_counts_the_dead_letters_the_run_left(tmp_path: Path) -> None:
+    records = [
+        DeadLetterRecord(record_id=f"{i}-0", stream=stream, item_id=item, reason="r", time_ms=i, deliveries=1)
+        for i, (stream, item) in enumerate(
+            [("prompts", "p1"), ("prompts", "p2"), ("prompts", "p1"), ("trajectories", "g-1")]
+        )
+    ]
+    (tmp_path / "dead_letters.jsonl").write_text("".join(r.model_dump_json() + "\n" for r in records))
+    text = summarize(tmp_path)
+    assert json.loads((tmp_path / "summary.json").read_text())["dead_lettered"] == {"prompts": 2, "groups": 1}
+    assert (
+        "dead-lettered: 2 prompts (by the workers), 1 groups (by the learner): "
+        f"`sparkrl dead --run-dir {tmp_path}` lists them"
+    ) in text
+
+
 def test_summarize_without_metrics(tmp_path: Path) -> None:
     assert "0 steps" in summarize(tmp_path)
     assert json.loads((tmp_path / "summary.json").read_text())["reward_mean_last_20pct"] is None
@@ -273,6 +291,23 @@ def test_stack_starts_redis_and_reward_then_stops_them_cleanly(tmp_path: Path) -
     assert stack.procs["redis"].returncode == 0
     assert stack.procs["reward"].returncode in (0, -signal.SIGTERM)
     assert "verifier pool closed" in (tmp_path / "run" / "logs" / "reward.log").read_text()
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+def test_the_stack_keeps_the_dead_letters_before_its_redis_stops(tmp_path: Path) -> None:
+    plan = plan_stack(SparkSettings(run_dir=str(tmp_path)), workers=1, private_redis=True)
+    write_configs(plan)
+    stack = Stack(plan, services=["redis"], ready_timeout_s=30)
+    try:
+        stack.start()
+        with RedisBus(plan.settings.bus) as bus:
+            assert bus.publish_prompt("too-long", b"x")
+            (entry,) = bus.read("prompts", "worker", 1)
+            assert bus.dead_letter("prompts", entry, "prompt has 900 tokens, over rollout.max_prompt_tokens")
+    finally:
+        stack.shutdown()
+    (record,) = load_dead_letters(tmp_path)  # type: ignore[misc]
+    assert (record.stream, record.item_id) == ("prompts", "too-long") and "900 tokens" in record.reason
 
 
 def _fake_plan(run_dir: Path, services: dict[str, tuple[Role, str]]) -> StackPlan:
