@@ -5,6 +5,7 @@ taken from another host, kept by `--overwrite`. `test_finite_run.py` holds it to
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -65,6 +66,30 @@ def test_one_holder_at_a_time_and_the_refusal_says_who_since_when(tmp_path: Path
         assert read_lock(run_dir) is not None and read_lock(run_dir).pid == os.getpid()  # type: ignore[union-attr]
         assert mine.took_over is None
     assert not run_dir.exists()  # made for the lock, left empty: removed with it
+
+
+def test_up_on_ray_honours_the_lock_too(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(run_dir)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        command = ["up", "--ray", "--preset", "smoke", "--run-dir", str(run_dir), "--overwrite"]
+        done = subprocess.run(
+            [sys.executable, "-m", "sparkrl.cli", *command], capture_output=True, text=True, timeout=120
+        )
+        said = " ".join(re.sub("[│╭╮╰╯─]", " ", done.stderr).split())
+        assert (
+            done.returncode == 2
+            and f"pid {holder.pid} on host" in said
+            and "never deletes a live run" in said
+        )
+        assert [p.name for p in run_dir.iterdir()] == [LOCK_FILE]  # nothing written, nothing deleted
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(30)
 
 
 def test_a_stale_lock_is_taken_over_with_a_line(tmp_path: Path) -> None:
