@@ -21,11 +21,10 @@ def resolve_model(path: Path) -> Path:
     for candidate in (path, path / "hf"):
         if (candidate / "config.json").is_file():
             return candidate
-    latest = path / "checkpoints" / "latest"
-    if latest.is_file():
-        hf = path / "checkpoints" / latest.read_text().strip() / "hf"
-        if (hf / "config.json").is_file():
-            return hf
+    latest = path / "checkpoints" / "latest"  # a link to the newest checkpoint (a file naming it, earlier)
+    hf = (path / "checkpoints" / latest.read_text().strip() if latest.is_file() else latest) / "hf"
+    if (hf / "config.json").is_file():
+        return hf
     raise FileNotFoundError(
         f"{path}: no model here (config.json), nor a checkpoint's hf/, nor a run's checkpoints/latest"
     )

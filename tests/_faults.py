@@ -104,7 +104,7 @@ def assert_exactly_once(plan: StackPlan, expected_steps: int, groups: set[str] |
         f"trained {len(set(trained))} of {len(published)} published groups; "
         f"missing {sorted(published - set(trained))[:5]}, extra {sorted(set(trained) - published)[:5]}"
     )
-    latest = (plan.run_dir / "checkpoints" / "latest").read_text().strip()
+    latest = os.readlink(plan.run_dir / "checkpoints" / "latest")
     state = json.loads((plan.run_dir / "checkpoints" / latest / "trainer_state.json").read_text())
     assert (state["step"], state["groups_trained"]) == (expected_steps, len(trained))
     assert state["trained_group_ids"] == history.steps[expected_steps]

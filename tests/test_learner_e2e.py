@@ -175,7 +175,11 @@ def test_resume_continues_the_version_and_trains_no_group_twice(
     stack = start_stack(stacks, Stack(plan, services=["reward", "learner", "worker-0", "prompts"]))
     _wait("the first run", lambda: stack.procs["learner"].poll() is not None, 240, run_dir)
     stack.shutdown()
-    assert (run_dir / "checkpoints" / "latest").read_text() == "step-000002"
+    assert os.readlink(run_dir / "checkpoints" / "latest") == "step-000002"
+    # A model directory, as any Hugging Face tool loads one (a link, not a file naming the folder).
+    from transformers import AutoModelForCausalLM
+
+    assert AutoModelForCausalLM.from_pretrained(run_dir / "checkpoints" / "latest" / "hf") is not None
     first_ids = _trained_ids(run_dir)
 
     second = _settings(tiny_model_dir, run_dir, f"bus.url={redis_url}", "learner.max_steps=4", *common)

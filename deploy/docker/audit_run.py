@@ -29,7 +29,8 @@ steps: dict[int, list[str]] = {}
 for record in records:
     steps[record["step"]] = record["group_ids"]
 trained = [gid for step in sorted(steps) for gid in steps[step]]
-latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+marker = run_dir / "checkpoints" / "latest"  # a link to the newest checkpoint (a file naming it, earlier)
+latest = os.readlink(marker) if marker.is_symlink() else marker.read_text().strip()
 state = json.loads((run_dir / "checkpoints" / latest / "trainer_state.json").read_text())
 
 client = redis.Redis.from_url(cfg.bus.url)

@@ -1,8 +1,8 @@
 """Checkpoints: Hugging Face safetensors (what `from_pretrained` and vLLM load), DeepSpeed's own state
 (optimizer moments, ZeRO partitions), and the trainer state (step, policy version, data counters).
 
-Layout: RUN_DIR/checkpoints/step-000040/{hf/, deepspeed/, trainer_state.json}, and `latest` naming the
-newest complete one (written last, so a crash mid-save leaves the previous checkpoint as latest).
+Layout: RUN_DIR/checkpoints/step-000040/{hf/, deepspeed/, trainer_state.json}, and `latest`, a link to
+the newest complete one (swapped in last, so a crash mid-save leaves the previous checkpoint as latest).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def save_checkpoint(
         engine.save_checkpoint(str(path / "deepspeed"), tag=DEEPSPEED_TAG)
         save_hf_weights(engine, tokenizer, path / "hf")
         (path / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2))
-        (root / "latest").write_text(path.name)
+        point_latest(root, path.name)
     except OSError as exc:
         # `latest` still names the previous complete checkpoint; this half-written one must not linger.
         shutil.rmtree(path, ignore_errors=True)
@@ -145,11 +145,26 @@ def drop_overrides(path: Path, names: list[str]) -> None:
     os.replace(tmp, state_file)
 
 
+def point_latest(root: Path, name: str) -> None:
+    """`root/latest` → `name`, a relative symlink swapped in by rename: it is always a whole checkpoint
+    directory, so `from_pretrained(".../checkpoints/latest/hf")` loads the newest model."""
+    tmp = root / ".latest.tmp"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(name, target_is_directory=True)
+    os.replace(tmp, root / "latest")
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    marker = checkpoint_root(run_dir) / "latest"
-    if not marker.is_file():
+    """The newest complete checkpoint: `latest`'s target (a text file naming it, in runs from before
+    `latest` became a link)."""
+    root = checkpoint_root(run_dir)
+    marker = root / "latest"
+    if marker.is_symlink():
+        path = root / os.readlink(marker)
+    elif marker.is_file():
+        path = root / marker.read_text().strip()
+    else:
         return None
-    path = checkpoint_root(run_dir) / marker.read_text().strip()
     return path if (path / "trainer_state.json").is_file() else None
 
 
