@@ -122,9 +122,17 @@ def test_live_hyperparameters_show_in_the_next_row(live_stack: Live) -> None:  #
 
     def sampled_at_new_temperature() -> bool:
         rows = live_stack.get("/api/v1/metrics", since=applied_at)["rows"]
-        return any(r["metrics"]["rollout/temperature"] == pytest.approx(0.8) for r in rows)
+        return any(r["hparams"].get("temperature") == pytest.approx(0.8) for r in rows)
 
     live_stack.wait("groups sampled at the new temperature", sampled_at_new_temperature)
+    # A worker-side change is in the step rows too (what the step's groups were made with): the report's
+    # "hyperparameter changes" names it.
+    from sparkrl.proto import StepMetrics
+    from sparkrl.report import hparam_changes
+
+    lines = (live_stack.run_dir / "metrics.jsonl").read_text().splitlines()
+    changes = hparam_changes([StepMetrics.model_validate_json(line) for line in lines])
+    assert [c for c in changes if c.startswith("temperature: 1 → 0.8 at step")], changes
 
 
 def test_a_bad_value_is_a_422_naming_the_field(live_stack: Live) -> None:  # noqa: F811

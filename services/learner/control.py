@@ -9,12 +9,13 @@ Changes accumulate in `overrides`, which the checkpoint keeps, so a resumed run 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from deepspeed import DeepSpeedEngine
 
-from sparkrl.proto import CommandResult, ControlCommand, HparamValue
+from sparkrl.proto import CommandResult, ControlCommand, HparamValue, TrajectoryGroup
 from sparkrl.services.common.control_channel import ControlReader
 from sparkrl.services.common.hparams import HparamError, apply_learner, learner_hparams, split
 from sparkrl.services.common.settings import LearnerSettings
@@ -48,12 +49,20 @@ def set_lr(engine: DeepSpeedEngine, lr: float) -> None:
         group["lr"] = lr
 
 
-def hparams_in_force(engine: DeepSpeedEngine, cfg: LearnerSettings) -> dict[str, HparamValue]:
-    """The learner's hyperparameters, with `lr` read back from the optimizer: what the step really used."""
+def hparams_in_force(
+    engine: DeepSpeedEngine, cfg: LearnerSettings, groups: Sequence[TrajectoryGroup] = ()
+) -> dict[str, HparamValue]:
+    """The learner's hyperparameters, with `lr` read back from the optimizer: what the step really used;
+    with `groups`, also the sampling they were made with (`temperature`, `top_p`: the workers' live values,
+    the most common when a change splits the step), so a live change of either shows in the step rows."""
     values = learner_hparams(cfg)
     lrs = engine.get_lr()
     if lrs:
         values["lr"] = float(lrs[0])
+    if groups:
+        for name in ("temperature", "top_p"):
+            made_with = Counter(getattr(g.sampling, name) for g in groups)
+            values[name] = made_with.most_common(1)[0][0]
     return values
 
 

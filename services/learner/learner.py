@@ -259,7 +259,7 @@ class Learner:
             self.publisher.last_sync,
             {w: s.policy_version for w, s in fleet.items()},
             depth,
-            hparams_in_force(self.engine, cfg),
+            hparams_in_force(self.engine, cfg, batch.groups),
             timings | fleet_timings(fleet.values()),
             exploration_stats(batch.groups, cfg.proxy_kappa),
             self._top_sparks(batch),
