@@ -29,7 +29,6 @@ even that fails, the engine refuses to generate (`EngineBroken`): the worker exi
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -342,14 +341,12 @@ class VllmEngine(Engine):
         return self._checksum
 
     def close(self) -> None:
+        """Shut vLLM's engine core down (its process, when there is one; in-process, its worker frees the
+        model, the KV cache and its process groups, collecting garbage itself)."""
         llm, self.llm = getattr(self, "llm", None), None
         self._broken = self._broken or "engine is closed"
         if llm is not None:
-            llm.llm_engine.engine_core.shutdown()  # the engine process, when there is one
-        del llm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+            llm.llm_engine.engine_core.shutdown()
 
 
 def _eos_ids(model_path: Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
