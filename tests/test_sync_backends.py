@@ -295,6 +295,37 @@ def test_vllm_native_transfer_keeps_the_announce_join_verify_contract(
         outsider.receive(announcement)
 
 
+def test_a_failed_native_receive_is_undone_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's NCCL receive raises midway: the session is finalized (the worker had ended it: its finish
+    error is not the one reported), the engine reloads a whole version, the learner's verify names it."""
+    monkeypatch.setattr(sender_module, "require_backend", lambda backend: None)
+    monkeypatch.setattr(vllm_native, "VllmNativeGroup", _FakeNativeGroup)
+    engine = _FakeEngine(1, lambda: "")
+    rpc = engine._rpc
+
+    def failing(method: str, timeout: float | None = None, kwargs: dict[str, Any] | None = None) -> list[Any]:
+        if method == "update_weights":
+            engine.calls.append(method)
+            raise RuntimeError("NCCL error: remote process exited")
+        if method == "finish_weight_update":
+            engine.calls.append(method)
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update")
+        return rpc(method, timeout, kwargs)
+
+    engine.llm = SimpleNamespace(collective_rpc=failing)
+    receiver = VllmNativeReceiver("a", engine, timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
+    with WeightSender(backend="vllm_nccl", timeout_s=TIMEOUT_S, bucket_bytes=BUCKET_BYTES) as sender:
+        announcement = sender.announce(_state(1), version=1, epoch=1, members=["a"])
+        running = _receive_all({"a": receiver}, "a", announcement)
+        with pytest.raises(SyncFailed) as learner_side:
+            sender.broadcast(_state(1), announcement)
+    failure = _outcome(*running["a"])
+    assert isinstance(failure, SyncFailed) and "remote process exited" in str(failure)
+    assert engine.calls[-3:] == ["start_weight_update", "update_weights", "finish_weight_update"]
+    assert engine.failed == ["NCCL error: remote process exited"] and engine.arrived == []
+    assert learner_side.value.missing == ["a"] and receiver.failed_epoch == 1
+
+
 def test_the_transfer_plan_and_update_info() -> None:
     plan = plan_for(["a", "b", "c"], [2, 1, 4], "10.0.0.1", 41000)
     assert plan.rank_offset == {"a": 1, "b": 3, "c": 4} and plan.world_size == 8

@@ -20,6 +20,7 @@ of later broadcasts once its loop stops making progress (`sync.progress_timeout_
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -143,8 +144,13 @@ class VllmNativeReceiver:
         self._rpc("start_weight_update")
         try:
             self._rpc("update_weights", update_info=update_info(announcement))
-        finally:
-            self._rpc("finish_weight_update")  # finalizes the reload whatever arrived: no layer left on meta
+        except Exception:
+            # Finalize whatever arrived (no layer left on meta); a worker whose own update raised has ended
+            # its session already, and says so: the first error is the one to report.
+            with contextlib.suppress(Exception):
+                self._rpc("finish_weight_update")
+            raise
+        self._rpc("finish_weight_update")
         return self._rpc("sparkrl_update_report")
 
     def _rpc(self, method: str, **kwargs: Any) -> list[Any]:
