@@ -22,7 +22,7 @@ from torch import Tensor
 
 from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner import logprobs
-from sparkrl.services.learner.advantages import truncated_is_weights
+from sparkrl.services.learner.advantages import truncated_is_metrics, truncated_is_weights
 from sparkrl.services.learner.aggregation import aggregation_weights, sequences
 from sparkrl.services.learner.batch import MicroBatch
 from sparkrl.services.learner.losses import LossInputs, entropy_has_gradient, policy_loss
@@ -99,6 +99,7 @@ class OldPolicy:
     is_weights: Tensor | None
     proxy_inexact: int  # positions where the top-k proxy is only approximate
     ref_logp: Tensor | None = None  # the frozen reference's log-probs (learner.kl), else None
+    tis: dict[str, float] | None = None  # truncated IS: `capped_tokens`, `weight_mean` (with is_weights)
 
 
 def autocast(cfg: LearnerSettings) -> torch.autocast:
@@ -134,18 +135,23 @@ def old_policy(
     else:
         proxy, exact = proxy_logp_from_topk(targets, mb.topk_ids, mb.topk_logp, kappa=cfg.proxy_kappa)
         inexact = int((mb.mask & ~exact).sum())
-    is_weights = None
+    is_weights, tis = None, None
     if cfg.old_logp_source == "recompute":
         old_logp = learner_logp
         if cfg.tis_cap is not None:
             is_weights = truncated_is_weights(learner_logp, mb.rollout_logp, mb.mask, cap=cfg.tis_cap)
+            measured = truncated_is_metrics(learner_logp, mb.rollout_logp, mb.mask, cap=cfg.tis_cap)
+            tis = {
+                "capped_tokens": float(measured["capped_tokens"]),
+                "weight_mean": float(measured["weight_mean"]),
+            }
     else:
         old_logp = mb.rollout_logp
     ref_logp = None
     if reference is not None:
         with autocast(cfg):
             ref_logp = logprobs.old_logp_and_proxy(reference, mb, kappa=None)[0]
-    return OldPolicy(old_logp, proxy, is_weights, inexact, ref_logp)
+    return OldPolicy(old_logp, proxy, is_weights, inexact, ref_logp, tis)
 
 
 def optimizer_step(engine: deepspeed.DeepSpeedEngine) -> tuple[float, bool]:
@@ -248,6 +254,9 @@ def train_step(
         sums["loss"] += float(loss.detach()) * share
         sums["entropy"] += float((entropy.detach() * mb.mask).sum()) / total_tokens
         sums["proxy_inexact"] += old.proxy_inexact
+        if old.tis is not None:  # how much truncated IS corrected the rollout engine's numbers
+            sums["tis_capped_tokens"] += old.tis["capped_tokens"]
+            sums["tis_weight_mean"] += old.tis["weight_mean"] * share
         for key, value in stats.items():
             if key == "entropy":
                 continue  # measured above over every token; entropy_bonus reports its own copy

@@ -35,7 +35,8 @@ from sparkrl.services.learner.trainer import micro_batch_loss, old_policy, train
 
 T = TypeVar("T")
 
-ADDITIVE = ("reg_tokens", "reg_tokens_pos", "proxy_inexact", "tokens")  # counts add up over updates
+# Counts add up over updates.
+ADDITIVE = ("reg_tokens", "reg_tokens_pos", "proxy_inexact", "tokens", "tis_capped_tokens")
 
 
 def _equal_rewards(group: TrajectoryGroup) -> bool:

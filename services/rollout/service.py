@@ -78,12 +78,15 @@ def build(cfg: SparkSettings, stop: threading.Event) -> Worker:
 
 
 def _receiver(worker_id: str, cfg: SparkSettings, engine: Engine) -> WeightReceiver | VllmNativeReceiver:
-    """The weight receiver `sync.backend` names: ours, or the vLLM engine's own (`vllm_nccl`)."""
-    if cfg.sync.backend == "vllm_nccl":
+    """The weight receiver `sync.backend` names; for a vLLM engine one whose acknowledgement waits until
+    vLLM holds the version (loaded in place, its checksum taken from what vLLM holds), or vLLM's own
+    receive (`vllm_nccl`)."""
+    if cfg.rollout.engine.kind == "vllm":
         from sparkrl.services.rollout.vllm_engine import VllmEngine
+        from sparkrl.services.rollout.vllm_transfer import receiver_for
 
-        assert isinstance(engine, VllmEngine)  # make_engine refused any other with native_transfer
-        return VllmNativeReceiver(worker_id, engine, timeout_s=cfg.sync.timeout_s)
+        assert isinstance(engine, VllmEngine)  # make_engine builds the engine `kind` names
+        return receiver_for(worker_id, cfg.sync, engine)
     return WeightReceiver(worker_id, backend=cfg.sync.backend, timeout_s=cfg.sync.timeout_s)
 
 
