@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from sparkrl.proto.base import WireModel
 from sparkrl.proto.control import HparamValue
 from sparkrl.proto.telemetry import EvalRecord, StepMetrics, SyncEvent
+from sparkrl.run_report import wall_text, wall_time
 
 REPORT_DIR = "report"
 _Model = TypeVar("_Model", bound=WireModel)
@@ -127,14 +128,6 @@ def _fmt(value: float | None, spec: str = ".4g") -> str:
 def _cell(text: str) -> str:
     """A markdown table cell: a `|` in a worker id or hparam value would split the row."""
     return text.replace("|", "\\|")
-
-
-def _duration(seconds: float) -> str:
-    if seconds < 60:
-        return f"{seconds:.1f} s"
-    minutes, secs = divmod(round(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
 
 
 # ── charts ────────────────────────────────────────────────────────────────────────────────────────────
@@ -364,7 +357,7 @@ def _summary(run: _Run) -> list[str]:
     hparams = ", ".join(f"{key}={_hparam_text(value)}" for key, value in sorted(last.hparams.items()))
     table = [
         ("steps", f"{len(run.rows)} (steps {first.step}–{last.step}{resumed})"),
-        ("wall time", _duration(max(0.0, last.time - first.time))),
+        ("wall time", wall_text(*wall_time(run.run_dir, first.time, last.time))),  # as the summary says
         ("reward mean", f"first {count} steps {_fmt(early, '.3f')} → last {count} steps {_fmt(late, '.3f')}"),
         ("final entropy", _fmt(_last(_series(run, "loss/entropy")))),
         ("final policy version", str(last.policy_version)),

@@ -111,13 +111,32 @@ def _mean(values: list[float | None]) -> float | None:
     return sum(present) / len(present) if present else None
 
 
-def _wall_seconds(run_dir: Path) -> float | None:
-    # From the launch (the learner's config is written just before the first spawn) to its last metrics.
+def wall_time(run_dir: Path, first_step_at: float, last_step_at: float) -> tuple[float, float | None]:
+    """(wall seconds, start-up seconds): from the launch — the learner's config is written just before
+    the first spawn — to the last step row, and from the launch to the first. Without the config, from
+    the first step (start-up unknown). The summary and the report both say this one figure."""
     try:
-        started = (run_dir / "config" / "learner.yaml").stat().st_mtime
-        return round((run_dir / "metrics.jsonl").stat().st_mtime - started, 1)
+        launched = (run_dir / "config" / "learner.yaml").stat().st_mtime
     except FileNotFoundError:
-        return None
+        return max(0.0, last_step_at - first_step_at), None
+    if launched > first_step_at:  # a resume rewrote the config: this session's start is unknown
+        return max(0.0, last_step_at - first_step_at), None
+    return last_step_at - launched, first_step_at - launched
+
+
+def duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
+
+
+def wall_text(total_s: float, startup_s: float | None) -> str:
+    """`3m 33s (start-up 13.4 s, training 3m 19s)`."""
+    if startup_s is None:
+        return duration(total_s)
+    return f"{duration(total_s)} (start-up {duration(startup_s)}, training {duration(total_s - startup_s)})"
 
 
 def _ended(run_dir: Path) -> str | None:
@@ -154,7 +173,8 @@ def summarize(run_dir: Path | str) -> str:
     summary = {
         "run_dir": str(run_dir),
         "steps": last.get("step", len(records)),
-        "wall_seconds": _wall_seconds(run_dir),
+        "wall_seconds": None,
+        "startup_seconds": None,
         "reward_mean_first_20pct": _mean([_metric(r, "rollout/reward_mean") for r in records[:fifth]]),
         "reward_mean_last_20pct": _mean([_metric(r, "rollout/reward_mean") for r in records[-fifth:]]),
         "final_entropy": _metric(last, "loss/entropy"),
@@ -166,12 +186,16 @@ def summarize(run_dir: Path | str) -> str:
         "dead_lettered": _dead_lettered(run_dir),
         "ended": _ended(run_dir),
     }
+    wall = ""
+    if records and "time" in records[0] and "time" in last:
+        total, startup = wall_time(run_dir, float(records[0]["time"]), float(last["time"]))
+        summary["wall_seconds"], summary["startup_seconds"] = round(total, 1), startup and round(startup, 1)
+        wall = f" in {wall_text(total, startup)}"
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    wall = summary["wall_seconds"]
     versions = _versions_text(summary["worker_versions"]) or "none reported"
     return "\n".join(
         [
-            f"run {run_dir}: {summary['steps']} steps" + (f" in {wall:.1f}s" if wall is not None else ""),
+            f"run {run_dir}: {summary['steps']} steps{wall}",
             f"  reward mean: {_fmt(summary['reward_mean_first_20pct'])} (first 20% of steps)"
             f" → {_fmt(summary['reward_mean_last_20pct'])} (last 20%)",
             f"  final entropy: {_fmt(summary['final_entropy'])}",

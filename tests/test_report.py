@@ -180,3 +180,26 @@ def test_a_schedule_is_one_line_and_values_are_short() -> None:
         "lr: scheduled, 6e-05 → 9.248e-08 over steps 1–40 (39 changes)",
         "beta: 1 → 0.5 at step 30",
     ]
+
+
+def test_the_summary_and_the_report_say_the_same_wall_time(tmp_path: Path) -> None:
+    """One figure, from the launch (the learner's config, written before the first spawn) to the last
+    step row: the summary said '200 steps in 212.7s' where the report said 'wall time 1m 50s'."""
+    import os
+
+    from sparkrl.report import write_report
+    from sparkrl.run_report import summarize
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [_row(s, 0.5, t=T0 + 20 + 3 * s) for s in range(1, 11)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = run / "config" / "learner.yaml"
+    config.parent.mkdir()
+    config.write_text("{}\n")
+    os.utime(config, (T0, T0))  # launched 23 s before the first step row, 50 s before the last
+    said = "50.0 s (start-up 23.0 s, training 27.0 s)"
+    assert summarize(run).splitlines()[0] == f"run {run}: 10 steps in {said}"
+    assert f"| wall time | {said} |" in write_report(run).read_text()
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["wall_seconds"], summary["startup_seconds"]) == (50.0, 23.0)
