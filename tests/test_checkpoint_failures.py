@@ -30,7 +30,7 @@ from sparkrl.services.learner.checkpoint import (
     latest_checkpoint,
     save_checkpoint,
 )
-from sparkrl.services.learner.journal import Journal
+from sparkrl.services.learner.ledger import Journal
 from sparkrl.services.learner.trainer import build_engine, init_distributed
 
 PER_STEP = 4

@@ -14,7 +14,7 @@ from _tiny import tiny_model_dir  # noqa: F401  (fixture)
 from conftest import start_stack
 
 from sparkrl.launcher import Stack, plan_stack, write_configs
-from sparkrl.services.learner.journal import Journal
+from sparkrl.services.learner.ledger import Journal
 
 pytestmark = pytest.mark.slow
 
@@ -31,20 +31,6 @@ def run_settings(model_dir: Path, run_dir: Path, *extra: str):
         f"prompts.count={STEPS * PER_STEP}",
         *extra,
     )
-
-
-def test_journal_round_trip_gaps_and_trim(tmp_path: Path) -> None:
-    from sparkrl.services.common.bus import Entry
-
-    journal = Journal(tmp_path)
-    for step in (5, 6, 7, 9):
-        journal.write(step, [Entry(f"{step}-0", f"g{step}", bytes([step]) * 3, 1)])
-    assert journal.steps() == [5, 6, 7, 9]
-    assert journal.read(6) == [Entry("6-0", "g6", b"\x06\x06\x06", 1)]
-    assert journal.replayable(after=4) == [5, 6, 7]  # 8 is missing: the replay stops before the gap
-    assert journal.replayable(after=6) == [7]
-    assert journal.trim(6) == 2 and journal.steps() == [7, 9]
-    assert not list(tmp_path.joinpath("journal").glob(".*.tmp"))  # written by rename, nothing half-done
 
 
 def test_learner_killed_between_checkpoints_resumes_alone_and_replays(

@@ -20,14 +20,13 @@ from sparkrl.proto.testing import random_group
 from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.control_channel import ControlReader
 from sparkrl.services.common.modeling import load_model, load_tokenizer
-from sparkrl.services.common.recovery import WipeWatch
 from sparkrl.services.common.settings import BusSettings, load_settings
 from sparkrl.services.common.telemetry import LEARNER, Telemetry
 from sparkrl.services.learner.batch import collate, samples_from_groups
 from sparkrl.services.learner.checkpoint import TrainState
 from sparkrl.services.learner.control import LearnerControl
-from sparkrl.services.learner.journal import Journal
 from sparkrl.services.learner.learner import Learner
+from sparkrl.services.learner.ledger import Ledger
 from sparkrl.services.learner.metrics import LearnerMetrics
 from sparkrl.services.learner.publisher import WeightPublisher
 from sparkrl.services.learner.reporting import Reporter, RunLog, StatusSource
@@ -92,8 +91,8 @@ def learner(tiny_model_dir: Path, bus_settings: BusSettings, tmp_path: Path) -> 
         cfg=cfg.learner, sync=cfg.sync, run_dir=tmp_path, pad_id=0, state=state, publisher=publisher,
         control=control,
         reporter=Reporter(telemetry, state, StatusSource(publisher, None)), metrics=metrics,
-        run_log=RunLog(tmp_path), stop=threading.Event(), journal=Journal(tmp_path),
-        wipes=WipeWatch(bus, tmp_path / "trained_groups.jsonl"),
+        run_log=RunLog(tmp_path), stop=threading.Event(),
+        ledger=Ledger(bus, tmp_path, 0, fresh=True),
     )  # fmt: skip
     yield learner
     publisher.sender.close()

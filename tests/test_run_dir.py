@@ -13,7 +13,7 @@ import pytest
 
 from sparkrl.plan import earlier_run, prepare_run_dir
 from sparkrl.services.learner.checkpoint import TrainState
-from sparkrl.services.learner.resume import void_discarded_versions
+from sparkrl.services.learner.ledger import retire_lost_versions
 
 
 def _earlier(run_dir: Path) -> None:
@@ -51,12 +51,12 @@ def test_the_command_says_what_to_do_and_spawns_nothing(tmp_path: Path) -> None:
 
 def test_retired_versions_never_include_the_one_the_learner_announces() -> None:
     state = TrainState(policy_version=50)
-    void_discarded_versions(state, announced=200)  # 51..200 were announced by weights now lost
+    retire_lost_versions(state, announced=200)  # 51..200 were announced by weights now lost
     assert state.void_versions == [[51, 200]]
     assert state.policy_version == 201  # the weights in hand go out as 201: their groups are trained
     assert not any(lo <= state.policy_version <= hi for lo, hi in state.void_versions)
     unchanged = TrainState(policy_version=7)
-    void_discarded_versions(unchanged, announced=7)
+    retire_lost_versions(unchanged, announced=7)
     assert unchanged.void_versions == [] and unchanged.policy_version == 7
 
 
@@ -65,7 +65,7 @@ def test_auto_resume_goes_on_from_a_checkpoint_or_a_journal_and_starts_fresh_oth
 ) -> None:
     """`sparkrl learner --auto-resume` (compose, Kubernetes): an empty run directory is a fresh run; one with
     a checkpoint, or journaled steps that no checkpoint holds yet (a crash before the first), is resumed."""
-    from sparkrl.services.learner.journal import Journal
+    from sparkrl.services.learner.ledger import Journal
     from sparkrl.services.learner.service import run_state
 
     run_dir = tmp_path / "run"

@@ -13,33 +13,18 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import deepspeed
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from sparkrl.services.learner.state import TrainState
+
 log = logging.getLogger("sparkrl.learner.checkpoint")
 
 DEEPSPEED_TAG = "state"
-
-
-@dataclass
-class TrainState:
-    """What `--resume` restores besides the weights and optimizer."""
-
-    step: int = 0
-    policy_version: int = 0
-    groups_trained: int = 0
-    groups_dropped_stale: int = 0
-    started_at: float = 0.0
-    trained_group_ids: list[str] = field(default_factory=list)  # of the last step, for inspection
-    hparam_overrides: dict[str, bool | int | float | str] = field(default_factory=dict)  # live changes
-    # Policy versions a lossy resume discarded ([lo, hi], inclusive): never produced again, and a group
-    # sampled by one of them is refused (its weights no longer exist).
-    void_versions: list[list[int]] = field(default_factory=list)
-    nonfinite_skipped: int = 0  # optimizer updates not applied: their loss or gradient norm was not finite
 
 
 class CheckpointError(RuntimeError):

@@ -20,9 +20,9 @@ from sparkrl.proto import TrajectoryGroup, decode_group, encode_message
 from sparkrl.proto.run_files import PromptCounts
 from sparkrl.services.common.bus import Entry, RedisBus
 from sparkrl.services.common.feeder import feed_held
-from sparkrl.services.common.recovery import TRAINED_PREFIX
 from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner.data_end import Fed, Progress, Tally, count_prompts, end_reason, feed_done
+from sparkrl.services.learner.ledger import Batch, trained
 from sparkrl.services.learner.validate import ModelLimits, group_problem
 
 CONSUMER = "learner"
@@ -30,16 +30,6 @@ STARVED_LOG_S = 30.0  # how often a learner waiting for groups says so
 EXHAUSTED_CHECK_S = 1.0  # how often a learner waiting for groups looks whether the data ran out
 
 log = logging.getLogger("sparkrl.learner")
-
-
-@dataclass
-class Batch:
-    """The groups of one optimizer step and the stream entries to acknowledge after it."""
-
-    groups: list[TrajectoryGroup]
-    entries: list[Entry]
-    dropped_stale: int  # stale groups sent back (their prompts fed again) while gathering this batch
-    staleness_mean: float
 
 
 @dataclass
@@ -53,7 +43,7 @@ class BatchCollector:
     entries: list[Entry] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)
     dropped: int = 0  # stale groups sent back while gathering this batch
-    acked: int = 0  # entries acknowledged here (sent back or already trained), since start
+    acked: int = 0  # entries acknowledged here (sent back or already trained) since `take_acked`
     dead_lettered: int = 0  # groups the model cannot take, since start
     void_versions: list[list[int]] = field(default_factory=list)  # see TrainState.void_versions
     progress: Progress = field(default_factory=Tally)  # the learner's TrainState: what it has trained
@@ -214,6 +204,11 @@ class BatchCollector:
                 return f"sampled by a policy version in {lo}..{hi}, which a resume discarded"
         return None
 
+    def take_acked(self) -> int:
+        """The entries acknowledged here since the last call (for the step's count)."""
+        acked, self.acked = self.acked, 0
+        return acked
+
     def keep_alive(self) -> None:
         """Entries held across reads (or a pause) would otherwise be reclaimed and re-delivered when idle."""
         self.bus.touch("trajectories", CONSUMER, [e.entry_id for e in self.entries])
@@ -225,7 +220,7 @@ class BatchCollector:
         if problem is not None:
             self.dead_lettered += self.bus.dead_letter("trajectories", entry, problem)
             return
-        if self.bus.get_value(TRAINED_PREFIX + group.group_id) is not None:
+        if trained(self.bus, group.group_id):
             self.acked += self.bus.ack("trajectories", [entry.entry_id])  # a replay: trained already
             return
         self.seen.add(group.group_id)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from sparkrl.services.common.settings import SparkSettings
 from sparkrl.services.learner.checkpoint import join_gather, save_partitions
-from sparkrl.services.learner.collect import Batch
+from sparkrl.services.learner.ledger import Batch
 from sparkrl.services.learner.ranks import Ranks, order_groups, order_settings
 from sparkrl.services.learner.startup import watchdog
 from sparkrl.services.learner.update import compute_update

@@ -24,10 +24,12 @@ from sparkrl.proto import TrajectoryGroup
 from sparkrl.services.common.bus import Entry, RedisBus
 from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner.batch import micro_batches, samples_from_groups
-from sparkrl.services.learner.checkpoint import CheckpointError, TrainState, nonfinite_tensors
-from sparkrl.services.learner.collect import Batch, BatchCollector
+from sparkrl.services.learner.checkpoint import CheckpointError, nonfinite_tensors
+from sparkrl.services.learner.collect import BatchCollector
 from sparkrl.services.learner.control import LearnerControl, LiveChange
+from sparkrl.services.learner.ledger import Batch
 from sparkrl.services.learner.metrics import LearnerMetrics
+from sparkrl.services.learner.state import TrainState
 from sparkrl.services.learner.trainer import old_policy, token_logp_and_entropy
 from sparkrl.services.learner.update import loss_is_finite, split_applied
 

@@ -21,9 +21,8 @@ import torch
 from deepspeed import DeepSpeedEngine
 from transformers import PreTrainedTokenizerBase
 
-from sparkrl.proto import ControlCommand, RankOrder, StepMetrics, decode_group
+from sparkrl.proto import ControlCommand, RankOrder, StepMetrics
 from sparkrl.services.common.bus import RedisBus
-from sparkrl.services.common.recovery import TRAINED_PREFIX, WipeWatch
 from sparkrl.services.common.settings import LearnerSettings, WeightSyncSettings
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.learner.checkpoint import (
@@ -32,11 +31,11 @@ from sparkrl.services.learner.checkpoint import (
     cpu_weights,
     save_checkpoint,
 )
-from sparkrl.services.learner.collect import Batch, BatchCollector
+from sparkrl.services.learner.collect import BatchCollector
 from sparkrl.services.learner.control import LearnerControl, hparams_in_force
 from sparkrl.services.learner.exploration import exploration_stats, spark_tokens
 from sparkrl.services.learner.guard import StepGuard, Streak
-from sparkrl.services.learner.journal import Journal
+from sparkrl.services.learner.ledger import Batch, Ledger
 from sparkrl.services.learner.metrics import LearnerMetrics
 from sparkrl.services.learner.publisher import WeightPublisher
 from sparkrl.services.learner.ranks import RankLost, Ranks, lost, train_order
@@ -51,17 +50,6 @@ T = TypeVar("T")
 
 PAUSED_POLL_S = 0.2  # how often a paused learner looks at the control stream
 TOP_SPARKS = 10  # sparks per step row, the most frequent
-
-
-def finish_step(bus: RedisBus, batch: Batch, state: TrainState) -> int:
-    """Record the trained ids, then acknowledge (and delete) their entries; returns how many were acked."""
-    marks = {TRAINED_PREFIX + group.group_id: str(state.step) for group in batch.groups}
-    bus.set_values(marks, ttl_s=bus.settings.dedup_ttl_s)  # one round trip for the step
-    acked = bus.ack("trajectories", [e.entry_id for e in batch.entries])
-    state.groups_trained += len(batch.groups)
-    state.groups_dropped_stale += batch.dropped_stale
-    state.trained_group_ids = [g.group_id for g in batch.groups]
-    return acked
 
 
 Setup = tuple[DeepSpeedEngine, PreTrainedTokenizerBase, TrainState, bool, torch.nn.Module | None]
@@ -86,13 +74,11 @@ class Learner:
     metrics: LearnerMetrics
     run_log: RunLog
     stop: threading.Event
-    journal: Journal
-    wipes: WipeWatch  # a Redis that lost its data is noticed at the next boundary, and rebuilt
+    ledger: Ledger  # exactly-once: journal → trained marks → ack → checkpoint trim
     reference: torch.nn.Module | None = None  # the frozen initial model of learner.kl (None: no KL term)
     tracker: Tracker | None = None  # learner.tracking's backends
     ranks: Ranks | None = None  # a data-parallel learner's orders to its other ranks (None: one rank)
     collector: BatchCollector = field(init=False)
-    saved_step: int = field(init=False)  # the step of the newest checkpoint
     stop_command: ControlCommand | None = field(default=None, init=False)  # the one that ended the run
     waited_data: float = field(default=0.0, init=False)  # seconds in `fill` since the last step
     waited_fleet: float = field(default=0.0, init=False)  # seconds in `fleet_in_reach` since the last step
@@ -104,7 +90,6 @@ class Learner:
 
     def __post_init__(self) -> None:
         self.collector = BatchCollector(self.bus, self.cfg, ModelLimits.of(self.engine.module, self.cfg))
-        self.saved_step = self.state.step
         self.guard = StepGuard(
             self.engine,
             self.cfg,
@@ -149,7 +134,7 @@ class Learner:
         )
         self.metrics.paused.set(float(self.control.paused))
         if self.control.paused:
-            self.wipes.check()
+            self.ledger.rebuild_if_wiped()
             self.collector.keep_alive()
             self.stop.wait(PAUSED_POLL_S)
             return True
@@ -197,19 +182,20 @@ class Learner:
     def replay(self) -> int:
         """Redo the steps the journal holds after the checkpoint, in order, as the same steps: their
         groups were acknowledged, so only this makes the resumed model reflect them. Returns how many."""
-        steps = self.journal.replayable(self.state.step)
-        for step in steps:
-            entries = self.journal.read(step)
-            batch = Batch([decode_group(e.payload) for e in entries], entries, 0, 0.0)
-            log.info("replaying step %d from the journal (%d groups)", step, len(entries))
+        replayed = 0
+        for step, batch in self.ledger.replay(self.state.step):
+            log.info("replaying step %d from the journal (%d groups)", step, len(batch.entries))
             if self.train(batch, journaled=True) is None:
-                raise RuntimeError(f"replaying step {step} from {self.journal.path(step)} failed; see above")
-        if steps:
-            log.info("replayed %d steps from the journal: the model reflects them again", len(steps))
-        return len(steps)
+                raise RuntimeError(
+                    f"replaying step {step} from {self.ledger.journal.path(step)} failed; see above"
+                )
+            replayed += 1
+        if replayed:
+            log.info("replayed %d steps from the journal: the model reflects them again", replayed)
+        return replayed
 
     def interrupted(self) -> bool:
-        self.wipes.check()  # between reads: before the next group's trained mark is looked up
+        self.ledger.rebuild_if_wiped()  # between reads: before the next group's trained mark is looked up
         return self.stop.is_set() or self.control.pending()
 
     def train(self, batch: Batch, journaled: bool = False) -> StepMetrics | None:
@@ -234,16 +220,13 @@ class Learner:
             self.metrics.nonfinite_in_a_row.set(0)
         mark = time.perf_counter()
         weights = self.full_weights()
-        if not self.guard.publishable(weights, self.saved_step):
+        if not self.guard.publishable(weights, self.ledger.saved_step):
             return None
         timings["copy_weights"] = time.perf_counter() - mark
         state.step += 1
         state.policy_version += 1
-        if not journaled:
-            self.journal.write(state.step, batch.entries)  # durable before the bus hears it was used
         mark = time.perf_counter()
-        acked = finish_step(self.bus, batch, state) + self.collector.acked
-        self.collector.acked = 0
+        acked = self.ledger.commit(state, batch, journaled) + self.collector.take_acked()
         timings["bookkeeping"], mark = time.perf_counter() - mark, time.perf_counter()
         self.publisher.submit(state.policy_version, weights)
         timings["publish"] = time.perf_counter() - mark  # the broadcast runs on the publisher's thread
@@ -320,7 +303,7 @@ class Learner:
         try:
             return run()
         except Exception as exc:
-            error = lost(what, exc, self.saved_step)
+            error = lost(what, exc, self.ledger.saved_step)
             self.rank_lost = str(error)
             log.error("%s", error)
             raise error from exc
@@ -375,8 +358,7 @@ class Learner:
             raise
         finally:
             self.reporter.update(phase=previous)
-        self.journal.trim(self.state.step)  # the checkpoint holds those steps now
-        self.saved_step = self.state.step
+        self.ledger.checkpointed(self.state.step)
         self.metrics.checkpoints.inc()
         self.reporter.update(last_checkpoint=str(path))
         return path
@@ -390,6 +372,6 @@ class Learner:
                 "%s; training goes on: the journal keeps the %d steps since step %d, the next checkpoint "
                 "retries",
                 exc,
-                self.state.step - self.saved_step,
-                self.saved_step,
+                self.state.step - self.ledger.saved_step,
+                self.ledger.saved_step,
             )

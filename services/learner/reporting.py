@@ -32,9 +32,9 @@ from sparkrl.proto import (
 from sparkrl.proto.run_files import PromptCounts
 from sparkrl.services.common.bus import QueueDepth
 from sparkrl.services.common.telemetry import LEARNER, LEARNER_HEARTBEAT_S, Telemetry
-from sparkrl.services.learner.checkpoint import TrainState
-from sparkrl.services.learner.collect import Batch
+from sparkrl.services.learner.ledger import Batch
 from sparkrl.services.learner.publisher import WeightPublisher
+from sparkrl.services.learner.state import TrainState
 
 log = logging.getLogger("sparkrl.learner")
 

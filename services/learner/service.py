@@ -22,13 +22,12 @@ from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.control_channel import ControlReader
 from sparkrl.services.common.metrics_server import MetricsServer
 from sparkrl.services.common.modeling import load_model, load_tokenizer
-from sparkrl.services.common.recovery import WipeWatch, warn_if_not_persistent
+from sparkrl.services.common.recovery import warn_if_not_persistent
 from sparkrl.services.common.settings import LearnerSettings, SparkSettings
 from sparkrl.services.common.telemetry import LEARNER, Telemetry
 from sparkrl.services.common.weight_sync.files import WeightFileServer
 from sparkrl.services.learner.checkpoint import (
     CheckpointError,
-    TrainState,
     drop_overrides,
     latest_checkpoint,
     load_checkpoint,
@@ -38,15 +37,15 @@ from sparkrl.services.learner.control import LearnerControl, hparams_in_force
 from sparkrl.services.learner.data_end import steps_the_data_allows
 from sparkrl.services.learner.follower import follow
 from sparkrl.services.learner.guard import broken_start, final_checkpoint_failed
-from sparkrl.services.learner.journal import Journal
 from sparkrl.services.learner.learner import Learner, Setup
+from sparkrl.services.learner.ledger import Journal, Ledger
 from sparkrl.services.learner.metrics import LearnerMetrics
 from sparkrl.services.learner.publisher import SNAPSHOT_NAME, WeightPublisher
 from sparkrl.services.learner.ranks import RankLost, Ranks, world
 from sparkrl.services.learner.reference import frozen_copy
 from sparkrl.services.learner.reporting import Reporter, RunLog, StatusSource, write_ended
-from sparkrl.services.learner.resume import last_announced_version, void_discarded_versions
 from sparkrl.services.learner.startup import clear_stale_locks, watchdog
+from sparkrl.services.learner.state import TrainState
 from sparkrl.services.learner.tracking import Tracker
 from sparkrl.services.learner.trainer import build_engine, init_distributed
 
@@ -133,11 +132,6 @@ def build(
         )
     elif ranks is not None:
         log.info("learner rank 0 of %d: reads the bus and orders the others", ranks.size)
-    journal = Journal(run_dir)
-    if not resume and journal.trim():
-        log.warning(
-            "a fresh run in %s: deleted an earlier run's journal (use --resume to go on with it)", run_dir
-        )
     bus = RedisBus(cfg.bus)
     warn_if_not_persistent(bus)
     telemetry, metrics, run_log = Telemetry(bus), LearnerMetrics(), RunLog(run_dir)
@@ -175,8 +169,7 @@ def build(
         metrics=metrics,
         run_log=run_log,
         stop=stop,
-        journal=journal,
-        wipes=WipeWatch(bus, run_dir / "trained_groups.jsonl"),
+        ledger=Ledger(bus, run_dir, state.step, fresh=not resume),
         reference=reference,
         ranks=ranks,
         tracker=Tracker(lc.tracking, run_dir, cfg.model_dump(mode="json")) if lc.tracking.to else None,
@@ -189,7 +182,7 @@ def build(
     service = LearnerService(loop, files, server, bus)
     try:
         replayed = loop.replay() if resume else 0
-        void_discarded_versions(state, last_announced_version(bus, run_dir / "snapshots"))
+        loop.ledger.retire_lost_versions(state, run_dir / "snapshots")
         loop.collector.void_versions = state.void_versions
         loop.collector.progress = state  # the end reason counts what it trained
         files.wait_listed()  # the first announcement carries the model's digest
@@ -228,14 +221,14 @@ def close(service: LearnerService) -> None:
     keep_final = keep_final and not loop.guard.weights_broken  # never checkpoint weights that are not finite
     causes = [why for why in (loop.rank_lost, loop.crashed, loop.guard.stop) if why]  # each ends non-zero
     final_failed: list[str] = []
-    if keep_final and state.step > loop.saved_step:
+    if keep_final and state.step > loop.ledger.saved_step:
         try:
             loop.checkpoint(None)
         except RankLost:
             log.warning("no final checkpoint: the learner's ranks cannot all write theirs (see above)")
         except Exception as exc:  # a disk full or gone (CheckpointError), or DeepSpeed's own error
             keep_final = False
-            final_failed.append(final_checkpoint_failed(exc, state.step, loop.saved_step))
+            final_failed.append(final_checkpoint_failed(exc, state.step, loop.ledger.saved_step))
             log.error("%s", final_failed[0], exc_info=not isinstance(exc, CheckpointError))
     suspect, latest = loop.guard.suspect, latest_checkpoint(loop.run_dir)
     if suspect is not None and latest is not None:

@@ -27,8 +27,8 @@ from sparkrl.proto import TrajectoryGroup
 from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner.aggregation import sequences
 from sparkrl.services.learner.batch import Sample, micro_batches, samples_from_groups
-from sparkrl.services.learner.collect import Batch
 from sparkrl.services.learner.control import set_lr
+from sparkrl.services.learner.ledger import Batch
 from sparkrl.services.learner.ranks import Ranks, empty_like
 from sparkrl.services.learner.schedule import lr_factor
 from sparkrl.services.learner.trainer import micro_batch_loss, old_policy, train_step
