@@ -1,5 +1,5 @@
-"""The built wheel carries every module of `proto/` and `services/` under `sparkrl.` and the presets, imports
-outside the checkout, and runs the demo preset from another directory (issue 12, item 7)."""
+"""The built wheel carries every module of `sparkrl/`, `proto/` and `services/` under `sparkrl.` and the
+presets, imports outside the checkout, and runs the demo preset from another directory (issue 12, item 7)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _source_modules() -> set[str]:
-    names = set()
+    names = {path.relative_to(REPO).as_posix() for path in (REPO / "sparkrl").rglob("*.py")}
     for folder in ("proto", "services"):
         for path in (REPO / folder).rglob("*.py"):
             names.add("sparkrl/" + path.relative_to(REPO).as_posix())
@@ -57,7 +57,7 @@ def test_wheel_contains_every_module(wheel: Path) -> None:
 
 def test_wheel_imports_outside_the_checkout(wheel: Path, tmp_path: Path) -> None:
     zipfile.ZipFile(wheel).extractall(tmp_path)
-    code = "import sparkrl.proto, sparkrl.services.learner as l; print(l.__file__)"
+    code = "import sparkrl.proto, sparkrl.cli, sparkrl.services.learner as l; print(l.__file__)"
     # -I: isolated mode, so neither the checkout nor the editable install's finder can serve the import.
     out = subprocess.run(
         [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {str(tmp_path)!r}); {code}"],

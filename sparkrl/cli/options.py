@@ -1,0 +1,38 @@
+"""What the commands share: the settings flags (`--preset`, `--set`), the run-directory flags, and loading
+the settings with an error that says which setting is wrong."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sparkrl.services.common.settings import SparkSettings, describe_settings_error, load_settings
+
+Preset = Annotated[
+    str | None, typer.Option("--preset", "-p", help="configs/<NAME>.yaml, or a path to a YAML settings file.")
+]
+Overrides = Annotated[
+    list[str] | None, typer.Option("--set", "-s", help="Override one setting: key.path=value (repeatable).")
+]
+BusRunDir = Annotated[
+    Path | None, typer.Option("--run-dir", help="Use the Redis of this live `sparkrl up` run directory.")
+]
+RunDir = Annotated[
+    Path | None, typer.Option("--run-dir", help="Take the URL and token from a `sparkrl up` run directory.")
+]
+WHICH_REDIS = "say which Redis: --run-dir RUN_DIR (a live `sparkrl up`) or --set bus.url=..."
+
+
+def settings(preset: str | None, overrides: list[str] | None) -> SparkSettings:
+    """defaults < preset < environment < `--set`; a bad value is the command's usage error."""
+    try:
+        return load_settings(preset, overrides)
+    except (ValueError, FileNotFoundError) as exc:
+        raise typer.BadParameter(describe_settings_error(exc)) from exc
+
+
+def say(line: str) -> None:
+    """A line for the user on stderr (stdout stays the command's answer)."""
+    typer.echo(line, err=True)

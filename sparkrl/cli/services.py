@@ -1,0 +1,179 @@
+"""One command per service, what a container or `sparkrl up` runs: `reward`, `rollout`, `control`,
+`learner`, `evaluator`, and the prompt feeder `prompts`. Service imports happen inside the commands so
+`sparkrl reward` never loads torch."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sparkrl.cli.options import WHICH_REDIS, BusRunDir, Overrides, Preset, settings
+from sparkrl.services.common.logs import setup_logging
+from sparkrl.services.common.settings import SparkSettings
+
+commands = typer.Typer()
+
+
+@commands.command()
+def reward(preset: Preset = None, overrides: Overrides = None) -> None:
+    """Run the reward service (FastAPI) on reward.host:reward.port."""
+    cfg = settings(preset, overrides)
+    setup_logging("reward")
+    from sparkrl.services.reward.app import main
+
+    main(cfg.reward)
+
+
+@commands.command()
+def rollout(
+    preset: Preset = None,
+    overrides: Overrides = None,
+    worker_id: Annotated[str | None, typer.Option(help="Consumer name; default hostname-pid.")] = None,
+) -> None:
+    """Run one rollout worker: prompts → n completions → scores → trajectory stream."""
+    cfg = settings(preset, overrides)
+    if worker_id is not None:
+        cfg.rollout.worker_id = worker_id
+    log = setup_logging(f"rollout[{cfg.rollout.worker_id or 'auto'}]")
+    from sparkrl.services.common.logs import stop_on_signals
+    from sparkrl.services.rollout.service import main
+
+    main(cfg, stop_on_signals(log, "the batch in hand"))
+
+
+@commands.command()
+def control(preset: Preset = None, overrides: Overrides = None) -> None:
+    """Run the control service (REST API, live page, fleet metrics) on control.host:control.port."""
+    cfg = settings(preset, overrides)
+    setup_logging("control")
+    from sparkrl.services.control.app import main
+
+    try:
+        main(cfg)
+    except ValueError as exc:  # no token configured: say how to set one
+        raise typer.BadParameter(str(exc)) from exc
+
+
+@commands.command()
+def learner(
+    preset: Preset = None,
+    overrides: Overrides = None,
+    resume: Annotated[bool, typer.Option(help="Continue from RUN_DIR/checkpoints/latest.")] = False,
+    auto_resume: Annotated[
+        bool,
+        typer.Option(
+            help="Continue when RUN_DIR holds this run's state (a checkpoint or a journal), else start "
+            "fresh: for a supervisor that restarts the learner (compose, Kubernetes)."
+        ),
+    ] = False,
+) -> None:
+    """Run the learner: trajectory stream → Lp-Reg (or a baseline) under DeepSpeed → weights to the fleet."""
+    cfg = settings(preset, overrides)
+    rank = os.environ.get("RANK", "0")  # under torchrun (learner.ranks > 1) each rank says which it is
+    log = setup_logging("learner" if rank == "0" else f"learner[rank {rank}]")
+    from sparkrl.services.common.logs import stop_on_signals
+    from sparkrl.services.learner.service import main, run_state
+
+    if auto_resume:
+        found = run_state(Path(cfg.run_dir))
+        resume = found is not None
+        log.info("--auto-resume: %s", f"resuming ({found})" if found else f"a fresh run in {cfg.run_dir}")
+
+    stop = threading.Event()
+    # Signals are taken over once the engine is built: until then SIGTERM ends a stuck start at once.
+    main(cfg, resume=resume, stop=stop, engine_built=lambda: stop_on_signals(log, "the current step", stop))
+    from sparkrl.services.common.weight_sync.sender import epochs_tearing_down
+
+    if epochs_tearing_down():  # finalizing now would let gloo abort the process (exit code -6)
+        import sys
+
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+
+
+@commands.command()
+def evaluator(preset: Preset = None, overrides: Overrides = None) -> None:
+    """Run the in-training evaluator: every `eval.every`-th published version on held-out problems."""
+    cfg = settings(preset, overrides)
+    log = setup_logging("evaluator")
+    from sparkrl.services.common.logs import stop_on_signals
+    from sparkrl.services.rollout.evaluator import main
+
+    main(cfg, stop_on_signals(log, "the current evaluation"))
+
+
+@commands.command()
+def prompts(
+    preset: Preset = None,
+    overrides: Overrides = None,
+    run_dir: BusRunDir = None,
+    epochs: Annotated[
+        int | None,
+        typer.Option(min=1, help="Passes over the data (default prompts.epochs); later passes get new ids."),
+    ] = None,
+    watch: Annotated[
+        bool,
+        typer.Option(help="Stay up after feeding and feed again what a Redis that lost its data took away."),
+    ] = False,
+) -> None:
+    """Feed a dataset (prompts.path) or the countdown generator into the prompt stream of the Redis named by
+    --run-dir (a live `sparkrl up`) or bus.url."""
+    if run_dir is not None:
+        preset = str(run_dir / "config" / "prompts.yaml")
+    cfg = settings(preset, overrides)
+    log = setup_logging("prompts")
+    if "url" not in cfg.bus.model_fields_set:
+        # This command writes: never into a Redis it was not pointed at (6379 may be someone else's).
+        raise typer.BadParameter(WHICH_REDIS)
+    from sparkrl.services.common.bus._text import mask_password
+
+    log.info("feeding %s into %s (namespace %s)", cfg.prompts.path or "the countdown generator",
+             mask_password(cfg.bus.url), cfg.bus.namespace)  # fmt: skip
+    _feed(cfg, epochs or cfg.prompts.epochs, watch, log)
+
+
+def _feed(cfg: SparkSettings, epochs: int, watch: bool, log: logging.Logger) -> None:
+    """Every epoch into the prompt stream, then (with `watch`) again whenever the Redis lost its data."""
+    from sparkrl.services.common.bus import RedisBus
+    from sparkrl.services.common.datasets import iter_prompts
+    from sparkrl.services.common.feeder import (
+        FeedReport,
+        feed_prompts,
+        mark_fed,
+        mark_feeding,
+        watch_and_refeed,
+    )
+    from sparkrl.services.common.logs import stop_on_signals
+    from sparkrl.services.common.recovery import ensure_incarnation, warn_if_not_persistent
+
+    stop = stop_on_signals(log, "feeding")
+    with RedisBus(cfg.bus) as bus:
+        warn_if_not_persistent(bus)
+
+        def feed_all(skip_trained: bool = False) -> FeedReport:
+            mark_feeding(bus)
+            total = FeedReport(0, 0, 0.0)
+            for epoch in range(epochs):
+                prompts = iter_prompts(cfg.prompts)
+                report = feed_prompts(bus, prompts, epoch=epoch, skip_trained=skip_trained, stop=stop)
+                log.info(
+                    "epoch %d: %d prompts fed, %d already there, %.1fs",
+                    epoch, report.published, report.duplicates, report.seconds,
+                )  # fmt: skip
+                total = FeedReport(total.published + report.published, total.duplicates + report.duplicates,
+                                   total.seconds + report.seconds)  # fmt: skip
+            if not stop.is_set():
+                mark_fed(bus, total, epochs)  # all of it is in: once trained, the run is over
+            return total
+
+        known = ensure_incarnation(bus)  # before feeding: a wipe while the first feed blocks still counts
+        feed_all()
+        if watch:
+            watch_and_refeed(bus, lambda: feed_all(skip_trained=True), stop, known)
