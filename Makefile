@@ -33,8 +33,16 @@ test: install chromium vllm-env
 	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -m "not vllm"
 	SPARKRL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_engine_contract.py tests/test_vllm_cpu.py
 
+# ruff, then the import contracts (pyproject.toml's [tool.importlinter]). import-linter finds a package's
+# modules by walking its folder, and sparkrl.proto and sparkrl.services live in proto/ and services/
+# (package-dir): the contracts run on a tree of links that puts them under sparkrl/, as the install does.
+IMPORT_TREE := .cache/import-tree
 lint: install
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+	rm -rf $(IMPORT_TREE) && mkdir -p $(IMPORT_TREE)/sparkrl
+	ln -s $(CURDIR)/sparkrl/* $(IMPORT_TREE)/sparkrl/
+	ln -s $(CURDIR)/proto $(CURDIR)/services $(IMPORT_TREE)/sparkrl/
+	cd $(IMPORT_TREE) && $(abspath $(VENV))/bin/lint-imports --no-logo --no-cache $(CURDIR)/pyproject.toml
 
 bench: install
 	$(PY) bench/loss_bench.py
