@@ -38,6 +38,7 @@ from pathlib import Path
 
 import psutil
 
+from sparkrl.run_files import read_steps
 from sparkrl.services.common.settings import load_settings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,12 +129,12 @@ def run_sparkrl(work: Workload, preset: str, workdir: Path) -> dict[str, float |
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     t0 = time.time()
     wall, cpu, sampler = _run(command, env)
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    times = [r["time"] for r in rows]
+    rows = read_steps(run_dir).rows
+    times = [r.time for r in rows]
     skip = max(1, len(times) // 10)
     per_step = statistics.median(b - a for a, b in zip(times[skip:], times[skip + 1 :], strict=False))
-    tokens = statistics.mean(r["metrics"]["rollout/tokens"] / r["metrics"]["rollout/groups"] for r in rows)
-    rewards = [r["metrics"]["rollout/reward_mean"] for r in rows]
+    tokens = statistics.mean(r.metrics["rollout/tokens"] / r.metrics["rollout/groups"] for r in rows)
+    rewards = [r.metrics["rollout/reward_mean"] for r in rows]
     fifth = max(1, len(rewards) // 5)
     return {
         "wall_s": wall,

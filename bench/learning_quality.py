@@ -26,6 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from sparkrl.proto.telemetry import EvalRecord
+from sparkrl.run_files import read_evals, read_steps
+
 ROOT = Path(__file__).resolve().parents[1]
 LOSSES = ("grpo", "entropy_bonus", "clip_higher", "eighty_twenty", "kl_cov", "clip_cov", "lp_reg")
 LABELS = {
@@ -80,7 +83,7 @@ class Run:
     loss: str
     seed: int
     steps: list[dict[str, float | None]]  # metrics per step, in step order
-    evals: list[dict]  # EvalRecord rows, by version
+    evals: list[EvalRecord]  # by version
     seconds: float
 
 
@@ -111,9 +114,8 @@ def run_one(loss: str, seed: int, scale: Scale, runs: Path) -> Run:
 
 def read_run(loss: str, seed: int, runs: Path, seconds: float) -> Run:
     run_dir = runs / f"{loss}-s{seed}"
-    steps = [json.loads(line)["metrics"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
-    return Run(loss, seed, steps, sorted(evals, key=lambda e: e["policy_version"]), seconds)
+    steps = [row.metrics for row in read_steps(run_dir).rows]
+    return Run(loss, seed, steps, read_evals(run_dir), seconds)
 
 
 def _series(run: Run, name: str) -> np.ndarray:
@@ -136,9 +138,9 @@ def summarize(runs: list[Run], n: int) -> dict[str, dict[str, float]]:
         tail = max(1, len(entropy) // 10)
         final = run.evals[-1]
         out[f"{run.loss}-s{run.seed}"] = {
-            "pass@1": final["pass_at"]["1"],
-            f"pass@{n}": final["pass_at"][str(n)],
-            "greedy": final["greedy"],
+            "pass@1": final.pass_at["1"],
+            f"pass@{n}": final.pass_at[str(n)],
+            "greedy": final.greedy,
             "entropy_first": float(np.nanmean(entropy[:tail])),
             "entropy_final": float(np.nanmean(entropy[-tail:])),
             "entropy_min": float(np.nanmin(entropy)),
@@ -146,7 +148,7 @@ def summarize(runs: list[Run], n: int) -> dict[str, dict[str, float]]:
             "neg_tokens_k": float(np.nanmean(np.nan_to_num(_series(run, "loss/k_neg")))),
             "low_prob_share": float(np.nanmean(_series(run, "explore/low_prob_share"))),
             "tokens": float(np.nanmean(_series(run, "rollout/tokens"))),
-            "version": final["policy_version"],
+            "version": final.policy_version,
         }
     return out
 
@@ -191,10 +193,10 @@ def plots(runs: list[Run], losses: tuple[str, ...], out: Path, n: int) -> list[s
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, k in zip(axes, ("1", str(n)), strict=True):
-        grid = np.array(sorted({e["policy_version"] for r in runs for e in r.evals}), dtype=float)
+        grid = np.array(sorted({e.policy_version for r in runs for e in r.evals}), dtype=float)
         for loss, group in by_loss.items():
             curves = [
-                np.interp(grid, [e["policy_version"] for e in r.evals], [e["pass_at"][k] for e in r.evals])
+                np.interp(grid, [e.policy_version for e in r.evals], [e.pass_at[k] for e in r.evals])
                 for r in group
             ]
             band(ax, loss, grid, curves)
@@ -352,7 +354,7 @@ def main() -> None:
             runs.append(run)
             final = run.evals[-1]
             print(f"[{len(runs)}/{total}] {loss} seed {seed}: {run.seconds:.0f}s, version "
-                  f"{final['policy_version']} pass@1 {final['pass_at']['1']:.3f}, "
+                  f"{final.policy_version} pass@1 {final.pass_at['1']:.3f}, "
                   f"{(time.perf_counter() - started) / 60:.1f} min so far", flush=True)  # fmt: skip
     wall_s = time.perf_counter() - started
     wall_file = runs_dir / WALL_FILE

@@ -1,21 +1,18 @@
 """The dead letters a run leaves behind: `RUN_DIR/dead_letters.jsonl`, one `DeadLetterRecord` a line, oldest
 first. `sparkrl up` writes it as it stops, while the run's Redis still runs (a private Redis goes with the
-run); `sparkrl dead --run-dir` lists it once the run is over, and the summary counts it.
+run); `sparkrl dead --run-dir` lists it once the run is over, and the summary counts it (both read it
+through `run_files`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import os
 from pathlib import Path
 
-from pydantic import ValidationError
-
 from sparkrl.proto.run_files import DeadLetterRecord
+from sparkrl.run_files import DEAD_LETTERS_FILE
 from sparkrl.services.common.bus import DeadLetter, RedisBus
-
-DEAD_LETTERS_FILE = "dead_letters.jsonl"
 
 
 def as_record(bus: RedisBus, letter: DeadLetter) -> DeadLetterRecord:
@@ -41,27 +38,6 @@ def save_dead_letters(bus: RedisBus, run_dir: Path) -> int:
     partial.write_text("".join(lines))
     os.replace(partial, path)
     return len(lines)
-
-
-def load_dead_letters(run_dir: Path) -> list[DeadLetterRecord] | None:
-    """The run's dead letters, oldest first; None when it left no file."""
-    try:
-        text = (run_dir / DEAD_LETTERS_FILE).read_text()
-    except FileNotFoundError:
-        return None
-    records = []
-    for line in text.splitlines():
-        with contextlib.suppress(ValidationError, ValueError):  # a hand-edited line is skipped
-            records.append(DeadLetterRecord.model_validate_json(line))
-    return records
-
-
-def count_by_stream(records: list[DeadLetterRecord]) -> dict[str, int]:
-    """Distinct prompts (set aside by the workers) and groups (by the learner) among `records`."""
-    ids: dict[str, set[str]] = {"prompts": set(), "trajectories": set()}
-    for record in records:
-        ids[record.stream].add(record.item_id)
-    return {"prompts": len(ids["prompts"]), "groups": len(ids["trajectories"])}
 
 
 def listing(record: DeadLetterRecord) -> str:

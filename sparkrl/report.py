@@ -1,8 +1,9 @@
 """`sparkrl report RUN_DIR`: charts and a markdown summary of a finished (or running) run, from its files.
 
-It reads only what the learner leaves on disk (`metrics.jsonl`, optionally `weights.jsonl`), so it works
-after the fleet is gone and on a copied run directory. matplotlib is imported inside the functions that
-draw, so importing this module (e.g. to wire the CLI) costs nothing.
+It reads only what the run leaves on disk (`metrics.jsonl`; `weights.jsonl` and `eval.jsonl` where there
+are any), through `run_files`, so it works after the fleet is gone and on a copied run directory.
+matplotlib is imported inside the functions that draw, so importing this module (e.g. to wire the CLI)
+costs nothing.
 """
 
 from __future__ import annotations
@@ -11,85 +12,67 @@ import collections
 import contextlib
 import itertools
 import math
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from pydantic import ValidationError
-
-from sparkrl.proto.base import WireModel
 from sparkrl.proto.control import HparamValue
 from sparkrl.proto.telemetry import EvalRecord, StepMetrics, SyncEvent
-from sparkrl.run_report import wall_text, wall_time
+from sparkrl.run_files import (
+    METRICS_FILE,
+    MISSING,
+    Steps,
+    fmt,
+    last_present,
+    mean,
+    read_evals,
+    read_steps,
+    read_sync_events,
+    reward_halves,
+    wall_text,
+    wall_time,
+    worker_key,
+)
 
 REPORT_DIR = "report"
-_Model = TypeVar("_Model", bound=WireModel)
 
 
 @dataclass
 class _Run:
-    """What the report is drawn from: one row per step (the last one written for it), in step order."""
+    """What the report is drawn from: the step rows (one per step, in step order) and the run's other
+    files."""
 
     run_dir: Path
-    rows: list[StepMetrics]
-    superseded: int  # rows replaced by a later row for the same step (a resume redid those steps)
-    skipped: int  # unreadable lines of metrics.jsonl
+    steps: Steps
     events: list[SyncEvent] | None  # None: no weights.jsonl
     evals: list[EvalRecord]  # the in-training evaluator's records (eval.jsonl), by version
 
-
-# ── reading ───────────────────────────────────────────────────────────────────────────────────────────
-
-
-def _read_jsonl(path: Path, model: type[_Model]) -> tuple[list[_Model], int]:
-    """Valid rows and the count of lines skipped: the learner may be mid-write (a cut last line), and one
-    bad line must not hide the rest of a long run."""
-    rows: list[_Model] = []
-    skipped = 0
-    for line in path.read_bytes().decode("utf-8", errors="replace").splitlines():
-        if not line.strip():
-            continue
-        try:
-            rows.append(model.model_validate_json(line))
-        except ValidationError:
-            skipped += 1
-    return rows, skipped
+    @property
+    def rows(self) -> list[StepMetrics]:
+        return self.steps.rows
 
 
 def load_run(run_dir: Path | str) -> _Run:
-    """The run's rows, deduplicated by step (last written wins: after a resume the redone steps are the
-    ones that count), with errors that tell the user what to do."""
+    """The run's files, with errors that tell the user what to do when there is nothing to report."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(
             f"run directory {run_dir} does not exist: pass the RUN_DIR the learner writes metrics.jsonl to"
         )
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / METRICS_FILE
     if not path.is_file():
         raise FileNotFoundError(
             f"{path} not found: is {run_dir} a run directory? The learner writes it as it finishes steps"
         )
-    written, skipped = _read_jsonl(path, StepMetrics)
-    if not written:
-        note = f" ({skipped} unreadable lines skipped)" if skipped else ""
+    steps = read_steps(run_dir)
+    if not steps.rows:
+        note = f" ({steps.skipped} unreadable lines skipped)" if steps.skipped else ""
         raise ValueError(f"no steps in {path}{note}: the learner has not finished a step yet")
-    by_step = {row.step: row for row in written}
-    weights = run_dir / "weights.jsonl"
-    events = _read_jsonl(weights, SyncEvent)[0] if weights.is_file() else None
-    rows = [by_step[step] for step in sorted(by_step)]
-    evals_path = run_dir / "eval.jsonl"
-    evals = _read_jsonl(evals_path, EvalRecord)[0] if evals_path.is_file() else []
-    evals = sorted({e.policy_version: e for e in evals}.values(), key=lambda e: e.policy_version)
-    return _Run(run_dir, rows, len(written) - len(rows), skipped, events, evals)
+    return _Run(run_dir, steps, read_sync_events(run_dir), read_evals(run_dir))
 
 
 # ── small helpers ─────────────────────────────────────────────────────────────────────────────────────
-
-
-def _series(run: _Run, name: str) -> list[float | None]:
-    return [row.metrics.get(name) for row in run.rows]
 
 
 def _gaps(values: list[float | None] | list[int | None]) -> list[float]:
@@ -97,32 +80,13 @@ def _gaps(values: list[float | None] | list[int | None]) -> list[float]:
     return [math.nan if value is None else float(value) for value in values]
 
 
-def _mean(values: list[float | None]) -> float | None:
-    present = [value for value in values if value is not None]
-    return sum(present) / len(present) if present else None
-
-
-def _last(values: list[float | None]) -> float | None:
-    return next((value for value in reversed(values) if value is not None), None)
-
-
 def _moving_average(values: list[float | None], window: int) -> list[float]:
     """Trailing mean over the present values of the last `window` steps (NaN where none are present)."""
     out = []
     for index in range(len(values)):
-        mean = _mean(values[max(0, index - window + 1) : index + 1])
-        out.append(math.nan if mean is None else mean)
+        average = mean(values[max(0, index - window + 1) : index + 1])
+        out.append(math.nan if average is None else average)
     return out
-
-
-def _worker_key(name: str) -> tuple[str, int]:
-    """`worker-10` after `worker-9`, not between `worker-1` and `worker-2`."""
-    match = re.fullmatch(r"(.*?)(\d+)", name)
-    return (match.group(1), int(match.group(2))) if match else (name, -1)
-
-
-def _fmt(value: float | None, spec: str = ".4g") -> str:
-    return "—" if value is None else format(value, spec)
 
 
 def _cell(text: str) -> str:
@@ -153,7 +117,7 @@ def _figure(path: Path, panels: int = 1) -> Iterator[list[Any]]:
 
 def _metric_chart(run: _Run, path: Path, name: str, title: str, ylabel: str) -> bool:
     """One metric against step; False (nothing drawn) when every step lacks it."""
-    values = _series(run, name)
+    values = run.steps.series(name)
     if all(value is None for value in values):
         return False
     with _figure(path) as (ax,):
@@ -164,7 +128,7 @@ def _metric_chart(run: _Run, path: Path, name: str, title: str, ylabel: str) -> 
 
 
 def _reward_chart(run: _Run, path: Path) -> str | None:
-    values = _series(run, "rollout/reward_mean")
+    values = run.steps.series("rollout/reward_mean")
     if all(value is None for value in values):
         return None
     window = max(1, len(run.rows) // 20)
@@ -224,7 +188,7 @@ def _sparks_chart(run: _Run, path: Path) -> str | None:
 
 
 def _worker_versions_chart(run: _Run, path: Path) -> str | None:
-    workers = sorted({worker for row in run.rows for worker in row.worker_versions}, key=_worker_key)
+    workers = sorted({worker for row in run.rows for worker in row.worker_versions}, key=worker_key)
     if not workers:
         return None
     steps = [row.step for row in run.rows]
@@ -290,7 +254,7 @@ _CHARTS: tuple[tuple[str, str, Callable[[_Run, Path], str | None]], ...] = (
 
 def _hparam_text(value: HparamValue | None) -> str:
     if value is None:
-        return "—"
+        return MISSING
     return f"{value:.4g}" if isinstance(value, float) else str(value)  # 6e-05, not 5.9999999999999995e-05
 
 
@@ -321,13 +285,6 @@ def hparam_changes(rows: list[StepMetrics]) -> list[str]:
     return out
 
 
-def reward_halves(run: _Run) -> tuple[int, float | None, float | None]:
-    """Mean reward over the first and the last 20% of steps (at least one each): did training help?"""
-    count = max(1, len(run.rows) // 5)
-    values = _series(run, "rollout/reward_mean")
-    return count, _mean(values[:count]), _mean(values[-count:])
-
-
 def _broadcasts_text(events: list[SyncEvent] | None) -> str:
     if events is None:
         return "no weights.jsonl"
@@ -348,29 +305,33 @@ def top_sparks(rows: list[StepMetrics], count: int = 10) -> list[tuple[str, int]
 def _summary(run: _Run) -> list[str]:
     """The table at the top: what a reader checks before looking at any chart."""
     first, last = run.rows[0], run.rows[-1]
-    count, early, late = reward_halves(run)
-    resumed = f"; {run.superseded} rows superseded by a resume" if run.superseded else ""
+    count, early, late = reward_halves(run.steps)
+    superseded = run.steps.superseded
+    resumed = f"; {superseded} rows superseded by a resume" if superseded else ""
     versions = ", ".join(
         f"{worker}: {'initial' if version is None else version}"
-        for worker, version in sorted(last.worker_versions.items(), key=lambda item: _worker_key(item[0]))
+        for worker, version in sorted(last.worker_versions.items(), key=lambda item: worker_key(item[0]))
     )
     hparams = ", ".join(f"{key}={_hparam_text(value)}" for key, value in sorted(last.hparams.items()))
     table = [
         ("steps", f"{len(run.rows)} (steps {first.step}–{last.step}{resumed})"),
         ("wall time", wall_text(*wall_time(run.run_dir, first.time, last.time))),  # as the summary says
-        ("reward mean", f"first {count} steps {_fmt(early, '.3f')} → last {count} steps {_fmt(late, '.3f')}"),
-        ("final entropy", _fmt(_last(_series(run, "loss/entropy")))),
+        ("reward mean", f"first {count} steps {fmt(early, '.3f')} → last {count} steps {fmt(late, '.3f')}"),
+        ("final entropy", fmt(last_present(run.steps.series("loss/entropy")))),
         ("final policy version", str(last.policy_version)),
-        ("final worker versions", versions or "—"),
+        ("final worker versions", versions or MISSING),
         ("broadcasts", _broadcasts_text(run.events)),
-        ("hyperparameters (last step)", hparams or "—"),
+        ("hyperparameters (last step)", hparams or MISSING),
         ("hyperparameter changes", "; ".join(hparam_changes(run.rows)) or "none"),
-        ("most frequent sparks", ", ".join(f"{text!r} {n}" for text, n in top_sparks(run.rows)) or "—"),
+        ("most frequent sparks", ", ".join(f"{text!r} {n}" for text, n in top_sparks(run.rows)) or MISSING),
     ]
     lines = ["| | |", "|---|---|"]
     lines += [f"| {name} | {_cell(value)} |" for name, value in table]
-    if run.skipped:
-        lines += ["", f"Skipped {run.skipped} unreadable line(s) of metrics.jsonl (truncated or malformed)."]
+    if run.steps.skipped:
+        lines += [
+            "",
+            f"Skipped {run.steps.skipped} unreadable line(s) of metrics.jsonl (truncated or malformed).",
+        ]
     return lines
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Literal
 
 from sparkrl.plan import ServiceSpec
-from sparkrl.run_report import tail_bytes
+from sparkrl.run_files import ENDED_FILE, read_ended, tail_bytes
 from sparkrl.services.common.settings import SupervisionSettings
 
 _CLEAN_EXIT_ROLES = ("prompts", "rollout", "evaluator")
@@ -102,13 +102,9 @@ def on_exit(spec: ServiceSpec, returncode: int, restarts: Restarts, now: float, 
 def record_end(run_dir: Path, reason: str) -> None:
     """The launcher's end reason into `ended.json`, once the learner wrote its own (kept beside it, as
     `learner_reason`: it was stopped by the launcher's signal)."""
-    path = run_dir / "ended.json"
-    try:
-        ended = json.loads(path.read_text())
-    except (OSError, ValueError):
-        ended = {}
+    ended = read_ended(run_dir)
     if ended.get("reason"):
         ended["learner_reason"] = ended["reason"]
     ended.update(reason=reason, time=time.time())
     with contextlib.suppress(OSError):
-        path.write_text(json.dumps(ended))
+        (run_dir / ENDED_FILE).write_text(json.dumps(ended))

@@ -15,7 +15,6 @@ import pytest
 import redis
 
 from sparkrl import launcher
-from sparkrl.dead_letters import load_dead_letters
 from sparkrl.launcher import (
     Role,
     ServiceSpec,
@@ -27,6 +26,7 @@ from sparkrl.launcher import (
 )
 from sparkrl.proto import LearnerStatus, StepMetrics
 from sparkrl.proto.run_files import DeadLetterRecord
+from sparkrl.run_files import load_dead_letters
 from sparkrl.run_report import progress_line, startup_line, summarize
 from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.settings import SparkSettings, load_settings, write_resolved
@@ -271,6 +271,7 @@ def test_summarize_without_metrics(tmp_path: Path) -> None:
 # ── real processes ────────────────────────────────────────────────────────────────────────────────────
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
 def test_stack_starts_redis_and_reward_then_stops_them_cleanly(tmp_path: Path) -> None:
     cfg = SparkSettings(run_dir=str(tmp_path / "run"))

@@ -203,3 +203,30 @@ def test_the_summary_and_the_report_say_the_same_wall_time(tmp_path: Path) -> No
     assert f"| wall time | {said} |" in write_report(run).read_text()
     summary = json.loads((run / "summary.json").read_text())
     assert (summary["wall_seconds"], summary["startup_seconds"]) == (50.0, 23.0)
+
+
+def test_the_summary_and_the_report_tell_one_story_of_a_resumed_run(tmp_path: Path) -> None:
+    """Both read the step rows through `run_files`: the redone steps of a resume count once, the reward
+    means cover the same steps, and a value the run never recorded prints the same way."""
+    from sparkrl.run_files import MISSING
+    from sparkrl.run_report import summarize
+
+    run = tmp_path / "run"
+    run.mkdir()
+    # Steps 1–7, then a resume redoes 6–7 with other rewards; no step records an entropy. Seven steps:
+    # the first and last 20% are 2 steps each (rounded up): (0.1 + 0.2) / 2 and (0.6 + 0.7) / 2 = 0.650.
+    rows = [_row(s, s / 10, t=T0 + s, **{"loss/entropy": None}) for s in range(1, 8)]
+    rows[5]["metrics"]["rollout/reward_mean"] = rows[6]["metrics"]["rollout/reward_mean"] = 5.0
+    rows += [_row(s, s / 10, t=T0 + 10 + s, **{"loss/entropy": None}) for s in (6, 7)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+    text = summarize(run)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 7
+    assert summary["reward_mean_first_20pct"] == pytest.approx(0.15)
+    assert summary["reward_mean_last_20pct"] == pytest.approx(0.65)
+    assert "reward mean: 0.150 (first 20% of steps) → 0.650 (last 20%)" in text
+    assert f"final entropy: {MISSING}" in text
+    report = write_report(run).read_text()
+    assert "| reward mean | first 2 steps 0.150 → last 2 steps 0.650 |" in report
+    assert f"| final entropy | {MISSING} |" in report

@@ -64,7 +64,8 @@ def _run_is_over(run_dir: Path) -> bool:
 
 def _left_behind(run_dir: Path, requeue: bool, count: int) -> None:
     """`sparkrl dead` of a run that is over: what it left in RUN_DIR/dead_letters.jsonl, at once."""
-    from sparkrl.dead_letters import DEAD_LETTERS_FILE, listing, load_dead_letters
+    from sparkrl.dead_letters import listing
+    from sparkrl.run_files import DEAD_LETTERS_FILE, load_dead_letters
 
     back = f"`sparkrl up --resume --run-dir {run_dir}` brings its Redis back"
     if requeue:
