@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import yaml
 
+from sparkrl.run_files import MISSING, fmt
+
 DEFAULT_URL = "http://127.0.0.1:8200"
 
 
@@ -101,21 +103,17 @@ def format_command(answer: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _num(value: Any, spec: str) -> str:
-    return "-" if value is None else f"{value:{spec}}"
-
-
 def format_status(status: dict[str, Any], workers: dict[str, Any]) -> str:
     total = f"/{status['max_steps']}" if status.get("max_steps") else ""
     lines = [
         f"learner {status['state']} | step {status['step']}{total} | version {status['policy_version']}"
-        f" | loss {_num(status.get('last_loss'), '.4g')} | reward {_num(status.get('last_reward'), '.3f')}"
-        f" | entropy {_num(status.get('last_entropy'), '.3f')}"
-        f" | {_num(status.get('tokens_per_s'), '.0f')} tok/s trained,"
+        f" | loss {fmt(status.get('last_loss'), '.4g')} | reward {fmt(status.get('last_reward'), '.3f')}"
+        f" | entropy {fmt(status.get('last_entropy'), '.3f')}"
+        f" | {fmt(status.get('tokens_per_s'), '.0f')} tok/s trained,"
         f" {status['generation_tokens_per_s']:.0f} tok/s generated"
         + (" | PAUSED" if status["paused"] else ""),
-        "hyperparameters: " + (" ".join(f"{k}={v}" for k, v in status["hyperparameters"].items()) or "-"),
-        "sampling: " + (" ".join(f"{k}={v}" for k, v in status["sampling"].items()) or "-"),
+        "hyperparameters: " + (" ".join(f"{k}={v}" for k, v in status["hyperparameters"].items()) or MISSING),
+        "sampling: " + (" ".join(f"{k}={v}" for k, v in status["sampling"].items()) or MISSING),
         f"{'worker':<14}{'state':<12}{'version':>8}{'lag':>5}{'sync s':>8}{'sync MB':>9}{'fails':>6}"
         f"{'beat s':>8}{'tok/s':>8}{'in flight':>10}",
     ]
@@ -123,8 +121,8 @@ def format_status(status: dict[str, Any], workers: dict[str, Any]) -> str:
         mb = None if w.get("last_sync_bytes") is None else w["last_sync_bytes"] / 1e6
         lines.append(
             f"{w['worker_id']:<14}{w['state']:<12}"
-            f"{_num(w.get('policy_version'), 'd'):>8}{_num(w.get('lag'), 'd'):>5}"
-            f"{_num(w.get('last_sync_seconds'), '.2f'):>8}{_num(mb, '.1f'):>9}{w['sync_failures']:>6}"
+            f"{fmt(w.get('policy_version'), 'd'):>8}{fmt(w.get('lag'), 'd'):>5}"
+            f"{fmt(w.get('last_sync_seconds'), '.2f'):>8}{fmt(mb, '.1f'):>9}{w['sync_failures']:>6}"
             f"{w['heartbeat_age_s']:>8.1f}{w['tokens_per_s']:>8.0f}{w['prompts_in_flight']:>10}"
             + (f"  dropped: {w['dropped_reason']}" if w.get("dropped_reason") else "")
         )

@@ -51,3 +51,19 @@ def test_the_control_clients_say_what_is_wrong(tmp_path: Path) -> None:
     assert out.returncode == 1 and "metrics.jsonl" in out.stderr
     out = _sparkrl("control")
     assert out.returncode != 0 and "SPARKRL_CONTROL__TOKEN" in out.stderr
+
+
+def test_status_prints_what_is_not_known_yet_as_the_report_does() -> None:
+    from sparkrl.client import format_status
+    from sparkrl.run_files import MISSING
+
+    status = {"state": "starting", "step": 0, "max_steps": 40, "policy_version": 0, "paused": False}
+    status |= {"generation_tokens_per_s": 0.0, "hyperparameters": {}, "sampling": {"temperature": 1.0}}
+    worker = {"worker_id": "worker-0", "state": "loading", "policy_version": None, "lag": None}
+    worker |= {"sync_failures": 0, "heartbeat_age_s": 0.5, "tokens_per_s": 0.0, "prompts_in_flight": 0}
+    lines = format_status(status, {"workers": [worker]}).splitlines()
+    said = f"learner starting | step 0/40 | version 0 | loss {MISSING} | reward {MISSING}"
+    assert lines[0].startswith(said)
+    assert lines[1] == f"hyperparameters: {MISSING}" and lines[2] == "sampling: temperature=1.0"
+    unknown = [MISSING] * 4  # version, lag, sync seconds and MB: none yet
+    assert lines[4].split() == ["worker-0", "loading", *unknown, "0", "0.5", "0", "0"]
