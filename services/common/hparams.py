@@ -79,10 +79,6 @@ def learner_hparams(cfg: LearnerSettings) -> dict[str, HparamValue]:
     return values
 
 
-def sampling_hparams(cfg: SamplingSettings) -> dict[str, float]:
-    return {name: float(getattr(cfg, name)) for name in SAMPLING_FIELDS}
-
-
 def split(values: dict[str, HparamValue]) -> tuple[dict[str, HparamValue], dict[str, HparamValue]]:
     """(the learner's values, the workers' values)."""
     workers = {k: v for k, v in values.items() if k in SAMPLING_FIELDS}
