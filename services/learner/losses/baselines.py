@@ -18,22 +18,11 @@ from sparkrl.services.learner.losses.common import (
     apply_is_weights,
     clipped_surrogate,
     count_fraction,
-    log_ratio_and_ratio,
     masked_mean,
+    prepare,
     ratio_metrics,
     select_lowest,
-    valid_mask,
 )
-
-
-def _prepare(
-    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """valid [B, T] bool, log r, r, and A (detached, 0 on masked tokens), in the compute dtype."""
-    valid = valid_mask(mask)
-    log_ratio, ratio = log_ratio_and_ratio(logp, old_logp, valid)
-    adv = torch.where(valid, advantages.detach().to(ratio.dtype), torch.zeros_like(ratio))
-    return valid, log_ratio, ratio, adv
 
 
 def _centered_cov(adv: Tensor, logp: Tensor, valid: Tensor) -> Tensor:
@@ -58,7 +47,7 @@ def ppo_clip_loss(
 
     No dual-clip: the Lp-Reg authors' fork has verl's dual-clip (clip_ratio_c) commented out.
     """
-    valid, log_ratio, ratio, adv = _prepare(logp, old_logp, advantages, mask)
+    valid, log_ratio, ratio, adv = prepare(logp, old_logp, advantages, mask)
     loss_t, clipped = clipped_surrogate(ratio, adv, clip_low, clip_high)
     loss = masked_mean(apply_is_weights(loss_t, is_weights, valid), valid)
     return loss, ratio_metrics(log_ratio, ratio, clipped, valid)
@@ -97,7 +86,7 @@ def entropy_bonus_loss(
     c = 0.001 is verl's historical `actor.entropy_coeff` default (the Lp-Reg fork's yaml sets 0, i.e. the
     bonus off, for its own runs). `entropy` must carry gradient for the bonus to act.
     """
-    valid, log_ratio, ratio, adv = _prepare(logp, old_logp, advantages, mask)
+    valid, log_ratio, ratio, adv = prepare(logp, old_logp, advantages, mask)
     ppo_t, clipped = clipped_surrogate(ratio, adv, clip_low, clip_high)
     entropy_c = torch.where(valid, entropy.to(ratio.dtype), torch.zeros_like(ratio))
     loss_t = ppo_t - entropy_coef * entropy_c
@@ -126,7 +115,7 @@ def eighty_twenty_loss(
 
     The mean over S only, as in the Lp-Reg fork (`compute_policy_loss_8020_split` shrinks the mask).
     """
-    valid, log_ratio, ratio, adv = _prepare(logp, old_logp, advantages, mask)
+    valid, log_ratio, ratio, adv = prepare(logp, old_logp, advantages, mask)
     loss_t, clipped = clipped_surrogate(ratio, adv, clip_low, clip_high)
     n_top = count_fraction(valid.sum(), top_frac, at_least_one=True)
     top = select_lowest(-entropy.detach().float(), valid, n_top)
@@ -157,7 +146,7 @@ def kl_cov_loss(
 
     `clip_frac` is 0 (nothing is clipped); `reg_frac` is |S| / N_valid; `kl_abs` is mean |log r|.
     """
-    valid, log_ratio, ratio, adv = _prepare(logp, old_logp, advantages, mask)
+    valid, log_ratio, ratio, adv = prepare(logp, old_logp, advantages, mask)
     n_reg = count_fraction(valid.sum(), kl_cov_ratio, at_least_one=True)
     selected = select_lowest(-_centered_cov(adv, logp, valid), valid, n_reg)
     pg_t = -adv * ratio
@@ -196,7 +185,7 @@ def clip_cov_loss(
     `clip_ratio` 0.2; Cui et al.'s recipe ran with clip_ratio_low = clip_ratio_high = 1 — pass them.
     `clip_frac` is the PPO-clip fraction; `cov_clip_frac` is |S| / N_valid (verl's "pg_clipfrac").
     """
-    valid, log_ratio, ratio, adv = _prepare(logp, old_logp, advantages, mask)
+    valid, log_ratio, ratio, adv = prepare(logp, old_logp, advantages, mask)
     ppo_t, clipped = clipped_surrogate(ratio, adv, clip_low, clip_high)
     cov = _centered_cov(adv, logp, valid)
     candidates = valid & ~clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub)
@@ -230,7 +219,7 @@ def gspo_loss(
     log s_{i,t} is capped at 10 before `exp`, as verl does. verl's seq-mean divides by all B rows; rows
     with no valid token are left out here so an empty row cannot dilute the loss.
     """
-    valid, log_ratio, ratio, adv = _prepare(logp, old_logp, advantages, mask)
+    valid, log_ratio, ratio, adv = prepare(logp, old_logp, advantages, mask)
     n_tokens = valid.sum(dim=-1)  # [B]
     log_s = log_ratio.sum(dim=-1) / n_tokens.clamp(min=1)  # [B]
     logp_c = logp.to(log_ratio.dtype)

@@ -61,6 +61,17 @@ def log_ratio_and_ratio(logp: Tensor, old_logp: Tensor, valid: Tensor) -> tuple[
     return log_ratio, torch.exp(log_ratio)
 
 
+def prepare(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """What every ratio-based loss starts from: valid [B, T] bool, log r, r, and A (detached, 0 on masked
+    tokens), in the compute dtype."""
+    valid = valid_mask(mask)
+    log_ratio, ratio = log_ratio_and_ratio(logp, old_logp, valid)
+    adv = torch.where(valid, advantages.detach().to(ratio.dtype), torch.zeros_like(ratio))
+    return valid, log_ratio, ratio, adv
+
+
 def clipped_surrogate(ratio: Tensor, adv: Tensor, clip_low: float, clip_high: float) -> tuple[Tensor, Tensor]:
     """PPO's pessimistic surrogate, per token.
 

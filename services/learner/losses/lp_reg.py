@@ -23,11 +23,10 @@ from sparkrl.services.learner.losses.common import (
     apply_is_weights,
     clipped_surrogate,
     count_fraction,
-    log_ratio_and_ratio,
     masked_mean,
+    prepare,
     ratio_metrics,
     select_lowest,
-    valid_mask,
 )
 
 # kl3 saturates at 10 once exp(d) − d − 1 > 10, i.e. d > ~2.6, and d > 0 on every selected token (logp <
@@ -93,9 +92,7 @@ def lp_reg_loss(
     `clip_frac` (valid, unregularized tokens whose clipped branch is active), `ratio_kl`
     (mean old_logp − logp), `ratio_mean`, `kl3_mean` (over regularized tokens; 0 when none).
     """
-    valid = valid_mask(mask)
-    log_ratio, ratio = log_ratio_and_ratio(logp, old_logp, valid)
-    adv = torch.where(valid, advantages.detach().to(ratio.dtype), torch.zeros_like(ratio))
+    valid, log_ratio, ratio, adv = prepare(logp, old_logp, advantages, mask)
     logp_c = logp.to(ratio.dtype)
 
     base_t, clipped = clipped_surrogate(ratio, adv, clip_low, clip_high)
