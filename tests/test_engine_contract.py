@@ -176,9 +176,10 @@ def test_vllm_native_transfer_loads_and_verifies_the_announced_weights(
     of what it loaded, and samples from the new weights."""
     import threading
 
-    from sparkrl.services.common.weight_sync import WeightSender
+    from sparkrl.services.common.settings import WeightSyncSettings
+    from sparkrl.services.common.weight_sync import LoadedInPlace, WeightSender
     from sparkrl.services.rollout.vllm_engine import VllmEngine
-    from sparkrl.services.rollout.vllm_transfer import VllmNativeReceiver
+    from sparkrl.services.rollout.vllm_transfer import receiver_for
 
     settings = VllmEngineSettings(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.3)
     engine = VllmEngine(tiny_model_dir, settings, native_transfer=True)
@@ -190,13 +191,14 @@ def test_vllm_native_transfer_loads_and_verifies_the_announced_weights(
     noisy_model.load_state_dict(noisy)
     torch.cuda.set_device(1)
     try:
-        receiver = VllmNativeReceiver("native", engine, timeout_s=120.0)
+        receiver = receiver_for("native", WeightSyncSettings(backend="vllm_nccl", timeout_s=120.0), engine)
         with WeightSender(backend="vllm_nccl", timeout_s=120.0) as sender:
             announcement = sender.announce(noisy, version=7, epoch=1, members=["native"])
             reports: list[object] = []
             send = threading.Thread(target=lambda: reports.append(sender.broadcast(noisy, announcement)))
             send.start()
-            assert receiver.receive(announcement) is None  # the engine holds them already
+            # The engine holds them already: loaded in place, of the announced checksum.
+            assert receiver.receive(announcement) == LoadedInPlace(announcement.checksum)
             send.join(120)
         assert reports and engine.policy_version == 7
         assert engine.weights_checksum() == announcement.checksum == weights_checksum(noisy.items())

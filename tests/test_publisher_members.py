@@ -1,16 +1,23 @@
 """Who a broadcast goes to: live heartbeats, minus workers shutting down, recently failed, or whose loop
-makes no progress while their heartbeat thread lives; and why each previous member is out."""
+makes no progress while their heartbeat thread lives; and why each previous member is out. Workers are
+left out the way the learner learns of them: a stuck loop in their heartbeat, a version they refused."""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
+
+import pytest
+import torch
 
 from sparkrl.proto import WorkerStatus
 from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.settings import BusSettings, WeightSyncSettings
 from sparkrl.services.common.telemetry import Telemetry
+from sparkrl.services.common.weight_sync import SyncFailed, WeightReceiver
 from sparkrl.services.learner.publisher import WeightPublisher
+from sparkrl.services.rollout.announcements import AnnouncementGate
 
 
 def status(
@@ -53,6 +60,26 @@ def test_members_and_why_the_others_are_out(bus_settings: BusSettings, tmp_path:
     bus.close()
 
 
+def _refuses_the_next_version(bus: RedisBus, run_dir: Path, worker_id: str) -> threading.Thread:
+    """A worker that joins the next broadcast and refuses the version (its engine answers another
+    checksum, as a vLLM engine that did not take it does): the learner leaves it out."""
+    gate = AnnouncementGate(bus, None, run_dir)
+    receiver = WeightReceiver(worker_id, timeout_s=30.0, install=lambda tensors, announcement: "0" * 64)
+
+    def run() -> None:
+        deadline = time.monotonic() + 30.0
+        while (announcement := gate.latest()) is None or worker_id not in announcement.members:
+            assert time.monotonic() < deadline, "no broadcast named this worker"
+            time.sleep(0.01)
+        with pytest.raises(SyncFailed, match="checksum mismatch"):
+            receiver.receive(announcement)
+        receiver.close()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 def test_a_restarted_worker_under_the_same_id_is_admitted_again(
     bus_settings: BusSettings, tmp_path: Path
 ) -> None:
@@ -62,13 +89,15 @@ def test_a_restarted_worker_under_the_same_id_is_admitted_again(
 
     bus = RedisBus(bus_settings)
     telemetry = Telemetry(bus)
-    publisher = WeightPublisher(telemetry, WeightSyncSettings(port=free_port()), tmp_path)
+    publisher = WeightPublisher(telemetry, WeightSyncSettings(port=free_port(), timeout_s=30.0), tmp_path)
     telemetry.put_worker(status("w", started_at=100.0), ttl_s=30)
     telemetry.put_worker(status("z", started_at=100.0), ttl_s=30)
-    assert publisher.choose_members()[0] == ("w", "z")
-    fleet = telemetry.workers()
-    publisher._exclude("w", time.monotonic() + 600, "its heartbeat expired mid-broadcast", fleet)
-    publisher._exclude("z", time.monotonic() + 600, "stragglers cut off", fleet)
+    refusing = [_refuses_the_next_version(bus, tmp_path, worker) for worker in ("w", "z")]
+    publisher.publish(1, {"layer.weight": torch.arange(6.0)})
+    for thread in refusing:
+        thread.join(60)
+    assert publisher.members == ("w", "z") and set(publisher.excluded) == {"w", "z"}
+    assert publisher.excluded["w"][1] == "checksum mismatch"
     telemetry.put_worker(status("z", started_at=100.0), ttl_s=30)  # the same process, back
     telemetry.put_worker(status("w", started_at=200.0), ttl_s=30)  # a new process, same id
     members, _ = publisher.choose_members()

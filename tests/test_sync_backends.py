@@ -1,8 +1,9 @@
 """The nccl4py and vllm_nccl weight-sync backends, on CPU: what can run without a GPU or the library.
 
 The libraries are stood in for at their seam only (nccl4py's communicator by a shrinkable gloo group,
-vLLM's transfer group and engine by recording fakes); the protocol around them is the real one: the
-learner's TCPStore, the join step, the shrink plan, the transfer plan, the acknowledgements, SyncFailed.
+vLLM's trainer end and engine by recording fakes); the transports and the contract around them are the
+real ones: the learner's TCPStore, the join step, the shrink plan, the transfer plan, the
+acknowledgements, SyncFailed.
 The same contract on real GPUs is `tests/test_weight_sync_gpu.py` and the vLLM engine contract.
 """
 
@@ -20,30 +21,24 @@ import torch
 import torch.distributed as dist
 
 from sparkrl.proto import WeightAnnouncement
+from sparkrl.services.common.settings import WeightSyncSettings
 from sparkrl.services.common.weight_sync import (
+    BackendUnavailable,
+    LoadedInPlace,
+    NotAMember,
     SyncFailed,
     WeightReceiver,
     WeightSender,
+    make_transport,
+    nccl4py_group,
     vllm_native,
     weights_checksum,
 )
-from sparkrl.services.common.weight_sync import group as group_module
-from sparkrl.services.common.weight_sync import sender as sender_module
-from sparkrl.services.common.weight_sync.group import (
-    HOLDS,
-    JOINED,
-    BackendUnavailable,
-    NotAMember,
-    _C10dGroup,
-    _new_c10d,
-    decode_shrink,
-    encode_shrink,
-    require_backend,
-    shrink_key,
-    shrink_plan,
-)
+from sparkrl.services.common.weight_sync.nccl4py_group import HOLDS, decode_shrink, encode_shrink, shrink_plan
+from sparkrl.services.common.weight_sync.rendezvous import JOINED
+from sparkrl.services.common.weight_sync.torch_groups import gloo_group
 from sparkrl.services.common.weight_sync.vllm_native import TransferPlan, plan_for, update_info
-from sparkrl.services.rollout.vllm_transfer import VllmNativeReceiver
+from sparkrl.services.rollout.vllm_transfer import receiver_for
 
 TIMEOUT_S = 10.0
 BUCKET_BYTES = 4096
@@ -102,10 +97,10 @@ def test_a_shrink_is_planned_only_when_every_member_holds_the_parent_and_keeps_i
     assert decode_shrink(encode_shrink(4, [2, 4])) == (4, [2, 4])
 
 
-def test_a_backend_that_cannot_run_here_says_what_to_install() -> None:
+def test_a_backend_that_cannot_run_here_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     if importlib.util.find_spec("nccl") is None:
         with pytest.raises(BackendUnavailable, match=r"nccl4py\[cu12\].*or set sync.backend=nccl"):
-            require_backend("nccl4py")
+            make_transport("nccl4py")
         with pytest.raises(BackendUnavailable, match="nccl4py"):
             WeightSender(backend="nccl4py")  # at construction, not at the first sync
         with pytest.raises(BackendUnavailable, match="nccl4py"):
@@ -115,53 +110,61 @@ def test_a_backend_that_cannot_run_here_says_what_to_install() -> None:
             WeightSender(backend="vllm_nccl")
     if not dist.is_nccl_available():
         with pytest.raises(BackendUnavailable, match="CUDA build of torch"):
-            require_backend("nccl")
-    with pytest.raises(ValueError, match="VllmNativeReceiver"):
-        WeightReceiver("w", backend="vllm_nccl")
-    require_backend("gloo")
+            WeightSender(backend="nccl")
+    make_transport("gloo")
+    # vLLM's own transfer receives into the engine: a receiver without one says where to get it.
+    monkeypatch.setattr(vllm_native, "require_vllm", lambda: None)
+    receiver = WeightReceiver("w", backend="vllm_nccl", timeout_s=TIMEOUT_S)
+    with WeightSender(backend="vllm_nccl", timeout_s=TIMEOUT_S) as sender:
+        announcement = sender.announce(_state(1), version=1, epoch=1, members=["w"])
+        with pytest.raises(ValueError, match="receiver_for"):
+            receiver.receive(announcement)
 
 
 # ── shrinking an epoch's group: nccl4py's seam, stood in for by gloo ──────────────────────────────────
 
 
-class _ShrinkableGloo:
-    """A transport with nccl4py's `shrink`: the shrunk group is a new gloo group under the parent's keys,
-    so the test sees the sender and receivers agree on it (ranks, size) without a new epoch's rendezvous."""
+class _GlooCommunicator:
+    """nccl4py's communicator (`Nccl4pyGroup`) stood in for by gloo: `connect` forms a gloo group under the
+    epoch's keys, `shrink` a new one under the parent's (no new epoch rendezvous), so the test sees the
+    learner and the members agree on it (ranks, size)."""
 
     shrinks: ClassVar[list[tuple[int, list[int]]]] = []  # (rank that shrank, the parent ranks it excluded)
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, prefix: str) -> None:
         self.store, self.rank, self.size, self.timeout, self.prefix = store, rank, size, timeout, prefix
-        pg = _new_c10d(dist.PrefixStore(prefix, store), rank, size, "gloo", timeout, "127.0.0.1")
-        self._inner = _C10dGroup(pg, timeout)
+        self._group = gloo_group(dist.PrefixStore(prefix, store), rank, size, timeout, "127.0.0.1")
+        self.device = self._group.device
+
+    @classmethod
+    def connect(cls, store: dist.Store, rank: int, size: int, timeout: timedelta) -> _GlooCommunicator:
+        return cls(store, rank, size, timeout, "fresh/")
 
     def broadcast(self, bucket: torch.Tensor) -> Any:
-        return self._inner.broadcast(bucket)
+        return self._group.broadcast(bucket)
 
-    def wait(self, work: Any, timeout: timedelta) -> None:
-        self._inner.wait(work, timeout)
+    def wait(self, work: Any) -> None:
+        self._group.wait(work)
 
     def abort(self) -> None:
-        self._inner.abort()
+        self._group.abort()
 
-    def shrink(self, excluded: Sequence[int], rank: int) -> _ShrinkableGloo:
-        _ShrinkableGloo.shrinks.append((rank, list(excluded)))
+    def shrink(self, excluded: Sequence[int], rank: int) -> _GlooCommunicator:
+        _GlooCommunicator.shrinks.append((rank, list(excluded)))
         size = self.size - len(excluded)
-        return _ShrinkableGloo(self.store, rank, size, self.timeout, self.prefix + "shrunk/")
+        return _GlooCommunicator(self.store, rank, size, self.timeout, self.prefix + "shrunk/")
 
 
 def test_members_leaving_a_healthy_epoch_shrink_its_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    def transport(
-        store: dist.Store, rank: int, size: int, backend: str, timeout: timedelta, address: str
-    ) -> Any:
-        return _ShrinkableGloo(store, rank, size, timeout, "fresh/")
-
-    monkeypatch.setattr(group_module, "_new_transport", transport)
-    _ShrinkableGloo.shrinks = []
-    receivers = {m: WeightReceiver(m, timeout_s=TIMEOUT_S) for m in "abc"}
-    with WeightSender(timeout_s=TIMEOUT_S, bucket_bytes=BUCKET_BYTES) as sender:
+    """The real nccl4py transport and contract; only the communicator is gloo's."""
+    monkeypatch.setattr(nccl4py_group, "require_nccl4py", lambda: None)
+    monkeypatch.setattr(nccl4py_group, "Nccl4pyGroup", _GlooCommunicator)
+    _GlooCommunicator.shrinks = []
+    receivers = {m: WeightReceiver(m, backend="nccl4py", timeout_s=TIMEOUT_S) for m in "abc"}
+    with WeightSender(backend="nccl4py", timeout_s=TIMEOUT_S, bucket_bytes=BUCKET_BYTES) as sender:
         try:
             for version, epoch, members in ((1, 1, "abc"), (2, 2, "ac"), (3, 3, "acb")):
+                shrunk_before = len(_GlooCommunicator.shrinks)
                 state = _state(version)
                 announcement = sender.announce(state, version=version, epoch=epoch, members=list(members))
                 running = _receive_all(receivers, members, announcement)
@@ -169,47 +172,42 @@ def test_members_leaving_a_healthy_epoch_shrink_its_group(monkeypatch: pytest.Mo
                 assert report.members == tuple(members)
                 for member, (thread, out) in running.items():
                     received = _outcome(thread, out)
-                    assert weights_checksum(received.items()) == announcement.checksum, member
-                shrunk = sender._store.check([shrink_key(epoch)])
-                # Epoch 2 only drops b: derived from epoch 1's group (b was rank 2); epoch 3 adds b back:
-                # a new rendezvous.
-                assert shrunk == (epoch == 2)
-                if epoch == 2:
-                    assert decode_shrink(sender._store.get(shrink_key(2))) == (1, [2])
-                    assert sorted(_ShrinkableGloo.shrinks) == [(0, [2]), (1, [2]), (2, [2])]
+                    assert weights_checksum(received.tensors.items()) == announcement.checksum, member
+                shrunk = _GlooCommunicator.shrinks[shrunk_before:]
+                # Epoch 2 only drops b (rank 2 of epoch 1): every remaining rank derives its communicator
+                # from epoch 1's, a and c becoming ranks 1 and 2. Epoch 3 adds b back: a new rendezvous.
+                assert sorted(shrunk) == ([(0, [2]), (1, [2]), (2, [2])] if epoch == 2 else [])
         finally:
             for receiver in receivers.values():
                 receiver.close()
+    assert decode_shrink(encode_shrink(4, [2, 4])) == (4, [2, 4])
 
 
 # ── vLLM's native transfer: the learner's group and the worker's engine stood in for ──────────────────
 
 
-class _FakeNativeGroup:
-    """VllmNativeGroup's surface; records the plan the sender made. The transfer itself is the fake
-    engine's: it 'loads' what the learner holds."""
+class _FakeLearnerEnd:
+    """vllm_native.LearnerEnd's surface (vLLM's trainer_init + communicator); records the plans the
+    learner joined with. The transfer itself is the fake engine's: it 'loads' what the learner holds."""
 
     plans: ClassVar[list[TransferPlan]] = []
-    aborted: ClassVar[list[int]] = []  # the epochs whose group the sender aborted
+    aborted: ClassVar[list[int]] = []  # the epochs whose end the learner aborted
 
     def __init__(self, plan: TransferPlan, epoch: int, timeout: timedelta) -> None:
         self.epoch = epoch
-        _FakeNativeGroup.plans.append(plan)
+        _FakeLearnerEnd.plans.append(plan)
 
-    def send(self, named_tensors: Any, announcement: WeightAnnouncement) -> str:
-        return "sent"
-
-    def wait(self, work: str) -> None:
-        assert work == "sent"
+    def send(self, tensors: list[torch.Tensor]) -> None:
+        assert len(tensors) == 4  # every tensor of the manifest
 
     def abort(self) -> None:
-        _FakeNativeGroup.aborted.append(self.epoch)
+        _FakeLearnerEnd.aborted.append(self.epoch)
 
 
 class _FakeEngine:
-    """A VllmEngine as VllmNativeReceiver uses it: `llm.collective_rpc` over `workers` GPU workers, each
-    running vLLM's weight-update session (`start_weight_update` → `update_weights` → `finish_weight_update`)
-    and reporting what it loaded (`sparkrl_update_report`, vllm_worker.py)."""
+    """A VllmEngine as the vllm_nccl transport uses it: `llm.collective_rpc` over `workers` GPU workers,
+    each running vLLM's weight-update session (`start_weight_update` → `update_weights` →
+    `finish_weight_update`) and reporting what it loaded (`sparkrl_update_report`, vllm_worker.py)."""
 
     def __init__(self, workers: int, loaded: Callable[[], str]) -> None:
         self.workers, self.loaded = workers, loaded
@@ -251,15 +249,25 @@ class _FakeEngine:
         self.failed.append(why)
 
 
+def _stand_in_for_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(vllm_native, "require_vllm", lambda: None)  # no vLLM here
+    monkeypatch.setattr(vllm_native, "connect_trainer", _FakeLearnerEnd)
+    _FakeLearnerEnd.plans, _FakeLearnerEnd.aborted = [], []
+
+
+def _vllm_receiver(worker_id: str, engine: _FakeEngine) -> WeightReceiver:
+    """As a worker with a vLLM engine builds it (`rollout/service.py`)."""
+    settings = WeightSyncSettings(backend="vllm_nccl", timeout_s=TIMEOUT_S)
+    return receiver_for(worker_id, settings, engine)  # type: ignore[arg-type]
+
+
 def test_vllm_native_transfer_keeps_the_announce_join_verify_contract(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(sender_module, "require_backend", lambda backend: None)  # no vLLM here
-    monkeypatch.setattr(vllm_native, "VllmNativeGroup", _FakeNativeGroup)
-    _FakeNativeGroup.plans, _FakeNativeGroup.aborted = [], []
+    _stand_in_for_vllm(monkeypatch)
     current: dict[str, str] = {}
     engines = {"a": _FakeEngine(2, lambda: current["checksum"]), "b": _FakeEngine(1, lambda: current["b"])}
-    receivers = {m: VllmNativeReceiver(m, engine, timeout_s=TIMEOUT_S) for m, engine in engines.items()}  # type: ignore[arg-type]
+    receivers = {m: _vllm_receiver(m, engine) for m, engine in engines.items()}
     with WeightSender(backend="vllm_nccl", timeout_s=TIMEOUT_S, bucket_bytes=BUCKET_BYTES) as sender:
         for version, forged in ((1, False), (2, False), (3, True)):
             state = _state(version)
@@ -271,35 +279,36 @@ def test_vllm_native_transfer_keeps_the_announce_join_verify_contract(
             running = _receive_all(receivers, "ab", announcement)
             if not forged:
                 assert sender.broadcast(state, announcement).members == ("a", "b")
-                assert [_outcome(*running[m]) for m in "ab"] == [None, None]  # the engine holds them
+                # The engine holds them already: loaded in place, of the announced checksum.
+                assert [_outcome(*running[m]) for m in "ab"] == [LoadedInPlace(announcement.checksum)] * 2
                 assert engines["a"].arrived[-1] == (version, announcement.checksum)
                 continue
             with pytest.raises(SyncFailed) as failure:
                 sender.broadcast(state, announcement)
             assert (failure.value.phase, failure.value.missing) == ("verify", ["b"])
-            assert _outcome(*running["a"]) is None
+            assert isinstance(_outcome(*running["a"]), LoadedInPlace)
             b_failure = _outcome(*running["b"])
             assert isinstance(b_failure, SyncFailed) and b_failure.phase == "verify"
             # The refused version was never adopted: b's engine reloads a whole version over it.
             assert engines["b"].arrived[-1][0] == 2 and engines["b"].failed == ["f" * 64]
-    # Epoch 1's group was torn down when epoch 2 replaced it, epoch 2's when its verify failed.
-    assert sorted(_FakeNativeGroup.aborted) == [1, 2]
+    # Epoch 1's end was torn down when epoch 2 replaced it, epoch 2's when its verify failed.
+    assert sorted(_FakeLearnerEnd.aborted) == [1, 2]
     # One plan per epoch: a's two engine workers are NCCL ranks 1-2, b's one is rank 3; version 2 reused
     # epoch 1's transfer group (no second init).
-    assert [p.rank_offset for p in _FakeNativeGroup.plans] == [{"a": 1, "b": 3}] * 2
-    assert {p.world_size for p in _FakeNativeGroup.plans} == {4}
+    assert [p.rank_offset for p in _FakeLearnerEnd.plans] == [{"a": 1, "b": 3}] * 2
+    assert {p.world_size for p in _FakeLearnerEnd.plans} == {4}
     assert [info["rank_offset"] for info in engines["a"].init_infos] == [1, 1]
     assert len(engines["b"].init_infos) == 2 and engines["b"].init_infos[0]["world_size"] == 4
-    outsider = VllmNativeReceiver("c", _FakeEngine(1, lambda: ""), timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
+    outsider = _vllm_receiver("c", _FakeEngine(1, lambda: ""))
     with pytest.raises(NotAMember):
         outsider.receive(announcement)
 
 
+@pytest.mark.slow
 def test_a_failed_native_receive_is_undone_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM's NCCL receive raises midway: the session is finalized (the worker had ended it: its finish
     error is not the one reported), the engine reloads a whole version, the learner's verify names it."""
-    monkeypatch.setattr(sender_module, "require_backend", lambda backend: None)
-    monkeypatch.setattr(vllm_native, "VllmNativeGroup", _FakeNativeGroup)
+    _stand_in_for_vllm(monkeypatch)
     engine = _FakeEngine(1, lambda: "")
     rpc = engine._rpc
 
@@ -313,7 +322,7 @@ def test_a_failed_native_receive_is_undone_and_reported(monkeypatch: pytest.Monk
         return rpc(method, timeout, kwargs)
 
     engine.llm = SimpleNamespace(collective_rpc=failing)
-    receiver = VllmNativeReceiver("a", engine, timeout_s=TIMEOUT_S)  # type: ignore[arg-type]
+    receiver = _vllm_receiver("a", engine)
     with WeightSender(backend="vllm_nccl", timeout_s=TIMEOUT_S, bucket_bytes=BUCKET_BYTES) as sender:
         announcement = sender.announce(_state(1), version=1, epoch=1, members=["a"])
         running = _receive_all({"a": receiver}, "a", announcement)

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from sparkrl.services.common.modeling import load_model
 from sparkrl.services.common.settings import SamplingSettings, VllmEngineSettings, WeightSyncSettings
-from sparkrl.services.common.weight_sync import SyncFailed, WeightSender, weights_checksum
+from sparkrl.services.common.weight_sync import LoadedInPlace, SyncFailed, WeightSender, weights_checksum
 from sparkrl.services.rollout.engine import WeightLoadFailed, make_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -149,7 +149,8 @@ def test_three_learner_versions_pushed_into_the_running_engine(engine: Any, tied
             state = noised(learner_model, seed=version)
             learner_model.load_state_dict(state)
             announcement, received, report = _push(sender, receiver, state, version)
-            assert received is None and report.members == ("w",)  # acknowledged ok, loaded already
+            # Acknowledged ok, and loaded in place already (of what vLLM's loader took).
+            assert received == LoadedInPlace(announcement.checksum) and report.members == ("w",)
             assert engine.policy_version == version
             assert engine.weights_checksum() == announcement.checksum == weights_checksum(state.items())
             [session] = engine.llm.collective_rpc("sparkrl_update_report")

@@ -1,5 +1,10 @@
 """The `sync` section of the settings: how new weights reach the fleet. The learner and every rollout
-worker read it (the one section the two sides share); re-exported by `settings.py`."""
+worker read it (the one section the two sides share); re-exported by `settings.py`.
+
+`backend` is the variant: it names the transport (`weight_sync.backends.make_transport`, the one place a
+name picks an implementation), and a name that is not one of them fails when the config loads. Every
+backend reads the same other fields.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,14 @@ from pydantic import Field
 
 from sparkrl.services.common.settings_section import Section
 
+SyncBackend = Literal["gloo", "nccl", "nccl4py", "vllm_nccl"]  # `WeightAnnouncement.backend` too
+
 
 class WeightSyncSettings(Section):
-    """How new weights reach the fleet: the learner's own process group, and its weight files over HTTP
-    for a worker that cannot see its disk. Both the learner and the workers read this section."""
+    """How new weights reach the fleet: the learner's own link to the workers, and its weight files over
+    HTTP for a worker that cannot see its disk. Both the learner and the workers read this section."""
 
-    backend: Literal["gloo", "nccl", "nccl4py", "vllm_nccl"] = Field(
+    backend: SyncBackend = Field(
         "gloo",
         description="gloo on CPU. On GPU: nccl (torch's ProcessGroupNCCL); nccl4py (an NVIDIA nccl4py "
         "communicator: non-blocking, every call bounded by timeout_s, shrunk when members only leave; "

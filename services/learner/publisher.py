@@ -23,12 +23,13 @@ from safetensors.torch import save_file
 from sparkrl.proto import SyncEvent, WeightAnnouncement, WorkerStatus, sign_announcement
 from sparkrl.services.common.settings import WeightSyncSettings
 from sparkrl.services.common.telemetry import Telemetry
-from sparkrl.services.common.weight_sync import SyncFailed, WeightSender
+from sparkrl.services.common.weight_sync import ANNOUNCEMENT_KEY, SyncFailed, WeightSender
 from sparkrl.services.common.weight_sync.files import WeightFileServer
 
 log = logging.getLogger("sparkrl.learner.publisher")
 
-ANNOUNCEMENT_KEY = "weights"  # bus value holding the latest WeightAnnouncement (JSON)
+__all__ = ["ANNOUNCEMENT_KEY", "SNAPSHOT_NAME", "WeightPublisher", "write_snapshot"]
+
 SNAPSHOT_NAME = "latest.safetensors"
 
 

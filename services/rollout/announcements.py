@@ -19,10 +19,11 @@ from pathlib import Path
 
 from sparkrl.proto import WeightAnnouncement, announcement_verifies
 from sparkrl.services.common.bus import RedisBus
+from sparkrl.services.common.weight_sync import ANNOUNCEMENT_KEY
 
 log = logging.getLogger("sparkrl.rollout")
 
-ANNOUNCEMENT_KEY = "weights"  # where the learner announces each new policy (WeightAnnouncement JSON)
+__all__ = ["ANNOUNCEMENT_KEY", "AnnouncementGate"]
 
 
 class AnnouncementGate:

@@ -29,7 +29,6 @@ from sparkrl.services.rollout.health import HealthGuard
 from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
 from sparkrl.services.rollout.lockstep import Lockstep
 from sparkrl.services.rollout.metrics import WorkerMetrics
-from sparkrl.services.rollout.vllm_transfer import VllmNativeReceiver
 from sparkrl.services.rollout.worker import PAUSED_POLL_S, Worker
 
 log = logging.getLogger("sparkrl.rollout")
@@ -77,10 +76,9 @@ def build(cfg: SparkSettings, stop: threading.Event) -> Worker:
     return worker
 
 
-def _receiver(worker_id: str, cfg: SparkSettings, engine: Engine) -> WeightReceiver | VllmNativeReceiver:
+def _receiver(worker_id: str, cfg: SparkSettings, engine: Engine) -> WeightReceiver:
     """The weight receiver `sync.backend` names; for a vLLM engine one whose acknowledgement waits until
-    vLLM holds the version (loaded in place, its checksum taken from what vLLM holds), or vLLM's own
-    receive (`vllm_nccl`)."""
+    vLLM holds the version (loaded in place, its checksum taken from what vLLM holds)."""
     if cfg.rollout.engine.kind == "vllm":
         from sparkrl.services.rollout.vllm_engine import VllmEngine
         from sparkrl.services.rollout.vllm_transfer import receiver_for

@@ -19,13 +19,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from sparkrl.proto import LearnerStatus, TrajectoryGroup, encode_group
+from sparkrl.proto import LearnerStatus, TrajectoryGroup, WeightAnnouncement, encode_group
 from sparkrl.services.common.bus import BusBackpressureTimeout, Entry, RedisBus
 from sparkrl.services.common.metrics_server import MetricsServer
 from sparkrl.services.common.reward_client import RewardClient, RewardServiceError
 from sparkrl.services.common.settings import RolloutSettings
 from sparkrl.services.common.telemetry import Telemetry
-from sparkrl.services.common.weight_sync import NotAMember, SyncFailed, WeightReceiver
+from sparkrl.services.common.weight_sync import NotAMember, Received, SyncFailed, WeightReceiver
 from sparkrl.services.rollout.announcements import AnnouncementGate
 from sparkrl.services.rollout.batch import (
     PromptBatch,
@@ -41,7 +41,6 @@ from sparkrl.services.rollout.health import HealthGuard, diagnose
 from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
 from sparkrl.services.rollout.lockstep import Lockstep
 from sparkrl.services.rollout.metrics import WorkerMetrics
-from sparkrl.services.rollout.vllm_transfer import VllmNativeReceiver
 
 log = logging.getLogger("sparkrl.rollout")
 
@@ -92,7 +91,7 @@ def publish_groups(
 
 def sync_weights(
     gate: AnnouncementGate,
-    receiver: WeightReceiver | VllmNativeReceiver,
+    receiver: WeightReceiver,
     engine: Engine,
     state: WorkerState,
     metrics: WorkerMetrics,
@@ -120,29 +119,20 @@ def sync_weights(
     start, previous = time.monotonic(), state.state
     state.state = "syncing"
     try:
-        if awaited:
-            tensors = receiver.receive(announcement)
-            if tensors is not None:  # None: vLLM's own transfer loaded them into the engine already
-                engine.load_weights(tensors.items(), announcement.version)
-            nbytes: int | None = announcement.total_bytes
-        else:
-            nbytes = catch_up(engine, announcement, gate, secret)
-            if nbytes is None:
-                return False
+        nbytes = (
+            _receive(receiver, engine, announcement)
+            if awaited
+            else catch_up(engine, announcement, gate, secret)
+        )
     except NotAMember:
         return False
     except (SyncFailed, OSError) as exc:
-        # Retried between batches; a learner that is gone (its run ended) is retried quietly.
-        if state.failed_version == announcement.version:
-            log.debug("weight sync of version %d failed again: %s", announcement.version, exc)
-            return False
-        log.warning("weight sync of version %d failed: %s", announcement.version, exc)
-        state.failed_version = announcement.version
-        state.sync_failures += 1
-        metrics.sync_failures.inc()
+        _count_failure(announcement.version, exc, state, metrics)
         return False
     finally:
         state.state = previous
+    if nbytes is None:
+        return False
     state.policy_version = engine.policy_version
     state.weights_checksum = engine.weights_checksum()  # of what the engine holds, not what was sent
     state.last_sync_seconds, state.last_sync_bytes = time.monotonic() - start, nbytes
@@ -150,6 +140,26 @@ def sync_weights(
     metrics.policy_version.set(engine.policy_version if engine.policy_version is not None else -1)
     log.info("now on policy version %d (%.2fs)", engine.policy_version, state.last_sync_seconds)
     return True
+
+
+def _receive(receiver: WeightReceiver, engine: Engine, announcement: WeightAnnouncement) -> int:
+    """As a member of the announced epoch: the version, loaded unless the engine took it in place; its
+    bytes."""
+    delivery = receiver.receive(announcement)
+    if isinstance(delivery, Received):
+        engine.load_weights(delivery.tensors.items(), announcement.version)
+    return announcement.total_bytes
+
+
+def _count_failure(version: int, exc: Exception, state: WorkerState, metrics: WorkerMetrics) -> None:
+    """A failed sync is retried between batches; a learner that is gone (its run ended) is retried quietly."""
+    if state.failed_version == version:
+        log.debug("weight sync of version %d failed again: %s", version, exc)
+        return
+    log.warning("weight sync of version %d failed: %s", version, exc)
+    state.failed_version = version
+    state.sync_failures += 1
+    metrics.sync_failures.inc()
 
 
 @dataclass
@@ -165,7 +175,7 @@ class Worker:
     metrics: WorkerMetrics
     stop: threading.Event
     gate: AnnouncementGate
-    receiver: WeightReceiver | VllmNativeReceiver  # the second when sync.backend is vllm_nccl
+    receiver: WeightReceiver
     heartbeat: Heartbeat
     telemetry: Telemetry
     secret: str | None  # sync.secret: authenticates announcements and the learner's weight files

@@ -14,13 +14,18 @@ Same role as the ProcessGroupNCCL of `sync.backend: nccl`, but every NCCL call i
 
 nccl4py is imported only here, lazily: CPU installs never need it. `require_nccl4py()` is the one clear
 error when the backend is chosen without it (or without a GPU).
+
+Shrinking, over the learner's store: a member that holds the previous epoch's link offers
+`HOLDS <that epoch>` as its joined value; when every member of the new epoch does and they are the old
+ones minus some, in the old order (`shrink_plan`), the learner writes `shrink_key(E)` before START_GO and
+every rank derives its communicator from the held one. Otherwise every rank connects afresh.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -29,14 +34,24 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from sparkrl.services.common.weight_sync.group import BackendUnavailable
+from sparkrl.proto import WeightAnnouncement
+from sparkrl.services.common.weight_sync.buckets import (
+    BucketsInFlight,
+    Buffers,
+    receive_buckets,
+    send_buckets,
+)
+from sparkrl.services.common.weight_sync.errors import BackendUnavailable
+from sparkrl.services.common.weight_sync.rendezvous import JOINED, group_prefix
+from sparkrl.services.common.weight_sync.transport import Received, Rendezvous, Transport
 
 log = logging.getLogger("sparkrl.weight_sync")
 
 POLL_S = 0.0005  # how often a pending NCCL call or bucket is looked at: a bucket takes milliseconds
-UNIQUE_ID_KEY = "nccl4py/unique_id"  # under the epoch's group prefix (see EpochGroup)
+UNIQUE_ID_KEY = "nccl4py/unique_id"  # under the epoch's group prefix (`rendezvous.group_prefix`)
 NCCL_SUCCESS, NCCL_IN_PROGRESS = 0, 7  # ncclResult_t values (nccl.h); `get_async_error` returns a Result
 INSTALL_HINT = "pip install 'nccl4py[cu12]' (or [cu13] for CUDA 13) in this environment"
+HOLDS = b"holds "  # + an epoch: a member's joined value when it holds that epoch's communicator
 
 
 def require_nccl4py() -> Any:
@@ -67,10 +82,9 @@ class Nccl4pyWork:
 class Nccl4pyGroup:
     """One epoch's communicator (rank 0 = learner), its own CUDA stream, and the deadline of every call.
 
-    The same three calls as the torch.distributed groups behind `EpochGroup`: `broadcast` posts a bucket
-    and returns at once, `wait` blocks until it is done (raising on a peer's error or at the timeout),
-    `abort` tears the communicator down. Plus `shrink`. Raises RuntimeError on every failure, which the
-    sender and receiver turn into SyncFailed.
+    A `buckets.BroadcastGroup`: `broadcast` posts a bucket and returns at once, `wait` blocks until it
+    is done (raising on a peer's error or at the timeout); plus `abort` and `shrink`. Raises RuntimeError
+    on every failure, which the sender and receiver turn into SyncFailed.
     """
 
     rank: int
@@ -146,13 +160,13 @@ class Nccl4pyGroup:
         bucket.record_stream(self._stream)  # its memory is not reused before NCCL is done with it
         return Nccl4pyWork(event, bucket)
 
-    def wait(self, work: Nccl4pyWork, timeout: timedelta) -> None:
-        """Blocks until `work` is done; raises on an error a peer caused, or when `timeout` expires."""
-        deadline = time.monotonic() + timeout.total_seconds()
+    def wait(self, work: Nccl4pyWork) -> None:
+        """Blocks until `work` is done; raises on an error a peer caused, or when the timeout expires."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
         while not work.event.query():
             self._check()
             if time.monotonic() > deadline:
-                raise RuntimeError(f"a broadcast did not finish within {timeout.total_seconds():g}s")
+                raise RuntimeError(f"a broadcast did not finish within {self.timeout.total_seconds():g}s")
             time.sleep(POLL_S)
         self._check()
         # Whoever reads the bucket next (hashing, unpacking) reads it on its own stream.
@@ -189,3 +203,101 @@ class Nccl4pyGroup:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{what} did not complete within {self.timeout.total_seconds():g}s")
             time.sleep(POLL_S)
+
+
+def shrink_key(epoch: int) -> str:
+    """Written by the learner before START_GO when `epoch` is formed by shrinking an earlier epoch's
+    communicator: b"<parent epoch> <excluded parent ranks, comma-separated>". Absent: connect afresh."""
+    return f"epoch/{epoch}/shrink"
+
+
+def shrink_plan(
+    parent_epoch: int, parent_members: Sequence[str], members: Sequence[str], joined: Mapping[str, bytes]
+) -> list[int] | None:
+    """The parent's ranks to exclude when the new epoch's communicator can be shrunk from the parent's.
+
+    Possible when the new members are the parent's minus some, in the parent's order (NCCL keeps the
+    order of the ranks that stay, so rank i + 1 is still members[i]), and every one of them offered
+    (its joined value) that it holds the parent's communicator. None: connect afresh.
+    """
+    held = HOLDS + str(parent_epoch).encode()
+    remaining = [m for m in parent_members if m in members]
+    if not members or remaining != list(members) or any(joined.get(m) != held for m in members):
+        return None
+    excluded = [rank + 1 for rank, member in enumerate(parent_members) if member not in members]
+    return excluded or None  # same members: the epoch changed for another reason, start afresh
+
+
+def encode_shrink(parent_epoch: int, excluded: Sequence[int]) -> bytes:
+    """The `shrink_key` value."""
+    return f"{parent_epoch} {','.join(map(str, excluded))}".encode()
+
+
+def decode_shrink(value: bytes) -> tuple[int, list[int]]:
+    """(parent epoch, excluded parent ranks) from a `shrink_key` value."""
+    parent, excluded = value.decode().split(" ")
+    return int(parent), [int(rank) for rank in excluded.split(",")]
+
+
+class Nccl4pyTransport(Transport):
+    """`sync.backend: nccl4py`: buckets over a non-blocking nccl4py communicator, shrunk when members
+    only leave a healthy epoch."""
+
+    name = "nccl4py"
+    shrinks = True
+    buffers: Buffers
+    _group: Nccl4pyGroup | None
+
+    def __init__(
+        self,
+        buffers: Buffers,
+        group: Nccl4pyGroup | None = None,
+        epoch: int = -1,
+        members: tuple[str, ...] = (),
+    ) -> None:
+        if group is None:
+            require_nccl4py()  # made from the settings: fail at start-up, not at the first sync
+        self.buffers, self._group, self.epoch, self.members = buffers, group, epoch, members
+
+    def offer(self, rendezvous: Rendezvous) -> bytes:
+        held = rendezvous.held
+        return HOLDS + str(held.epoch).encode() if held is not None else JOINED
+
+    def plan(self, rendezvous: Rendezvous, joined: Mapping[str, bytes]) -> None:
+        held = rendezvous.held
+        if held is None:
+            return
+        excluded = shrink_plan(held.epoch, held.members, rendezvous.members, joined)
+        if excluded is not None:
+            rendezvous.store.set(shrink_key(rendezvous.epoch), encode_shrink(held.epoch, excluded))
+
+    def join(self, rendezvous: Rendezvous) -> Nccl4pyTransport:
+        r, held = rendezvous, rendezvous.held
+        if (
+            isinstance(held, Nccl4pyTransport)
+            and held._group is not None
+            and r.store.check([shrink_key(r.epoch)])
+        ):
+            parent_epoch, excluded = decode_shrink(r.store.get(shrink_key(r.epoch)))
+            if parent_epoch == held.epoch:
+                return Nccl4pyTransport(
+                    self.buffers, held._group.shrink(excluded, r.rank), r.epoch, r.members
+                )
+        store = dist.PrefixStore(group_prefix(r.epoch), r.store)
+        group = Nccl4pyGroup.connect(store, r.rank, r.size, r.timeout)
+        return Nccl4pyTransport(self.buffers, group, r.epoch, r.members)
+
+    def send(self, named_tensors: Mapping[str, Tensor], announcement: WeightAnnouncement) -> BucketsInFlight:
+        return send_buckets(self._link(), named_tensors, announcement, self.buffers, all_at_once=False)
+
+    def receive(self, announcement: WeightAnnouncement) -> Received:
+        return receive_buckets(self._link(), announcement, self.buffers)
+
+    def abort(self) -> None:
+        if self._group is not None:
+            self._group.abort()
+
+    def _link(self) -> Nccl4pyGroup:
+        if self._group is None:
+            raise ValueError("send and receive run on the link `join` returned, not on the transport itself")
+        return self._group

@@ -1,59 +1,56 @@
-"""The rollout worker's side: join the announced epoch's group, receive the buckets, verify, unpack."""
+"""The worker's side of the contract: join the announced epoch, receive over its link, verify, acknowledge.
+The same for every backend; the transport moves the bytes (`transport.py`)."""
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from sparkrl.proto import WeightAnnouncement
-from sparkrl.proto import weights_checksum as checksum_of_bytes
-from sparkrl.services.common.weight_sync.group import (
+from sparkrl.services.common.weight_sync.backends import make_transport
+from sparkrl.services.common.weight_sync.errors import NotAMember, SyncFailed
+from sparkrl.services.common.weight_sync.rendezvous import (
     ACK_OK,
-    HOLDS,
-    JOINED,
     START_GO,
-    Backend,
-    EpochGroup,
-    NotAMember,
-    SyncFailed,
     ack_key,
     connect_store,
-    decode_shrink,
     joined_key,
     learner_still_there,
-    local_address_towards,
-    require_backend,
-    shrink_key,
     start_key,
 )
-from sparkrl.services.common.weight_sync.manifest import raw_bytes, tensor_view, unpack
+from sparkrl.services.common.weight_sync.transport import (
+    Backend,
+    Delivery,
+    LoadedInPlace,
+    Received,
+    Rendezvous,
+    Transport,
+)
 
 Install = Callable[[dict[str, Tensor], WeightAnnouncement], str]
 """Loads a verified version into the engine; returns the checksum of what the engine now holds."""
 
+Address = tuple[str, int]  # the learner's store
+
 
 class WeightReceiver:
-    """Receives announced versions (into fresh buckets unless `reuse_buffers`); keeps the epoch's group
-    between versions.
+    """Receives announced versions; keeps the epoch's link between versions.
 
-    `timeout_s` bounds every wait (the learner starting the epoch, forming the group, each bucket), so a
-    dead or hung learner costs one failed `receive`, never a hang. Any failure drops the group and the
+    `timeout_s` bounds every wait (the learner starting the epoch, forming the link, each bucket), so a
+    dead or hung learner costs one failed `receive`, never a hang. Any failure drops the link and the
     store connection, so the next epoch starts clean.
     """
 
     worker_id: str
     backend: Backend
+    transport: Transport  # not joined: forms each epoch's link
     timeout: timedelta
-    reuse_buffers: bool
-    _store: dist.TCPStore | None
-    _address: tuple[str, int] | None
-    _group: EpochGroup | None
-    _buckets: list[Tensor]  # kept between receives only with reuse_buffers
     install: Install | None
     failed_epoch: int | None  # the last epoch a receive failed in: dead, the learner forms a new one
+    _store: dist.TCPStore | None
+    _address: Address | None
+    _link: Transport | None
 
     def __init__(
         self,
@@ -63,44 +60,40 @@ class WeightReceiver:
         timeout_s: float = 60.0,
         reuse_buffers: bool = False,
         install: Install | None = None,
+        transport: Transport | None = None,
     ) -> None:
-        """`reuse_buffers`: receive every version into the same buckets. Fresh buckets cost page faults
-        that halve gloo's throughput here, but with reuse the tensors `receive` returned are overwritten
-        by the next `receive`, even one that fails: only for a caller that copies them into its engine
-        before receiving again. Raises BackendUnavailable (naming the fix) when `backend` cannot run
-        here; `vllm_nccl` is received by the engine itself (`services/rollout/vllm_transfer.py`).
+        """`reuse_buffers`: receive every version into the same buckets (`buckets.Buffers`): the tensors
+        `receive` returned are overwritten by the next `receive`, even one that fails. `transport`: one
+        made already (`make_transport`: vLLM's own transfer needs the engine); else `backend`'s. Raises
+        BackendUnavailable (naming the fix) when the backend cannot run here.
 
-        `install`: the acknowledgement waits until the engine holds the version (`receive` then returns
-        None); it acknowledges the checksum `install` returns (a vLLM engine's, of what it loaded)."""
-        if backend == "vllm_nccl":
-            raise ValueError("sync.backend=vllm_nccl is received by vLLM itself: use VllmNativeReceiver")
-        require_backend(backend)
+        `install`: a version that arrives as tensors is loaded by it before the acknowledgement, which
+        then is of the checksum `install` returns (a vLLM engine's, of what it loaded); `receive` returns
+        `LoadedInPlace`."""
+        self.transport = transport or make_transport(backend, reuse_buffers=reuse_buffers)
+        self.backend = self.transport.name
         self.worker_id = worker_id
-        self.backend = backend
         self.timeout = timedelta(seconds=timeout_s)
-        self.reuse_buffers = reuse_buffers
-        self._store = None
-        self._address = None
-        self._group = None
-        self._buckets = []
         self.install = install
         self.failed_epoch = None
+        self._store, self._address, self._link = None, None, None
 
     @property
     def held_epoch(self) -> int | None:
-        """The epoch whose group this receiver holds (it received a version in it), or None."""
-        return self._group.epoch if self._group is not None else None
+        """The epoch whose link this receiver holds (it received a version in it), or None."""
+        return self._link.epoch if self._link is not None else None
 
-    def receive(self, announcement: WeightAnnouncement) -> dict[str, Tensor] | None:
-        """The announced weights, in manifest order, checksum verified (None: `install` loaded them).
+    def receive(self, announcement: WeightAnnouncement) -> Delivery:
+        """The announced version, checksum verified: `Received` (its tensors, in manifest order, views into
+        the received buckets: on the CPU for gloo, the current GPU for NCCL), or `LoadedInPlace` (the
+        engine holds it already: vLLM's own transfer, or `install`).
 
-        `announcement.members` lists the epoch in rank order (rank i + 1 = members[i]). The tensors are
-        views into freshly received buckets (no copy), on the CPU for gloo and on the current GPU for NCCL.
-        Raises NotAMember (joining nothing) when this worker is not listed, SyncFailed on any failure.
+        `announcement.members` lists the epoch in rank order (rank i + 1 = members[i]). Raises NotAMember
+        (joining nothing) when this worker is not listed, SyncFailed on any failure.
         """
         epoch, members = announcement.group_epoch, announcement.members
         if self.worker_id not in members:
-            self.close()  # excluded: whatever group this worker held is not the learner's any more
+            self.close()  # excluded: whatever link this worker held is not the learner's any more
             raise NotAMember(f"{self.worker_id} is not a member", epoch=epoch, phase="join")
         if announcement.world_size != len(members) + 1 or announcement.backend != self.backend:
             raise ValueError(
@@ -108,40 +101,34 @@ class WeightReceiver:
                 f"{len(members)} members on {self.backend}"
             )
         try:
-            store, group = self._connection(announcement, rank=list(members).index(self.worker_id) + 1)
-            tensors, checksum = self._receive_buckets(group, announcement)
-            if self.install is not None and checksum == announcement.checksum:
-                checksum = self.install(tensors, announcement)
-            verified = checksum == announcement.checksum
-            # The learner waits for one acknowledgement per member; a mismatch is acknowledged too, so
-            # the learner learns it now rather than at its timeout.
-            ack = ACK_OK if verified else f"bad {checksum}".encode()
+            store, link = self._connection(announcement)
+            delivery = self._installed(link.receive(announcement), announcement)
+            refused = _refused(delivery, announcement)
+            # The learner waits for one acknowledgement per member; a refusal is acknowledged too, so the
+            # learner learns it now rather than at its timeout.
+            ack = ACK_OK if refused is None else f"bad {delivery.checksum}".encode()
             store.set(ack_key(epoch, announcement.version, self.worker_id), ack)
         except SyncFailed:
             self._fail(epoch)
             raise
-        except RuntimeError as exc:  # gloo/NCCL errors and timeouts, store errors
+        except RuntimeError as exc:  # the transport's errors and timeouts, store errors
             self._fail(epoch)
             raise SyncFailed(str(exc), epoch=epoch, phase="transfer") from exc
-        except BaseException:  # a group left with receives posted must never be reused
+        except BaseException:  # a link left with receives posted must never be reused
             self._fail(epoch)
             raise
-        if not verified:
+        if refused is not None:
             self._fail(epoch)
-            raise SyncFailed(f"checksum mismatch: got {checksum}", epoch=epoch, phase="verify")
-        return None if self.install is not None else tensors
+            if isinstance(delivery, LoadedInPlace) and delivery.undo is not None:
+                delivery.undo()  # after the acknowledgement: the learner need not wait for the reload
+            raise SyncFailed(refused, epoch=epoch, phase="verify")
+        return delivery
 
     def close(self) -> None:
-        """Drops the group and the store connection."""
-        if self._group is not None:
-            self._group.abort()
-        self._group = None
-        self._store = None
-        self._address = None
-
-    def _fail(self, epoch: int) -> None:
-        self.failed_epoch = epoch
-        self.close()
+        """Drops the link and the store connection."""
+        if self._link is not None:
+            self._link.abort()
+        self._store, self._address, self._link = None, None, None
 
     def __enter__(self) -> "WeightReceiver":
         return self
@@ -149,40 +136,53 @@ class WeightReceiver:
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    def _connection(self, announcement: WeightAnnouncement, rank: int) -> tuple[dist.TCPStore, EpochGroup]:
-        """The store and the epoch's group: the ones held when they still fit, else joined afresh."""
-        epoch = announcement.group_epoch
+    def _fail(self, epoch: int) -> None:
+        self.failed_epoch = epoch
+        self.close()
+
+    def _installed(self, delivery: Delivery, announcement: WeightAnnouncement) -> Delivery:
+        """With `install`, verified tensors go into the engine: the engine's checksum is what counts."""
+        if self.install is None or not isinstance(delivery, Received):
+            return delivery
+        if delivery.checksum != announcement.checksum:
+            return delivery
+        return LoadedInPlace(self.install(delivery.tensors, announcement))
+
+    def _connection(self, announcement: WeightAnnouncement) -> tuple[dist.TCPStore, Transport]:
+        """The store and the epoch's link: the ones held when they still fit, else joined afresh."""
+        epoch, members = announcement.group_epoch, tuple(announcement.members)
         address = (announcement.rendezvous_host, announcement.rendezvous_port)
-        group, store = self._group, self._store
-        wanted = (address, epoch, rank, announcement.world_size)
-        if group is not None and store is not None:
-            held = (self._address, group.epoch, group.rank, group.size)
-            if held == wanted and learner_still_there(store, epoch):
-                return store, group
-        # A healthy nccl4py group from the same learner may be shrunk into this epoch's (if the learner
-        # says so once the epoch starts); any other is closed now.
-        parent = group if group is not None and group.can_shrink and self._address == address else None
-        if parent is not None:
-            self._group = None  # out of close()'s reach: aborted below, once shrunk from or not
+        link, store = self._link, self._store
+        if link is not None and store is not None:
+            if (self._address, link.epoch, link.members) == (address, epoch, members):
+                if learner_still_there(store, epoch):
+                    return store, link
+        # A healthy link of a transport that shrinks, from the same learner, may be derived into this
+        # epoch's (if the learner says so once the epoch starts); any other is closed now.
+        held = link if link is not None and link.shrinks and self._address == address else None
+        if held is not None:
+            self._link = None  # out of close()'s reach: aborted below, once shrunk from or not
         self.close()
         try:
-            return self._join(announcement, rank, address, parent)
+            return self._join(announcement, address, held)
         finally:
-            if parent is not None:
-                parent.abort()  # shrunk from, or not: this epoch never uses it
+            if held is not None:
+                held.abort()  # shrunk from, or not: this epoch never uses it
 
     def _join(
-        self, announcement: WeightAnnouncement, rank: int, address: tuple[str, int], parent: EpochGroup | None
-    ) -> tuple[dist.TCPStore, EpochGroup]:
-        epoch = announcement.group_epoch
+        self, announcement: WeightAnnouncement, address: Address, held: Transport | None
+    ) -> tuple[dist.TCPStore, Transport]:
+        epoch, members = announcement.group_epoch, tuple(announcement.members)
         try:
             store = connect_store(*address, self.timeout)
         except RuntimeError as exc:
             raise SyncFailed(f"cannot reach the learner's store: {exc}", epoch=epoch, phase="join") from exc
         self._store, self._address = store, address
-        # Joined key first: the learner reads these keys to name the members that never showed up, and
-        # their values to decide whether the parent's group can be shrunk.
-        store.set(joined_key(epoch, self.worker_id), HOLDS + str(parent.epoch).encode() if parent else JOINED)
+        rank = members.index(self.worker_id) + 1
+        rendezvous = Rendezvous(store, epoch, rank, members, *address, self.timeout, held)
+        # Joined key last: the learner reads these keys to name the members that never showed up, and
+        # their values (the transport's offer) to plan the link.
+        store.set(joined_key(epoch, self.worker_id), self.transport.offer(rendezvous))
         try:
             store.wait([start_key(epoch)], self.timeout)
         except dist.DistStoreError as exc:
@@ -191,61 +191,17 @@ class WeightReceiver:
             ) from exc
         if store.get(start_key(epoch)) != START_GO:
             raise SyncFailed("the learner aborted the epoch: members were missing", epoch=epoch, phase="join")
-        size = announcement.world_size
         try:
-            if parent is not None and store.check([shrink_key(epoch)]):
-                parent_epoch, excluded = decode_shrink(store.get(shrink_key(epoch)))
-                if parent_epoch == parent.epoch:
-                    self._group = EpochGroup(
-                        store, epoch, rank, size, self.backend, self.timeout, parent=parent, excluded=excluded
-                    )
-                    return store, self._group
-            own = local_address_towards(*address)  # listen where the learner reaches us, only
-            self._group = EpochGroup(store, epoch, rank, size, self.backend, self.timeout, address=own)
+            self._link = self.transport.join(rendezvous)
         except RuntimeError as exc:
             raise SyncFailed(f"forming the group failed: {exc}", epoch=epoch, phase="connect") from exc
-        return store, self._group
-
-    def _receive_buckets(
-        self, group: EpochGroup, announcement: WeightAnnouncement
-    ) -> tuple[dict[str, Tensor], str]:
-        sizes = announcement.bucket_sizes()
-        buckets = self._bucket_buffers(sizes, group.device)
-        # Every receive is posted up front (gloo runs them in order on its own threads), so hashing an
-        # arrived bucket overlaps receiving the next ones.
-        works = [
-            group.broadcast(bucket) if size else None for bucket, size in zip(buckets, sizes, strict=True)
-        ]
-        checksum = checksum_of_bytes(_bytes_as_they_arrive(group, works, buckets, announcement))
-        return unpack(buckets, announcement.manifest), checksum
-
-    def _bucket_buffers(self, sizes: list[int], device: torch.device) -> list[Tensor]:
-        held = [(bucket.numel(), bucket.device) for bucket in self._buckets]
-        if self.reuse_buffers and held == [(size, device) for size in sizes]:
-            return self._buckets
-        buckets = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
-        self._buckets = buckets if self.reuse_buffers else []
-        return buckets
+        return store, self._link
 
 
-def _bytes_as_they_arrive(
-    group: EpochGroup, works: list[Any], buckets: list[Tensor], announcement: WeightAnnouncement
-) -> Iterator[memoryview]:
-    """Each tensor's bytes in manifest order, waiting for buckets in bucket order as they are needed.
-
-    Waiting in bucket order keeps each wait's timeout about one bucket long: every earlier bucket has
-    already arrived when a wait starts. A GPU bucket is copied to the host once, not tensor by tensor.
-    """
-    arrived = 0
-    host: tuple[int, Tensor] = (-1, buckets[0])
-    for spec in announcement.manifest:
-        while arrived <= spec.bucket:
-            if works[arrived] is not None:
-                group.wait(works[arrived])
-            arrived += 1
-        if host[0] != spec.bucket:
-            host = (spec.bucket, buckets[spec.bucket].cpu())
-        yield raw_bytes(tensor_view(host[1], spec))
-    for work in works[arrived:]:
-        if work is not None:
-            group.wait(work)
+def _refused(delivery: Delivery, announcement: WeightAnnouncement) -> str | None:
+    """Why the delivered version is not the announced one, or None."""
+    if isinstance(delivery, LoadedInPlace) and delivery.problem is not None:
+        return f"the engine did not take the version ({delivery.problem}); it holds {delivery.checksum}"
+    if delivery.checksum != announcement.checksum:
+        return f"checksum mismatch: got {delivery.checksum}"
+    return None

@@ -1,0 +1,86 @@
+"""Where the learner and its members meet: the announcement's bus key and the keys of the learner's store.
+
+The learner hosts a `TCPStore`; every key below lives in it. A group epoch is one membership: rank 0 is
+the learner, ranks 1..N are the members in announced order. An epoch's link is never formed twice (gloo's
+own rendezvous keys stay in the store under the epoch's prefix and would be reused), so any change of
+membership, and any failure, moves to a new epoch.
+"""
+
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+ANNOUNCEMENT_KEY = "weights"  # bus value: the latest WeightAnnouncement (JSON). Learner writes, workers read
+
+START_GO = b"go"
+START_ABORT = b"abort"
+ACK_OK = b"ok"
+JOINED = b"1"  # a joined key's plain value (a transport may say more: see `Transport.offer`)
+
+
+def joined_key(epoch: int, member: str) -> str:
+    """Written by a member (its transport's offer) before it forms the epoch's link; read by the learner."""
+    return f"epoch/{epoch}/joined/{member}"
+
+
+def start_key(epoch: int) -> str:
+    """Written by the learner: START_GO once every member joined, START_ABORT when some never did."""
+    return f"epoch/{epoch}/start"
+
+
+def ack_key(epoch: int, version: int, member: str) -> str:
+    """Written by a member after it verified `version`: ACK_OK or b"bad <checksum it computed>"."""
+    return f"epoch/{epoch}/ack/{version}/{member}"
+
+
+def group_prefix(epoch: int) -> str:
+    """The keys a transport's own rendezvous writes for `epoch` live under this prefix."""
+    return f"epoch/{epoch}/group/"
+
+
+def learner_still_there(store: dist.TCPStore, epoch: int) -> bool:
+    """Whether the learner behind `store` is the one that started `epoch`: a restarted learner has a new
+    store, so the old connection errors, or the epoch was never started in it."""
+    try:
+        return store.check([start_key(epoch)])
+    except RuntimeError:
+        return False
+
+
+def connect_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """A worker's connection to the learner's store (`host_store`). `timeout` bounds every store wait."""
+    return dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
+
+
+def host_store(host: str, port: int, timeout: timedelta) -> dist.TCPStore:
+    """The learner's store, listening on `host` only (port 0: a free one). TCPStore alone would listen on
+    every interface; handed a socket already bound, it listens on that one."""
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(128)
+    bound = listener.getsockname()[1]
+    # The store takes the descriptor over (and closes it with itself): Python must let go of it, or its
+    # socket object would close the number again later, when it may belong to another connection.
+    fd = listener.detach()
+    return dist.TCPStore(
+        host, bound, is_master=True, wait_for_workers=False, timeout=timeout, master_listen_fd=fd
+    )
+
+
+def local_address_towards(host: str, port: int) -> str:
+    """This machine's address on the route to `host` (no packet sent): where a member's link listens."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        probe.connect((host, port))
+        return probe.getsockname()[0]
+
+
+def missing_keys(store: dist.Store, keys: dict[str, str], timeout: timedelta) -> list[str]:
+    """Waits up to `timeout` for every key; returns the names whose key never appeared."""
+    try:
+        store.wait(list(keys.values()), timeout)
+        return []
+    except dist.DistStoreError:
+        return [name for name, key in keys.items() if not store.check([key])]
