@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
+from sparkrl.services.common.answers import last_boxed
 from sparkrl.services.reward.verifiers import (
     MAX_ANSWER_CHARS,
-    last_boxed,
     load_custom_verifiers,
     nesting_depth,
     parse_gold,

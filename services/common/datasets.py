@@ -15,6 +15,7 @@ from typing import Any
 
 from sparkrl.proto import Prompt
 from sparkrl.services.common import countdown
+from sparkrl.services.common.answers import last_boxed
 from sparkrl.services.common.settings import PromptSettings
 
 DEFAULT_COUNTDOWN_PROMPTS = 64
@@ -45,23 +46,6 @@ def read_rows(path: Path) -> Iterator[dict[str, Any]]:
             if not isinstance(row, dict):
                 raise DatasetError(f"{path}:{number}: a row must be a JSON object")
             yield row
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` (balanced braces), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, begin = 0, start + len("\\boxed{")
-    for index in range(begin, len(text)):
-        char = text[index]
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            if depth == 0:
-                return text[begin:index]
-            depth -= 1
-    return None
 
 
 def answer_text(value: Any) -> str:

@@ -17,6 +17,7 @@ from typing import Any
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+from sparkrl.services.common.answers import BOX_COMMANDS, last_boxed
 from sparkrl.services.common.countdown import score_countdown
 
 VerifyResult = tuple[float, str, str]
@@ -36,7 +37,6 @@ FALLBACK_TAIL_CHARS = 2000
 MAX_COUNTDOWN_NUMBERS = 16
 MAX_COUNTDOWN_VALUE = 10**9
 
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
 _BOLD = re.compile(r"\\textbf\{([^{}]*)\}")
 _OPENERS = {"{": "}", "(": ")", "[": "]"}
 # Both sides are wrapped as `$\boxed{...}$`, so the box is the anchor; expressions cover `1/2`-style text.
@@ -101,41 +101,6 @@ def run_verifier(
     return float(score), status, str(detail)[:MAX_DETAIL_CHARS]
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` / `\\fbox{...}` (balanced braces, `\\{` skipped); None if absent.
-
-    An unclosed last box (a truncated completion) counts as absent content: the model never finished its
-    answer, so an earlier box must not be credited in its place.
-    """
-    start = max(text.rfind(cmd) for cmd in _BOX_COMMANDS)
-    if start < 0:
-        return None
-    i = start + (len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox"))
-    while i < len(text) and text[i] == " ":
-        i += 1
-    if i >= len(text):
-        return None
-    if text[i] != "{":
-        # `\boxed 5`: TeX takes the next token.
-        token = text[i:].split(maxsplit=1)
-        return token[0].rstrip("$.") if token else None
-    depth = 0
-    j = i
-    while j < len(text):
-        char = text[j]
-        if char == "\\":
-            j += 2
-            continue
-        if char == "{":
-            depth += 1
-        elif char == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j]
-        j += 1
-    return None
-
-
 def nesting_depth(text: str) -> int:
     """Deepest nesting of (), [], {} in `text` — an upper bound on the parser's recursion depth."""
     depth = deepest = 0
@@ -176,7 +141,7 @@ def _parse_boxed(content: str) -> list[Any]:
 def parse_gold(answer: str) -> list[Any]:
     """Parse a reference answer given bare (`\\frac{1}{2}`, `10`), in `$...$`, or holding a `\\boxed{}`."""
     text = answer.strip()
-    if any(cmd in text for cmd in _BOX_COMMANDS):
+    if any(cmd in text for cmd in BOX_COMMANDS):
         text = last_boxed(text) or ""
     text = _strip_math_delimiters(text)
     problem = _check_size("reference answer", text)
@@ -193,7 +158,7 @@ def extract_prediction(completion: str) -> tuple[list[Any], str]:
         if problem:
             raise ValueError(problem)
         return (_parse_boxed(boxed) if boxed.strip() else []), boxed
-    if any(cmd in completion for cmd in _BOX_COMMANDS):
+    if any(cmd in completion for cmd in BOX_COMMANDS):
         return [], "(unclosed \\boxed)"
     tail = completion[-FALLBACK_TAIL_CHARS:]
     if nesting_depth(tail) > MAX_ANSWER_NESTING:
