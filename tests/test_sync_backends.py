@@ -14,7 +14,7 @@ import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from types import SimpleNamespace
-from typing import Any, ClassVar
+from typing import Any, ClassVar, get_args
 
 import pytest
 import torch
@@ -22,11 +22,13 @@ import torch.distributed as dist
 
 from sparkrl.proto import WeightAnnouncement
 from sparkrl.services.common.settings import WeightSyncSettings
+from sparkrl.services.common.sync_settings import SyncBackend
 from sparkrl.services.common.weight_sync import (
     BackendUnavailable,
     LoadedInPlace,
     NotAMember,
     SyncFailed,
+    Transport,
     WeightReceiver,
     WeightSender,
     make_transport,
@@ -95,6 +97,18 @@ def test_a_shrink_is_planned_only_when_every_member_holds_the_parent_and_keeps_i
     assert shrink_plan(4, "abcd", "ac", held | {"c": HOLDS + b"3"}) is None  # c holds another epoch
     assert shrink_plan(4, "abcd", "abcd", held) is None  # nothing to drop
     assert decode_shrink(encode_shrink(4, [2, 4])) == (4, [2, 4])
+
+
+def test_every_backend_the_settings_name_has_its_transport() -> None:
+    """`sync.backend`'s names and the transports are one list: each name makes a transport announcing that
+    name, or says what is missing here."""
+    for backend in get_args(SyncBackend):
+        try:
+            transport = make_transport(backend)
+        except BackendUnavailable as exc:
+            assert "sync.backend" in str(exc)
+            continue
+        assert isinstance(transport, Transport) and transport.name == backend
 
 
 def test_a_backend_that_cannot_run_here_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
