@@ -1,6 +1,6 @@
 """The settings, described from their models: `sparkrl config show` (a resolved tree, each field with its
-description) and the README's settings reference (`python -m sparkrl.settings_doc --write` regenerates it;
-a test keeps it current).
+description) and the settings reference of docs/settings.md (`python -m sparkrl.settings_doc --write`
+regenerates it; a test keeps it current).
 
 Every field is listed by `services/common/settings_fields.py` (the settings' own "did you mean" uses it
 too): variants chosen by name (`learner.loss`, `rollout.engine`) one block per variant, under the field's
@@ -18,7 +18,7 @@ from typing import Any
 from sparkrl.services.common.settings import SparkSettings
 from sparkrl.services.common.settings_fields import fields
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+DOC = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
 START, END = "<!-- settings-reference:start -->", "<!-- settings-reference:end -->"
 
 
@@ -30,10 +30,10 @@ def reference_table() -> str:
     return "\n".join(lines)
 
 
-def readme_with_reference(text: str) -> str:
-    """The README text with its reference section regenerated (between the markers)."""
+def with_reference(text: str) -> str:
+    """docs/settings.md's text with its reference section regenerated (between the markers)."""
     if START not in text or END not in text:
-        raise ValueError(f"README.md lacks the {START} … {END} markers")
+        raise ValueError(f"{DOC} lacks the {START} … {END} markers")
     head, rest = text.split(START, 1)
     _, tail = rest.split(END, 1)
     return f"{head}{START}\n{reference_table()}\n{END}{tail}"
@@ -78,12 +78,12 @@ def _variant_paths(path: str) -> list[str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="The settings reference of README.md.")
-    parser.add_argument("--write", action="store_true", help="Regenerate README.md's reference section.")
+    parser = argparse.ArgumentParser(description="The settings reference of docs/settings.md.")
+    parser.add_argument("--write", action="store_true", help="Regenerate the reference in docs/settings.md.")
     args = parser.parse_args()
     if args.write:
-        README.write_text(readme_with_reference(README.read_text()))
-        print(f"wrote the settings reference into {README}")
+        DOC.write_text(with_reference(DOC.read_text()))
+        print(f"wrote the settings reference into {DOC}")
     else:
         sys.stdout.write(reference_table() + "\n")
 

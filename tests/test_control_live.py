@@ -22,7 +22,7 @@ from sparkrl.services.common.settings import load_settings
 
 pytestmark = pytest.mark.slow
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+OPERATIONS_DOC = Path(__file__).resolve().parents[1] / "docs" / "operations.md"
 MUTATING = [
     ("POST", "/api/v1/pause"),
     ("POST", "/api/v1/resume"),
@@ -55,8 +55,9 @@ def endpoints(live: Live) -> dict[str, str]:
     }
 
 
-def readme_metric_names() -> set[str]:
-    section = README.read_text().split("### Prometheus metrics", 1)[1].split("\n## ", 1)[0]
+def documented_metric_names() -> set[str]:
+    """The metric names docs/operations.md lists under "Prometheus metrics"."""
+    section = OPERATIONS_DOC.read_text().split("## Prometheus metrics", 1)[1].split("\n## ", 1)[0]
     return set(re.findall(r"`(sparkrl_[a-z0-9_]+)[`{]", section))
 
 
@@ -145,7 +146,7 @@ def test_a_bad_value_is_a_422_naming_the_field(live_stack: Live) -> None:  # noq
     assert live_stack.get("/api/v1/status")["hyperparameters"]["beta"] == 0.5  # nothing changed
 
 
-def test_every_service_serves_prometheus_metrics_named_in_the_readme(live_stack: Live) -> None:  # noqa: F811
+def test_every_service_serves_prometheus_metrics_named_in_the_docs(live_stack: Live) -> None:  # noqa: F811
     # Late in the run: every command has been issued once, so the labelled series exist.
     scraped: dict[str, dict[str, float]] = {
         name: scrape(url + "/metrics") for name, url in endpoints(live_stack).items()
@@ -163,12 +164,12 @@ def test_every_service_serves_prometheus_metrics_named_in_the_readme(live_stack:
     for name in ("learner", "worker-0"):
         health = httpx.get(endpoints(live_stack)[name] + "/healthz", timeout=10)
         assert health.status_code == 200 and health.json()["status"] == "ok"
-    # Every name the README lists exists in some scrape (a histogram or counter as its own samples).
+    # Every name docs/operations.md lists exists in some scrape (a histogram or counter as its own samples).
     present = {re.sub(r"\{.*", "", sample) for samples in scraped.values() for sample in samples}
     families = present | {re.sub(r"_(total|count|sum|bucket|created)$", "", name) for name in present}
-    missing = readme_metric_names() - families
-    assert not missing, f"README lists metrics no service serves: {sorted(missing)}"
-    assert len(readme_metric_names()) >= 25
+    missing = documented_metric_names() - families
+    assert not missing, f"docs/operations.md lists metrics no service serves: {sorted(missing)}"
+    assert len(documented_metric_names()) >= 25
 
 
 def test_every_mutating_route_needs_the_token(live_stack: Live) -> None:  # noqa: F811

@@ -1,4 +1,4 @@
-"""The settings described from their models: the README's reference is current, `sparkrl config show`
+"""The settings described from their models: docs/settings.md's reference is current, `sparkrl config show`
 is the resolved tree (valid YAML, every leaf described), `sparkrl --version`."""
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import yaml
 
 from sparkrl import __version__
 from sparkrl.services.common.settings import SparkSettings, load_settings
-from sparkrl.settings_doc import README, fields, readme_with_reference
+from sparkrl.settings_doc import DOC, fields, with_reference
 
 
-def test_the_readme_reference_is_current() -> None:
-    text = README.read_text()
-    assert readme_with_reference(text) == text, "run `python -m sparkrl.settings_doc --write`"
+def test_the_settings_reference_is_current() -> None:
+    text = DOC.read_text()
+    assert with_reference(text) == text, "run `python -m sparkrl.settings_doc --write`"
     paths = [path for path, *_ in fields(SparkSettings)]
     for path in ("learner.schedule.kind", "learner.kl.coef", "eval.every", "prompts.countdown.min_count",
                  "learner.loss[lp_reg].rho", "rollout.engine[vllm].gpu_memory_utilization"):  # fmt: skip
