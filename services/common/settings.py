@@ -369,7 +369,8 @@ class LearnerSettings(Section):
         1,
         ge=1,
         description="Data-parallel learner processes `sparkrl up` starts on this machine (torchrun; one "
-        "per GPU on a GPU). On several nodes, start `sparkrl learner` under torchrun on each (README).",
+        "per GPU on a GPU). On several nodes, start `sparkrl learner` under torchrun on each "
+        "(docs/deployment.md).",
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Training dtype (bf16 on GPU).")
     device: str = Field("cpu", description="`cpu` or `cuda` (DeepSpeed's accelerator).")
