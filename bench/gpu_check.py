@@ -124,7 +124,8 @@ def check_learner_step(model_dir: Path, device: torch.device) -> Check:
     from sparkrl.services.common.modeling import load_model
     from sparkrl.services.common.settings import load_settings
     from sparkrl.services.learner.batch import micro_batches, samples_from_groups
-    from sparkrl.services.learner.trainer import build_engine, init_distributed, old_policy, train_step
+    from sparkrl.services.learner.trainer import build_engine, init_distributed
+    from sparkrl.services.learner.update import apply_update, old_policy
 
     overrides = [f"learner.device={device.type}", "learner.zero_stage=2", "learner.lr=1e-3"]
     cfg = load_settings("smoke", [*overrides, "learner.micro_batch_tokens=256"]).learner
@@ -144,7 +145,7 @@ def check_learner_step(model_dir: Path, device: torch.device) -> Check:
         _sync(device)
         started = time.perf_counter()
         olds = [old_policy(engine.module, mb, cfg) for mb in batches]
-        stats = train_step(engine, batches, olds, cfg)
+        stats, _ = apply_update(engine, batches, olds, cfg)
         _sync(device)
         seconds.append(time.perf_counter() - started)
         losses.append(float(stats["loss"]))
@@ -176,12 +177,11 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor, where: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs()[both].max()) if both.any() else 0.0
 
 
-def check_lp_reg(device: torch.device, tokens: int, vocab: int) -> Check:
-    from sparkrl.services.learner.losses.lp_reg import lp_reg_loss
-    from sparkrl.services.learner.proxy import proxy_logp_from_logits, proxy_logp_from_topk
-
-    generator = torch.Generator(device=device).manual_seed(0)
-    B, T, V = 4, tokens // 4, vocab
+def _lm_like_logits(
+    B: int, T: int, V: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logits [B, T, V], their log-softmax and the sampled tokens [B, T], on the generator's device."""
+    device = generator.device
     # Three positions in four peaked as a trained LM's are (a few candidates far above a long tail: min-p
     # keeps a handful, the top-k is exact); the fourth flat, where min-p keeps more than the top-k (inexact).
     logits = torch.randn(B, T, V, generator=generator, device=device) * 2.0
@@ -193,6 +193,16 @@ def check_lp_reg(device: torch.device, tokens: int, vocab: int) -> Check:
     # At flat positions the sampled token is a kept one (the likeliest), low in log-prob but not noise:
     # the tokens Lp-Reg regularizes.
     token_ids = torch.where(peaked[None, :], sampled, logits.argmax(dim=-1))  # [B, T]
+    return logits, logp_all, token_ids
+
+
+def check_lp_reg(device: torch.device, tokens: int, vocab: int) -> Check:
+    from sparkrl.services.learner.losses.lp_reg import lp_reg_loss
+    from sparkrl.services.learner.proxy import proxy_logp_from_logits, proxy_logp_from_topk
+
+    generator = torch.Generator(device=device).manual_seed(0)
+    B, T, V = 4, tokens // 4, vocab
+    logits, logp_all, token_ids = _lm_like_logits(B, T, V, generator)
     topk_logp, topk_ids = logp_all.topk(TOPK, dim=-1)
     from_logits, t_logits = _timed(lambda: proxy_logp_from_logits(logits, token_ids, KAPPA), device)
     (from_topk, exact), t_topk = _timed(

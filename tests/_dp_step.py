@@ -1,6 +1,7 @@
-"""One learner update on a fixed batch, as one rank of `torchrun --nproc-per-node N` (or alone): what
-tests/test_learner_ranks.py compares between one rank and two. Writes, from rank 0, the step's
-statistics and every parameter after it to OUT (a torch file), for each ZeRO stage asked for."""
+"""One learner step's update on a fixed batch, as one rank of `torchrun --nproc-per-node N` (or alone):
+what tests/test_learner_ranks.py compares between one rank and two. The product's own path: rank 0's
+trainer (`ranks.trainer_for`: one rank, or the N ranks' orders) and the other ranks' `follow`. Writes,
+from rank 0, the step's statistics and every parameter after it to OUT (a torch file)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,11 @@ import numpy as np
 import torch
 
 from sparkrl.proto.testing import random_group
-from sparkrl.services.common.modeling import load_model, load_tokenizer
 from sparkrl.services.common.settings import load_settings
 from sparkrl.services.learner import logprobs
-from sparkrl.services.learner.checkpoint import cpu_weights
-from sparkrl.services.learner.collect import Batch
-from sparkrl.services.learner.ranks import Ranks, world
-from sparkrl.services.learner.trainer import build_engine, init_distributed
-from sparkrl.services.learner.update import compute_update
+from sparkrl.services.learner.ledger import Batch
+from sparkrl.services.learner.ranks import follow, trainer_for, world
+from sparkrl.services.learner.trainer import load
 
 VOCAB = 260  # the tiny model's byte-level vocabulary
 
@@ -55,19 +53,17 @@ def main() -> None:
             "learner.threads=1",
             *args.set,
         ],
-    ).learner
-    torch.manual_seed(0)
-    torch.set_num_threads(1)
-    init_distributed(cfg)
-    engine = build_engine(load_model(args.model, "float32", "cpu", cfg.attention), cfg)
-    ranks = Ranks.join()
-    pad = load_tokenizer(args.model).pad_token_id or 0
-    stats = compute_update(engine, Batch(fixed_groups(), [], 0, 0.0), cfg, pad, 1, ranks=ranks)
-    weights = cpu_weights(engine)  # a gather on every rank under ZeRO-3
-    rank, size = world()
-    if rank == 0:
-        torch.save({"stats": stats, "weights": weights, "size": size}, Path(args.out))
-    print(f"rank {rank}/{size} pid {os.getpid()}: {stats}", flush=True)
+    )
+    if world()[0] != 0:
+        follow(cfg, resume=False)  # rank 0's orders: the update, the gather of the weights, the stop
+        return
+    size = world()[1]
+    trainer = trainer_for(cfg, load(cfg, resume=False))
+    stats, _ = trainer.update(Batch(fixed_groups(), []), step=1)
+    weights = trainer.weights()  # under ZeRO-3 across ranks, a gather every rank takes part in
+    trainer.close()  # the other ranks' `follow` ends
+    torch.save({"stats": stats, "weights": weights, "size": size}, Path(args.out))
+    print(f"rank 0/{size} pid {os.getpid()}: {stats}", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,16 +16,19 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import numpy as np
 import pytest
 import redis as redis_lib
 import torch
-from _faults import assert_exactly_once, published_group_ids, settings, steps_done, wait
+from _faults import assert_exactly_once, published_group_ids, steps_done, wait
+from _faults import settings as stack_settings
+from _learner import learner_loop, one_rank, settings
 from _live import Live
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
-from conftest import free_port, start_stack
+from conftest import start_stack
 from safetensors.torch import load_file
 
 from sparkrl.launcher import Stack, plan_stack, write_configs
@@ -33,20 +36,13 @@ from sparkrl.proto import ControlCommand, SetHparamsCommand, TrajectoryGroup, en
 from sparkrl.proto.testing import random_group
 from sparkrl.run_report import summarize
 from sparkrl.services.common.bus import RedisBus
-from sparkrl.services.common.control_channel import CONTROL_LOG, ControlReader
+from sparkrl.services.common.control_channel import CONTROL_LOG
 from sparkrl.services.common.modeling import load_model, load_tokenizer
-from sparkrl.services.common.settings import BusSettings, load_settings
-from sparkrl.services.common.telemetry import LEARNER, Telemetry
-from sparkrl.services.learner.batch import micro_batches, samples_from_groups
-from sparkrl.services.learner.checkpoint import TrainState, cpu_weights, nonfinite_tensors
-from sparkrl.services.learner.control import LearnerControl
+from sparkrl.services.common.settings import BusSettings
+from sparkrl.services.learner.checkpoint import nonfinite_tensors
 from sparkrl.services.learner.guard import NOT_FINITE_ALONE
 from sparkrl.services.learner.learner import Learner
-from sparkrl.services.learner.ledger import Ledger
-from sparkrl.services.learner.metrics import LearnerMetrics
-from sparkrl.services.learner.publisher import WeightPublisher
-from sparkrl.services.learner.reporting import Reporter, RunLog, StatusSource
-from sparkrl.services.learner.trainer import build_engine, init_distributed, old_policy, train_step
+from sparkrl.services.learner.ledger import Batch
 
 VOCAB = 260  # the tiny model's
 FAR_OUT = -1e30  # a finite log-prob (the wire takes it), so far out that exp(logp − old_logp) overflows
@@ -96,86 +92,69 @@ def test_an_update_whose_loss_is_not_finite_is_not_applied(
     zero_stage: int,
     dtype: str,
     tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
 ) -> None:
     """Plain torch AdamW (stage 0 in float32: dropped by the learner), ZeRO and the bf16 optimizer
     (dropped by DeepSpeed's own check): the weights do not move, and the gradients are gone: the next
     update is exactly the one a fresh engine takes."""
     overrides = [f"learner.zero_stage={zero_stage}", f"learner.dtype={dtype}", "learner.lr=1e-3"]
-    cfg = load_settings("smoke", overrides).learner
-    init_distributed(cfg)
-
-    def update(engine, groups: list[TrajectoryGroup]) -> dict[str, float]:  # type: ignore[no-untyped-def]
-        batches = micro_batches(samples_from_groups(groups), cfg.micro_batch_tokens, pad_id=0)
-        return train_step(engine, batches, [old_policy(engine.module, mb, cfg) for mb in batches], cfg)
-
-    engine = build_engine(load_model(tiny_model_dir), cfg)
-    before = cpu_weights(engine)
-    stats = update(engine, [group(1), group(2, logprob=FAR_OUT)])
-    assert stats["skipped"] == 1.0 and not math.isfinite(stats["loss"])
-    after = cpu_weights(engine)
+    cfg = settings(tiny_model_dir, tmp_path, *overrides)
+    trainer = one_rank(cfg)
+    before = trainer.weights()
+    stats, _ = trainer.update(Batch([group(1), group(2, logprob=FAR_OUT)], []), step=1)
+    assert stats["updates_skipped"] == 1.0 and stats["updates"] == 0.0
+    assert not math.isfinite(stats["skipped_loss"])
+    after = trainer.weights()
     assert all(torch.equal(after[name], before[name]) for name in before), "a non-finite update was applied"
 
-    stats = update(engine, [group(3)])
-    assert stats["skipped"] == 0.0 and math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
-    fresh = build_engine(load_model(tiny_model_dir), cfg)
-    update(fresh, [group(3)])
-    torch.testing.assert_close(cpu_weights(engine), cpu_weights(fresh), rtol=0, atol=0)
-    assert not nonfinite_tensors(cpu_weights(engine))
+    stats, _ = trainer.update(Batch([group(3)], []), step=1)
+    assert "updates_skipped" not in stats and stats["updates"] == 1.0
+    assert math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
+    fresh = one_rank(cfg)
+    fresh.update(Batch([group(3)], []), step=1)
+    torch.testing.assert_close(trainer.weights(), fresh.weights(), rtol=0, atol=0)
+    assert not nonfinite_tensors(trainer.weights())
 
 
 # ── the learner loop ─────────────────────────────────────────────────────────────────────────────────
 
 
 @pytest.fixture
-def make_learner(bus_settings: BusSettings, tmp_path: Path) -> Iterator[Callable[[Path], Learner]]:
+def bus(bus_settings: BusSettings) -> Iterator[RedisBus]:
+    with RedisBus(bus_settings) as bus:
+        yield bus
+
+
+@pytest.fixture
+def make_learner(bus: RedisBus, tmp_path: Path) -> Iterator[Callable[[Path], Learner]]:
     """The learner's loop on a model directory, with real parts (engine, bus, control, reporting)."""
-    made: list[Learner] = []
+    with ExitStack() as made:
 
-    def make(model_dir: Path) -> Learner:
-        cfg = load_settings(
-            "smoke", [f"model={model_dir}", "learner.prompts_per_step=3", f"sync.port={free_port()}"]
-        )
-        init_distributed(cfg.learner, cfg.sync.host)
-        engine = build_engine(load_model(model_dir), cfg.learner)
-        bus = RedisBus(bus_settings)
-        telemetry, state = Telemetry(bus), TrainState()
-        publisher = WeightPublisher(telemetry, cfg.sync, tmp_path / "snapshots")
-        reader = ControlReader(bus, telemetry, LEARNER)
-        learner = Learner(
-            engine=engine, tokenizer=load_tokenizer(model_dir), bus=bus, telemetry=telemetry,
-            cfg=cfg.learner, sync=cfg.sync, run_dir=tmp_path, pad_id=0, state=state, publisher=publisher,
-            control=LearnerControl(reader, cfg.learner, engine, {}, lambda r: None),
-            reporter=Reporter(telemetry, state, StatusSource(publisher, None)), metrics=LearnerMetrics(),
-            run_log=RunLog(tmp_path), stop=threading.Event(),
-            ledger=Ledger(bus, tmp_path, 0, fresh=True),
-        )  # fmt: skip
-        made.append(learner)
-        return learner
+        def make(model_dir: Path) -> Learner:
+            cfg = settings(model_dir, tmp_path, "learner.prompts_per_step=3")
+            return made.enter_context(learner_loop(cfg, bus))
 
-    yield make
-    for learner in made:
-        learner.publisher.sender.close()
-        learner.bus.close()
+        yield make
 
 
 def counter(learner: Learner, name: str) -> float:
-    return float(learner.metrics.registry.get_sample_value(name) or 0.0)
+    return float(learner.reports.metrics.registry.get_sample_value(name) or 0.0)
 
 
 def test_a_group_whose_loss_alone_is_not_finite_is_dead_lettered_and_the_rest_trains(
     make_learner: Callable[[Path], Learner],
+    bus: RedisBus,
     tiny_model_dir: Path,  # noqa: F811
 ) -> None:
     learner = make_learner(tiny_model_dir)
-    bus = learner.bus
     good, poison = [group(10 + i) for i in range(2)], group(20, logprob=FAR_OUT)
     publish(bus, good[0], poison, good[1])
-    before = cpu_weights(learner.engine)
+    before = learner.trainer.weights()
     batch = learner.collector.fill(0, lambda: False)
     assert batch is not None and len(batch.groups) == 3
-    assert learner.train(batch) is None, "a step with a non-finite loss must not be taken"
+    assert learner.step(batch) is None, "a step with a non-finite loss must not be taken"
     assert learner.state.step == 0 and learner.guard.stop is None
-    assert all(torch.equal(t, before[n]) for n, t in cpu_weights(learner.engine).items())
+    assert all(torch.equal(t, before[n]) for n, t in learner.trainer.weights().items())
     [letter] = bus.dead_letters()
     assert letter.item_id == poison.group_id and letter.reason == NOT_FINITE_ALONE
     # The good groups are first in line again, still pending: not burnt, not acknowledged.
@@ -185,14 +164,15 @@ def test_a_group_whose_loss_alone_is_not_finite_is_dead_lettered_and_the_rest_tr
     assert counter(learner, "sparkrl_learner_nonfinite_skipped_total") == 1.0
 
     publish(bus, group(30))
-    row = learner.train(learner.collector.fill(0, lambda: False))
+    row = learner.step(learner.collector.fill(0, lambda: False))
     assert row is not None and learner.state.step == 1
     assert row.value("loss/nonfinite_skipped_total") == 1.0 and math.isfinite(row.value("loss/value"))
-    assert not nonfinite_tensors(cpu_weights(learner.engine))
+    assert not nonfinite_tensors(learner.trainer.weights())
 
 
 def test_steps_in_a_row_not_applied_stop_the_run_naming_the_last_change(
     make_learner: Callable[[Path], Learner],
+    bus: RedisBus,
     tiny_model_dir: Path,  # noqa: F811
     tmp_path: Path,
 ) -> None:
@@ -202,20 +182,20 @@ def test_steps_in_a_row_not_applied_stop_the_run_naming_the_last_change(
     # What the control service does with `PATCH {"lr": 0.05}`: a command on the control stream.
     body = SetHparamsCommand(command="set_hparams", values={"lr": 0.05})
     command = ControlCommand(command_id="lr", issued_at=time.time(), body=body)
-    learner.bus.logs.append(CONTROL_LOG, encode_message(command))
+    bus.logs.append(CONTROL_LOG, encode_message(command))
     groups = [group(40 + i) for i in range(12)]
-    publish(learner.bus, *groups)
-    turns = 0
-    while learner.turn():
-        turns += 1
-        assert turns < 20, "the loop should have stopped"
+    publish(bus, *groups)
+    deadline = threading.Timer(120, learner.stop.set)  # the loop should stop long before
+    deadline.start()
+    learner.run()
+    deadline.cancel()
     stop = learner.guard.stop
     assert stop is not None and stop.startswith("3 steps in a row had a loss or gradient norm that is not")
     assert "lr=0.05 (at step 0)" in stop and "a resume trains with the configured values" in stop
     assert "lr" not in learner.control.overrides  # the final checkpoint does not keep the suspect
     assert (learner.state.step, learner.state.policy_version, learner.state.nonfinite_skipped) == (0, 0, 3)
-    assert learner.bus.dead_letters() == []
-    assert learner.bus.pending_info("trajectories").pending == len(groups)  # none burnt
+    assert bus.dead_letters() == []
+    assert bus.pending_info("trajectories").pending == len(groups)  # none burnt
     assert counter(learner, "sparkrl_learner_nonfinite_in_a_row") == 3.0
     assert not (tmp_path / "metrics.jsonl").read_text()  # no step row: no step was taken
 
@@ -239,7 +219,7 @@ def test_on_the_live_stack_a_huge_lr_is_refused_and_a_non_finite_step_burns_noth
     reaches the learner through the bus, as a worker's would: its step is not applied, the group is
     dead-lettered, the others train; the weights and every published snapshot stay finite, and the run
     reaches its last step with every other group trained exactly once."""
-    cfg = settings(
+    cfg = stack_settings(
         tiny_model_dir,
         tmp_path / "run",
         f"learner.max_steps={STEPS}",
@@ -294,7 +274,7 @@ def test_a_learner_whose_model_overflows_stops_with_a_true_reason_and_burns_noth
     the bus: three steps not applied, then it exits non-zero, `ended.json` and the summary say why, every
     group is still pending for a resume, and no version past the initial one was announced."""
     model = overflowing_model(tiny_model_dir, tmp_path / "diverged")
-    cfg = settings(model, tmp_path / "run", "learner.prompts_per_step=3", "learner.max_steps=10")
+    cfg = stack_settings(model, tmp_path / "run", "learner.prompts_per_step=3", "learner.max_steps=10")
     plan = plan_stack(cfg, workers=1, private_redis=True)
     write_configs(plan)
     stack = start_stack(stacks, Stack(plan, services=["redis", "learner"], ready_timeout_s=180))

@@ -78,6 +78,7 @@ def test_groups_split_into_contiguous_mini_batches() -> None:
     assert split_groups(groups, 1) == [groups]
 
 
+@pytest.mark.slow
 def test_a_run_with_kl_two_updates_per_rollout_and_a_cosine_schedule(
     tiny_model_dir: Path,  # noqa: F811
     tmp_path: Path,
@@ -174,23 +175,22 @@ def test_aggregation_weights_by_hand() -> None:
         LearnerSettings(loss={"name": "gspo"}, loss_aggregation="seq_mean_token_mean")
 
 
-def test_train_step_aggregates_as_configured(tiny_model_dir: Path) -> None:  # noqa: F811
-    from sparkrl.services.common.modeling import load_model
-    from sparkrl.services.common.settings import load_settings
+def test_an_update_aggregates_as_configured(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    from _learner import one_rank, settings
+
     from sparkrl.services.learner.batch import micro_batches, samples_from_groups
-    from sparkrl.services.learner.trainer import build_engine, init_distributed, old_policy, train_step
+    from sparkrl.services.learner.ledger import Batch
 
     rng = __import__("numpy").random.default_rng(3)
     groups = [random_group(rng, n=4, T=6, k=4, vocab_size=259) for _ in range(3)]
     for mode in ("token_mean", "seq_mean_token_mean"):
         # π_old recomputed by the learner and no IS weights: the ratio is 1, so loss_t = −A_t exactly.
         overrides = ["learner.old_logp_source=recompute", "learner.tis_cap=null", "learner.loss.name=grpo"]
-        cfg = load_settings("smoke", [*overrides, f"learner.loss_aggregation={mode}"]).learner
-        init_distributed(cfg)
-        engine = build_engine(load_model(tiny_model_dir), cfg)
-        batches = micro_batches(samples_from_groups(groups), token_budget=64, pad_id=0)
+        overrides += ["learner.micro_batch_tokens=64", f"learner.loss_aggregation={mode}"]
+        trainer = one_rank(settings(tiny_model_dir, tmp_path, *overrides))
+        batches = micro_batches(samples_from_groups(groups), token_budget=64, pad_id=0)  # as it cuts them
         assert len(batches) > 1  # the global totals matter
-        stats = train_step(engine, batches, [old_policy(engine.module, mb, cfg) for mb in batches], cfg)
+        stats, _ = trainer.update(Batch(groups, []), step=1)
         rows = [
             (-mb.advantages[i][mb.mask[i]]) for mb in batches for i in range(len(mb.mask)) if mb.mask[i].any()
         ]

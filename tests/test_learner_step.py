@@ -1,5 +1,5 @@
-"""The learner's update path under real DeepSpeed (gloo, one process), for every loss in the registry:
-two steps on the tiny model, finite loss, every parameter changed; plus the batch layout it relies on."""
+"""The learner's trainer under real DeepSpeed (gloo, one process), for every loss in the registry: two
+steps on the tiny model, finite loss, every parameter changed; plus the batch layout it relies on."""
 
 from __future__ import annotations
 
@@ -8,22 +8,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _learner import one_rank, settings
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
 
 from sparkrl.proto import TrajectoryGroup
 from sparkrl.proto.testing import random_group
-from sparkrl.services.common.modeling import load_model, load_tokenizer
-from sparkrl.services.common.settings import load_settings
+from sparkrl.services.common.modeling import load_model
 from sparkrl.services.learner.batch import micro_batches, samples_from_groups
-from sparkrl.services.learner.checkpoint import TrainState, cpu_weights, save_checkpoint
+from sparkrl.services.learner.checkpoint import latest_checkpoint
+from sparkrl.services.learner.ledger import Batch
+from sparkrl.services.learner.logprobs import token_logp_and_entropy
 from sparkrl.services.learner.losses import POLICY_LOSSES
-from sparkrl.services.learner.trainer import (
-    build_engine,
-    init_distributed,
-    old_policy,
-    token_logp_and_entropy,
-    train_step,
-)
+from sparkrl.services.learner.state import TrainState
 
 VOCAB = 260  # the tiny model's byte-level vocabulary
 
@@ -83,56 +79,52 @@ def test_the_output_projection_runs_from_the_first_target_only_and_matches_the_f
     assert with_grad.requires_grad
 
 
-def test_bf16_autocast_trains_close_to_float32(tiny_model_dir: Path) -> None:  # noqa: F811
+def test_bf16_autocast_trains_close_to_float32(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
     overrides = ["learner.lr=1e-3", "learner.autocast=bfloat16", "learner.attention=eager"]
-    cfg = load_settings("smoke", overrides).learner
-    init_distributed(cfg)
-    engine = build_engine(load_model(tiny_model_dir, attention=cfg.attention), cfg)
-    batches = micro_batches(samples_from_groups(_groups(3)), cfg.micro_batch_tokens, pad_id=0)
-    exact, _ = token_logp_and_entropy(engine.module, batches[0])
+    trainer = one_rank(settings(tiny_model_dir, tmp_path, *overrides))
+    model = trainer.engine.module
+    groups = _groups(3)
+    batches = micro_batches(samples_from_groups(groups), 2048, pad_id=0)
+    exact, _ = token_logp_and_entropy(model, batches[0])
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        mixed, _ = token_logp_and_entropy(engine.module, batches[0])
+        mixed, _ = token_logp_and_entropy(model, batches[0])
     assert mixed.dtype == torch.float32  # log-probs are taken in float32 whatever the matmuls ran in
     # bf16 matmuls: a few per cent on the log-probs (more on rare tokens, whose log-probs are large).
     torch.testing.assert_close(mixed[batches[0].mask], exact[batches[0].mask], atol=0.05, rtol=0.05)
-    before = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
-    stats = train_step(engine, batches, [old_policy(engine.module, mb, cfg) for mb in batches], cfg)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    stats, _ = trainer.update(Batch(groups, []), step=1)
     assert np.isfinite(stats["loss"]) and stats["grad_norm"] > 0
-    assert all(p.dtype == torch.float32 for p in engine.module.parameters())  # master weights stay fp32
-    assert not [n for n, p in engine.module.named_parameters() if torch.equal(p, before[n])]
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
+    assert not [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
 
 
 @pytest.mark.parametrize("loss_name", sorted(POLICY_LOSSES))
-def test_two_steps_change_every_parameter(loss_name: str, tiny_model_dir: Path) -> None:  # noqa: F811
-    cfg = load_settings(
-        "smoke", [f"learner.loss.name={loss_name}", "learner.lr=1e-3", "learner.micro_batch_tokens=256"]
-    ).learner
-    init_distributed(cfg)
-    engine = build_engine(load_model(tiny_model_dir), cfg)
-    before = {name: p.detach().clone() for name, p in engine.module.named_parameters()}
-    for step in range(2):
-        batches = micro_batches(samples_from_groups(_groups(10 + step)), cfg.micro_batch_tokens, pad_id=0)
-        assert len(batches) > 1, "the test should exercise gradient accumulation"
-        olds = [old_policy(engine.module, mb, cfg) for mb in batches]
-        stats = train_step(engine, batches, olds, cfg)
+def test_two_steps_change_every_parameter(loss_name: str, tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    overrides = [f"learner.loss.name={loss_name}", "learner.lr=1e-3", "learner.micro_batch_tokens=256"]
+    trainer = one_rank(settings(tiny_model_dir, tmp_path, *overrides))
+    before = {name: p.detach().clone() for name, p in trainer.engine.module.named_parameters()}
+    for step in (1, 2):
+        groups = _groups(10 + step)
+        assert len(micro_batches(samples_from_groups(groups), 256, pad_id=0)) > 1, "accumulate, please"
+        stats, _ = trainer.update(Batch(groups, []), step)
         assert np.isfinite(stats["loss"]) and np.isfinite(stats["grad_norm"]) and stats["grad_norm"] > 0
-    unchanged = [name for name, p in engine.module.named_parameters() if torch.equal(p, before[name])]
+    named = trainer.engine.module.named_parameters()
+    unchanged = [name for name, p in named if torch.equal(p, before[name])]
     assert not unchanged, f"{loss_name}: parameters not updated: {unchanged}"
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])
 def test_zero_stages_train_and_checkpoint(zero_stage: int, tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
-    cfg = load_settings("smoke", [f"learner.zero_stage={zero_stage}", "learner.lr=1e-3"]).learner
-    init_distributed(cfg)
-    engine = build_engine(load_model(tiny_model_dir), cfg)
-    before = cpu_weights(engine)
-    batches = micro_batches(samples_from_groups(_groups(20)), cfg.micro_batch_tokens, pad_id=0)
-    stats = train_step(engine, batches, [old_policy(engine.module, mb, cfg) for mb in batches], cfg)
+    trainer = one_rank(
+        settings(tiny_model_dir, tmp_path, f"learner.zero_stage={zero_stage}", "learner.lr=1e-3")
+    )
+    before = trainer.weights()
+    stats, _ = trainer.update(Batch(_groups(20), []), step=1)
     assert np.isfinite(stats["loss"])
-    after = cpu_weights(engine)
+    after = trainer.weights()
     assert after.keys() == before.keys()
     assert any(not torch.equal(after[name], before[name]) for name in after)
-    state = TrainState(step=1, policy_version=1)
-    path = save_checkpoint(engine, load_tokenizer(tiny_model_dir), tmp_path, state, keep=1)
+    path = trainer.save(TrainState(step=1, policy_version=1), tag=None)
+    assert path == tmp_path / "checkpoints" / "step-000001" == latest_checkpoint(tmp_path)
     reloaded = load_model(path / "hf")
     torch.testing.assert_close(dict(reloaded.state_dict())["model.norm.weight"], after["model.norm.weight"])

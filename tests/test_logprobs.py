@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,7 +27,8 @@ from sparkrl.services.learner.logprobs import (
     token_logp_and_entropy,
 )
 from sparkrl.services.learner.proxy import proxy_logp_from_logits
-from sparkrl.services.learner.trainer import build_engine, init_distributed, old_policy
+from sparkrl.services.learner.trainer import build_engine, init_distributed
+from sparkrl.services.learner.update import old_policy
 
 VOCAB = 260  # the tiny model's byte-level vocabulary
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -173,7 +175,7 @@ def test_chunks_hold_about_256_mib_of_float32_logits() -> None:
 
 
 @pytest.mark.parametrize("zero_stage", [0, 3])
-def test_through_a_deepspeed_engine_the_gradients_are_the_references_and_its_backward_hooks_run_first(
+def test_through_a_deepspeed_engine_the_gradients_are_the_references_and_its_outputs_take_theirs_first(
     zero_stage: int,
     tiny_model_dir: Path,  # noqa: F811
 ) -> None:
@@ -186,11 +188,14 @@ def test_through_a_deepspeed_engine_the_gradients_are_the_references_and_its_bac
     cfg = load_settings("smoke", [f"learner.zero_stage={zero_stage}"]).learner
     init_distributed(cfg)
     engine = build_engine(model, cfg)
-    # The engine's backward prologue (ZeRO's bookkeeping) runs from hooks on its forward's outputs; the
-    # chunked logits are computed outside that forward, and must not reach a parameter before it.
+    # ZeRO's bookkeeping (the backward prologue) runs from hooks on the engine's forward outputs; the
+    # chunked logits are computed outside that forward, and must not reach a parameter before they do.
     events: list[str] = []
-    prologue = engine._backward_prologue
-    engine._backward_prologue = lambda: (events.append("prologue"), prologue())[1]
+
+    def on_outputs(module: torch.nn.Module, args: object, out: Any) -> None:
+        out.logits.register_hook(lambda grad: events.append("outputs"))
+
+    engine.module.register_forward_hook(on_outputs)
     engine.module.lm_head.weight.register_post_accumulate_grad_hook(lambda _: events.append("lm_head"))
     for index, mb in enumerate(batches):
         engine.set_gradient_accumulation_boundary(index == len(batches) - 1)
@@ -199,4 +204,4 @@ def test_through_a_deepspeed_engine_the_gradients_are_the_references_and_its_bac
     grads = {name: safe_get_full_grad(p) for name, p in engine.module.named_parameters()}
     # ZeRO-3 partitions and reduces in its own order: float32 sums a few ulps apart, hence 1e-4.
     assert_close(grads, {name: p.grad for name, p in reference.named_parameters()}, atol=1e-4, rtol=1e-4)
-    assert events == ["prologue", "lm_head"] * len(batches)
+    assert events == ["outputs", "lm_head"] * len(batches)

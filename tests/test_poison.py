@@ -6,31 +6,23 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from _learner import learner_loop, settings
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
-from conftest import free_port
 
 from sparkrl.proto import TrajectoryGroup, encode_group
 from sparkrl.proto.testing import random_group
 from sparkrl.services.common.bus import RedisBus
-from sparkrl.services.common.control_channel import ControlReader
-from sparkrl.services.common.modeling import load_model, load_tokenizer
-from sparkrl.services.common.settings import BusSettings, load_settings
-from sparkrl.services.common.telemetry import LEARNER, Telemetry
+from sparkrl.services.common.settings import BusSettings
 from sparkrl.services.learner.batch import collate, samples_from_groups
-from sparkrl.services.learner.checkpoint import TrainState
-from sparkrl.services.learner.control import LearnerControl
 from sparkrl.services.learner.learner import Learner
-from sparkrl.services.learner.ledger import Ledger
-from sparkrl.services.learner.metrics import LearnerMetrics
-from sparkrl.services.learner.publisher import WeightPublisher
-from sparkrl.services.learner.reporting import Reporter, RunLog, StatusSource
-from sparkrl.services.learner.trainer import build_engine, init_distributed
+from sparkrl.services.learner.ledger import Batch
+from sparkrl.services.learner.trainer import Trainer
 from sparkrl.services.learner.validate import ModelLimits, group_problem
 
 VOCAB = 260  # the tiny model's
@@ -72,31 +64,34 @@ def test_mixed_topk_widths_collate_padded_below_any_real_logprob() -> None:
 
 
 @pytest.fixture
-def learner(tiny_model_dir: Path, bus_settings: BusSettings, tmp_path: Path) -> Learner:  # noqa: F811
-    """The learner's loop with real parts (engine, bus, control, reporting), no threads started."""
-    # A free port: never the default 29600, which another run on the machine may hold.
-    cfg = load_settings(
-        "smoke", [f"model={tiny_model_dir}", "learner.prompts_per_step=3", f"sync.port={free_port()}"]
-    )
-    init_distributed(cfg.learner, cfg.sync.host)
-    engine = build_engine(load_model(tiny_model_dir), cfg.learner)
-    bus = RedisBus(bus_settings)
-    telemetry = Telemetry(bus)
-    metrics = LearnerMetrics()
-    state = TrainState()
-    publisher = WeightPublisher(telemetry, cfg.sync, tmp_path / "snapshots")
-    control = LearnerControl(ControlReader(bus, telemetry, LEARNER), cfg.learner, engine, {}, lambda r: None)
-    learner = Learner(
-        engine=engine, tokenizer=load_tokenizer(tiny_model_dir), bus=bus, telemetry=telemetry,
-        cfg=cfg.learner, sync=cfg.sync, run_dir=tmp_path, pad_id=0, state=state, publisher=publisher,
-        control=control,
-        reporter=Reporter(telemetry, state, StatusSource(publisher, None)), metrics=metrics,
-        run_log=RunLog(tmp_path), stop=threading.Event(),
-        ledger=Ledger(bus, tmp_path, 0, fresh=True),
-    )  # fmt: skip
-    yield learner
-    publisher.sender.close()
-    bus.close()
+def bus(bus_settings: BusSettings) -> Iterator[RedisBus]:
+    with RedisBus(bus_settings) as bus:
+        yield bus
+
+
+@pytest.fixture
+def learner(tiny_model_dir: Path, bus: RedisBus, tmp_path: Path) -> Iterator[Learner]:  # noqa: F811
+    """The learner's loop with real parts (engine, bus, control, reporting)."""
+    with learner_loop(settings(tiny_model_dir, tmp_path, "learner.prompts_per_step=3"), bus) as learner:
+        yield learner
+
+
+class OutOfMemory:
+    """The learner's trainer, with an update that raises what no group causes on its own (the probe of
+    each group alone passes): out of memory, say."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.trainer, name)
+
+    def update(self, batch: Batch, step: int) -> tuple[dict[str, float], dict[str, float]]:
+        raise RuntimeError("out of memory (simulated)")
+
+
+def counter(learner: Learner, name: str) -> float:
+    return float(learner.reports.metrics.registry.get_sample_value(name) or 0.0)
 
 
 def publish(bus: RedisBus, *groups: TrajectoryGroup) -> None:
@@ -104,8 +99,7 @@ def publish(bus: RedisBus, *groups: TrajectoryGroup) -> None:
         assert bus.publish_group(g.group_id, encode_group(g))
 
 
-def test_bad_groups_are_dead_lettered_alone_and_training_goes_on(learner: Learner) -> None:
-    bus = learner.bus
+def test_bad_groups_are_dead_lettered_alone_and_training_goes_on(learner: Learner, bus: RedisBus) -> None:
     learner.cfg.prompts_per_step = 4
     good = [group(10 + i) for i in range(4)]
     publish(bus, good[0], group(20, vocab=1000), good[1], group(21, k=3), group(22, prompt_len=500), good[2])
@@ -116,19 +110,20 @@ def test_bad_groups_are_dead_lettered_alone_and_training_goes_on(learner: Learne
     reasons = {d.item_id: d.reason for d in bus.dead_letters()}
     assert "declares vocab_size 1000" in reasons[group(20, vocab=1000).group_id]
     assert "exceeds the model's context" in reasons[group(22, prompt_len=500).group_id]
-    assert learner.train(batch) is not None and learner.state.step == 1
+    assert learner.step(batch) is not None and learner.state.step == 1
 
 
-def test_a_step_that_raises_sends_its_groups_back_and_dead_letters_the_culprit(learner: Learner) -> None:
-    bus = learner.bus
+def test_a_step_that_raises_sends_its_groups_back_and_dead_letters_the_culprit(
+    learner: Learner, bus: RedisBus
+) -> None:
     good = [group(30 + i) for i in range(3)]
     publish(bus, *good)
     batch = learner.collector.fill(0, lambda: False)
     # A group that slipped past the checks (ids beyond the embedding) makes the forward raise.
     poison = group(40, vocab=1000)
     batch.groups[1] = poison
-    assert learner.train(batch) is None, "the step must fail, not the process"
-    assert learner.state.step == 0 and learner.metrics.step_failures._value.get() == 1
+    assert learner.step(batch) is None, "the step must fail, not the process"
+    assert learner.state.step == 0 and counter(learner, "sparkrl_learner_step_failures_total") == 1
     [letter] = bus.dead_letters()
     assert letter.item_id == good[1].group_id and letter.reason.startswith("fails alone: IndexError")
     # The others are first in line for the next step, still pending (nothing acknowledged, nothing lost).
@@ -137,25 +132,22 @@ def test_a_step_that_raises_sends_its_groups_back_and_dead_letters_the_culprit(l
     publish(bus, group(50))
     retry = learner.collector.fill(0, lambda: False)
     assert {g.group_id for g in retry.groups} == {good[0].group_id, good[2].group_id, group(50).group_id}
-    assert learner.train(retry) is not None and learner.state.step == 1
+    assert learner.step(retry) is not None and learner.state.step == 1
 
 
 def test_a_group_that_fails_two_steps_is_dead_lettered(
-    learner: Learner, monkeypatch: pytest.MonkeyPatch
+    tiny_model_dir: Path,  # noqa: F811
+    bus: RedisBus,
+    tmp_path: Path,
 ) -> None:
-    bus = learner.bus
     publish(bus, *(group(60 + i) for i in range(3)))
-    batch = learner.collector.fill(0, lambda: False)
-    # A failure no group causes on its own (the probe passes): every group goes back, twice at most.
-    import sparkrl.services.learner.learner as learner_module
-
-    def broken(*_: object) -> dict[str, float]:
-        raise RuntimeError("out of memory (simulated)")
-
-    monkeypatch.setattr(learner_module, "compute_update", broken)
-    assert learner.train(batch) is None and bus.dead_letters() == []
-    again = learner.collector.fill(0, lambda: False)
-    assert learner.train(again) is None
+    cfg = settings(tiny_model_dir, tmp_path, "learner.prompts_per_step=3")
+    with learner_loop(cfg, bus, trainer_as=OutOfMemory) as learner:
+        batch = learner.collector.fill(0, lambda: False)
+        # A failure no group causes on its own (the probe passes): every group goes back, twice at most.
+        assert learner.step(batch) is None and bus.dead_letters() == []
+        again = learner.collector.fill(0, lambda: False)
+        assert learner.step(again) is None
     assert {d.item_id for d in bus.dead_letters()} == {g.group_id for g in batch.groups}
     assert all("failed two training steps, last: RuntimeError" in d.reason for d in bus.dead_letters())
 

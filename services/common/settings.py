@@ -638,7 +638,7 @@ def _did_you_mean(path: str) -> str:
     the same section (the deepest section the path names, a variant's tag skipped)."""
     import difflib
 
-    from sparkrl.settings_doc import fields
+    from sparkrl.services.common.settings_fields import fields
 
     known = {re.sub(r"\[[^\]]*\]", "", p) for p, _, _, _ in fields(SparkSettings)}
     sections = {p.rsplit(".", 1)[0] for p in known if "." in p} | {""}

@@ -3,7 +3,7 @@ what the learner says when the run must stop for it or when its final checkpoint
 
 - A step that raises costs its step: its groups go back, and one that fails alone (or twice) is
   dead-lettered with the error.
-- An update whose loss or gradient norm is not finite is not applied (trainer.py drops its gradients);
+- An update whose loss or gradient norm is not finite is not applied (update.py drops its gradients);
   the groups it would have trained go back, but a group whose loss alone is not finite is dead-lettered.
   `learner.max_nonfinite_steps` such steps in a row stop the run: the model or a hyperparameter went
   wrong, not the data, and going on would only burn the data set.
@@ -18,20 +18,18 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
-from deepspeed import DeepSpeedEngine
 
 from sparkrl.proto import TrajectoryGroup
 from sparkrl.services.common.bus import Entry, RedisBus
 from sparkrl.services.common.settings import LearnerSettings
-from sparkrl.services.learner.batch import micro_batches, samples_from_groups
 from sparkrl.services.learner.checkpoint import CheckpointError, nonfinite_tensors
 from sparkrl.services.learner.collect import BatchCollector
 from sparkrl.services.learner.control import LearnerControl, LiveChange
 from sparkrl.services.learner.ledger import Batch
 from sparkrl.services.learner.metrics import LearnerMetrics
 from sparkrl.services.learner.state import TrainState
-from sparkrl.services.learner.trainer import old_policy, token_logp_and_entropy
-from sparkrl.services.learner.update import loss_is_finite, split_applied
+from sparkrl.services.learner.trainer import Trainer
+from sparkrl.services.learner.update import Stats, split_applied
 
 log = logging.getLogger("sparkrl.learner")
 
@@ -123,31 +121,14 @@ def final_checkpoint_failed(error: Exception, step: int, saved_step: int) -> str
     )
 
 
-@torch.no_grad()
-def probe_group(
-    engine: DeepSpeedEngine, group: TrajectoryGroup, cfg: LearnerSettings, pad_id: int
-) -> str | None:
-    """Forward one group alone (what a step does first); the error it raises, or None."""
-    try:
-        for mb in micro_batches(samples_from_groups([group]), cfg.micro_batch_tokens, pad_id):
-            mb = mb.to(engine.device)
-            old_policy(engine.module, mb, cfg)
-            token_logp_and_entropy(engine.module, mb)
-    except Exception as exc:  # whatever broke the step, for this group alone
-        return f"{type(exc).__name__}: {exc}"[:1500]
-    return None
-
-
 @dataclass
 class StepGuard:
     """The learner's part that handles a step gone wrong; `stop` says why the run must end, once so.
-    Group probes run on one rank only: under ZeRO-3 across ranks a forward is a collective."""
+    The trainer probes groups alone (on one rank only: under ZeRO-3 across ranks a forward is a
+    collective, and a step that raises ends the run)."""
 
-    engine: DeepSpeedEngine
+    trainer: Trainer
     cfg: LearnerSettings
-    pad_id: int
-    reference: torch.nn.Module | None
-    one_rank: bool
     bus: RedisBus
     collector: BatchCollector
     control: LearnerControl
@@ -164,12 +145,11 @@ class StepGuard:
         forward pass of it alone), or a second step, is dead-lettered by itself with the error."""
         log.exception("step %d failed on %d groups; probing each", self.state.step + 1, len(batch.groups))
         self.metrics.step_failures.inc()
-        self.engine.zero_grad()  # a half-accumulated gradient must not leak into the next step
         reason = f"{type(error).__name__}: {error}"[:1500]
         back: tuple[list[TrajectoryGroup], list[Entry]] = ([], [])
         for group, entry in zip(batch.groups, batch.entries, strict=True):
             self.failures[group.group_id] = self.failures.get(group.group_id, 0) + 1
-            probe = probe_group(self.engine, group, self.cfg, self.pad_id)
+            probe = self.trainer.probe(group)
             if probe is not None or self.failures[group.group_id] >= 2:
                 why = f"fails alone: {probe}" if probe else f"failed two training steps, last: {reason}"
                 self.metrics.dead_lettered.inc(self.bus.dead_letter("trajectories", entry, why))
@@ -178,12 +158,21 @@ class StepGuard:
             back[1].append(entry)
         self.collector.give_back(*back)
 
-    def not_applied(self, batch: Batch, stats: dict[str, float], journaled: bool) -> Batch | None:
+    def checked(self, batch: Batch, stats: Stats, journaled: bool) -> Batch | None:
+        """The part of `batch` the step's applied updates trained: all of it when none was skipped (the
+        streak of steps not applied ends), else what `not_applied` leaves; None when nothing was trained."""
+        if stats.get("updates_skipped"):
+            return self.not_applied(batch, stats, journaled)
+        self.streak.reset()
+        self.metrics.nonfinite_in_a_row.set(0)
+        return batch
+
+    def not_applied(self, batch: Batch, stats: Stats, journaled: bool) -> Batch | None:
         """An update of the step was not applied: its loss or gradient norm was not finite. The groups no
         applied update trained go back, but one whose loss alone is not finite is dead-lettered; a step
         without such a culprit counts toward `learner.max_nonfinite_steps`. Returns the part that was
         trained (to commit), None when none was. `journaled`: a replay, whose groups cannot go back."""
-        trained, left = split_applied(batch, self.cfg, int(stats.get("updates", 0)))
+        trained, left = split_applied(batch.groups, self.cfg, int(stats.get("updates", 0)))
         self.state.nonfinite_skipped += 1
         self.metrics.nonfinite_skipped.inc()
         if journaled:
@@ -218,13 +207,9 @@ class StepGuard:
     def culprits(self, groups: list[TrajectoryGroup]) -> set[int]:
         """Which of `groups` give a loss that is not finite on their own, when the others do not (all or
         none: the model, or the gradient, is what overflows)."""
-        if not self.one_rank or len(groups) < 2:
+        if len(groups) < 2:
             return set()
-        bad = {
-            n
-            for n, group in enumerate(groups)
-            if not loss_is_finite(self.engine, [group], self.cfg, self.pad_id, self.reference)
-        }
+        bad = {n for n, group in enumerate(groups) if not self.trainer.finite_alone(group)}
         return bad if len(bad) < len(groups) else set()
 
     def publishable(self, weights: dict[str, torch.Tensor], saved_step: int) -> bool:

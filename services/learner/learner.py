@@ -1,10 +1,25 @@
-"""The learner: one process, one loop — control boundary → collect batch → train step → publish weights.
+"""The learner's loop: fill → update → commit → publish → report, between control boundaries.
 
-Groups are acknowledged only after the step that used them; each trained group id is also recorded in
-Redis before the ack, so a crash between the two never trains a group twice. Groups sampled more than
-`max_staleness` versions ago are dropped (acknowledged, counted). Weights go out through a publisher
-thread, so a slow or dead worker never stalls training. Control commands (pause, resume, checkpoint,
-stop, hyperparameters) are applied between steps; a pause keeps the groups in hand and reads no more.
+Words, one per concept:
+
+- **group**: the completions of one prompt, with their rewards (a `TrajectoryGroup` off the stream).
+- **batch**: the groups one step trains on (`learner.prompts_per_step`, more when a burst would go stale).
+- **step**: one batch trained and committed, ending in one new version; counted from 1. The step is the
+  unit of the run's files: `step` in `metrics.jsonl`, `checkpoints/step-N`, `journal/step-N.bin`.
+- **version**: what the learner publishes: the weights after a step (`policy_version`). A worker tags
+  every token it samples with the version it held; staleness is counted in versions.
+- **update**: one optimizer step. A step takes `learner.updates_per_rollout` of them (one by default),
+  each over one **mini-batch** of its groups (update.py).
+- **micro-batch**: one forward/backward, as many padded rows as `learner.micro_batch_tokens` holds.
+- **turn**: one pass of this loop: a control boundary, then a step or a paused wait.
+- **rank**: one process of a data-parallel learner (`learner.ranks`); the trainer hides how many.
+
+The parts: a *trainer* (trainer.py, ranks.py: one rank or N; `update`, `weights`, `save`), the *ledger*
+(ledger.py: exactly-once — journal → trained marks → ack → checkpoint trim), the *collector*
+(collect.py: the next batch off the stream), the *fleet* (fleet.py: the publisher and what the workers
+hold), *control* (control.py: commands applied at the boundary), the *guard* (guard.py: a step that
+raises or is not finite) and the *reports* (reporting.py). Groups are acknowledged only after the step
+that used them; a pause keeps the groups in hand and reads no more.
 """
 
 from __future__ import annotations
@@ -12,172 +27,168 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
-import torch
-from deepspeed import DeepSpeedEngine
-from transformers import PreTrainedTokenizerBase
-
-from sparkrl.proto import ControlCommand, RankOrder, StepMetrics
-from sparkrl.services.common.bus import RedisBus
-from sparkrl.services.common.settings import LearnerSettings, WeightSyncSettings
-from sparkrl.services.common.telemetry import Telemetry
+from sparkrl.proto import ControlCommand, StepMetrics
+from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner.checkpoint import (
     CheckpointError,
-    TrainState,
-    cpu_weights,
-    save_checkpoint,
+    drop_overrides,
+    latest_checkpoint,
+    nonfinite_tensors,
 )
 from sparkrl.services.learner.collect import BatchCollector
 from sparkrl.services.learner.control import LearnerControl, hparams_in_force
-from sparkrl.services.learner.exploration import exploration_stats, spark_tokens
-from sparkrl.services.learner.guard import StepGuard, Streak
+from sparkrl.services.learner.fleet import Fleet
+from sparkrl.services.learner.guard import StepGuard, broken_start, final_checkpoint_failed
 from sparkrl.services.learner.ledger import Batch, Ledger
-from sparkrl.services.learner.metrics import LearnerMetrics
-from sparkrl.services.learner.publisher import WeightPublisher
-from sparkrl.services.learner.ranks import RankLost, Ranks, lost, train_order
-from sparkrl.services.learner.reporting import Reporter, RunLog, fleet_timings, sample_rows, step_row
-from sparkrl.services.learner.tracking import Tracker
-from sparkrl.services.learner.update import compute_update
-from sparkrl.services.learner.validate import ModelLimits
+from sparkrl.services.learner.ranks import RankLost
+from sparkrl.services.learner.reporting import Reports, write_ended
+from sparkrl.services.learner.state import TrainState
+from sparkrl.services.learner.trainer import Trainer
+from sparkrl.services.learner.update import Stats
 
 log = logging.getLogger("sparkrl.learner")
 
-T = TypeVar("T")
-
 PAUSED_POLL_S = 0.2  # how often a paused learner looks at the control stream
-TOP_SPARKS = 10  # sparks per step row, the most frequent
 
 
-Setup = tuple[DeepSpeedEngine, PreTrainedTokenizerBase, TrainState, bool, torch.nn.Module | None]
+@dataclass(frozen=True)
+class Ending:
+    """How the loop ended, for `close` (and `ended.json`)."""
+
+    reason: str | None = None  # a normal end: learner.max_steps reached, the data ran out
+    command: ControlCommand | None = None  # the stop command that ended it (answered at close)
+    crashed: str | None = None  # an exception out of the loop, or out of the start
+
+
+class Clock:
+    """Seconds by part, `timed` into a dict that travels with the step (`time/<part>_s` in its row)."""
+
+    def __init__(self, *parts: str) -> None:
+        self.seconds = dict.fromkeys(parts, 0.0)
+
+    @contextmanager
+    def timed(self, part: str) -> Iterator[None]:
+        mark = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - mark
+
+    def take(self) -> dict[str, float]:
+        """The seconds so far; the clock starts again from zero."""
+        seconds, self.seconds = self.seconds, dict.fromkeys(self.seconds, 0.0)
+        return seconds
 
 
 @dataclass
 class Learner:
-    """The training loop's parts, built once by `main`; `run` is the loop itself."""
+    """The loop's parts, built once (`service.assemble`); `run` is the loop itself."""
 
-    engine: DeepSpeedEngine
-    tokenizer: PreTrainedTokenizerBase
-    bus: RedisBus
-    telemetry: Telemetry
     cfg: LearnerSettings  # live: control commands change it between steps
-    sync: WeightSyncSettings
     run_dir: Path
-    pad_id: int
     state: TrainState
-    publisher: WeightPublisher
+    trainer: Trainer
+    ledger: Ledger
+    collector: BatchCollector
+    fleet: Fleet
     control: LearnerControl
-    reporter: Reporter
-    metrics: LearnerMetrics
-    run_log: RunLog
-    stop: threading.Event
-    ledger: Ledger  # exactly-once: journal → trained marks → ack → checkpoint trim
-    reference: torch.nn.Module | None = None  # the frozen initial model of learner.kl (None: no KL term)
-    tracker: Tracker | None = None  # learner.tracking's backends
-    ranks: Ranks | None = None  # a data-parallel learner's orders to its other ranks (None: one rank)
-    collector: BatchCollector = field(init=False)
-    stop_command: ControlCommand | None = field(default=None, init=False)  # the one that ended the run
-    waited_data: float = field(default=0.0, init=False)  # seconds in `fill` since the last step
-    waited_fleet: float = field(default=0.0, init=False)  # seconds in `fleet_in_reach` since the last step
-    ended: str | None = field(default=None, init=False)  # why the run is over, once it is
-    rank_lost: str | None = field(default=None, init=False)  # why the ranks cannot go on, once so
-    crashed: str | None = field(default=None, init=False)  # an exception out of the loop (service.main)
-    failed: str | None = field(default=None, init=False)  # why the run ends non-zero (service.close)
-    guard: StepGuard = field(init=False)  # a step that raised or was not finite; why the run must stop
+    guard: StepGuard
+    reports: Reports
+    stop: threading.Event  # set by whoever owns the signals: the run ends at the next boundary
 
-    def __post_init__(self) -> None:
-        self.collector = BatchCollector(self.bus, self.cfg, ModelLimits.of(self.engine.module, self.cfg))
-        self.guard = StepGuard(
-            self.engine,
-            self.cfg,
-            self.pad_id,
-            self.reference,
-            self.ranks is None,
-            self.bus,
-            self.collector,
-            self.control,
-            self.metrics,
-            self.state,
-            Streak(self.cfg.max_nonfinite_steps),
-        )
+    def run(self) -> Ending:
+        """Turn until the run is over: the control boundary, then a step or a paused wait."""
+        waited = Clock("wait_data", "wait_fleet")  # since the last step, for its row
+        try:
+            while (ending := self.over()) is None:
+                todo = self.control.boundary(self.state.step)
+                for command in todo.checkpoints:
+                    self.checkpoint_command(command)
+                if todo.stop is not None:
+                    return Ending(command=todo.stop)
+                self.reports.turn(self.control.paused, hparams_in_force(self.trainer.engine, self.cfg))
+                if self.control.paused:
+                    self.idle()
+                    continue
+                with waited.timed("wait_fleet"):
+                    in_reach = self.fleet.in_reach(
+                        self.state.policy_version,
+                        self.cfg.max_staleness,
+                        self.collector.read_ahead,
+                        self.interrupted,
+                    )
+                if not in_reach:
+                    continue  # a command came in: to the boundary first
+                with waited.timed("wait_data"):
+                    batch = self.collector.fill(self.state.policy_version, self.interrupted)
+                if batch is not None:
+                    self.step(batch, waited.take())
+            return ending
+        except RankLost:
+            return Ending()  # the trainer keeps why (`lost`); logged, the run ends non-zero
 
-    def turn(self) -> bool:
-        """One pass of the loop: the control boundary, then a step (or a paused wait). False once the run
-        is over: max_steps, `stop`, or a stop command (kept in `stop_command`, answered at close)."""
-        cfg, state = self.cfg, self.state
-        if self.stop.is_set() or self.stop_command is not None or self.rank_lost or self.guard.stop:
-            return False
-        if cfg.max_steps is not None and state.step >= cfg.max_steps:
-            self.ended = f"learner.max_steps ({cfg.max_steps}) reached"
-            return False
+    def over(self) -> Ending | None:
+        """Why the run is over, once it is: a signal, a guard rail or a lost rank (their reasons are kept
+        where they were found), learner.max_steps, or the data ran out (after its last, partial step)."""
+        cfg = self.cfg
+        if self.stop.is_set() or self.trainer.lost or self.guard.stop:
+            return Ending()
+        if cfg.max_steps is not None and self.state.step >= cfg.max_steps:
+            return Ending(reason=f"learner.max_steps ({cfg.max_steps}) reached")
         if self.collector.exhausted is not None and not self.collector.groups:
-            self.ended = self.collector.exhausted
-            return False
-        todo = self.control.boundary(state.step)
-        for command in todo.checkpoints:
-            try:
-                path = self.checkpoint(command.body.tag)  # type: ignore[union-attr]
-            except CheckpointError as exc:
-                log.error("%s (a checkpoint command); training goes on", exc)
-                self.control.answer(command, "rejected", str(exc), state.step)
-                continue
-            self.control.answer(command, "applied", f"checkpoint {path}", state.step)
-        if todo.stop is not None:
-            self.stop_command = todo.stop
-            return False
-        self.reporter.update(
-            phase="paused" if self.control.paused else "training",
-            hparams=hparams_in_force(self.engine, cfg),
-        )
-        self.metrics.paused.set(float(self.control.paused))
-        if self.control.paused:
-            self.ledger.rebuild_if_wiped()
-            self.collector.keep_alive()
-            self.stop.wait(PAUSED_POLL_S)
-            return True
-        mark = time.perf_counter()
-        in_reach = self.fleet_in_reach()
-        self.waited_fleet += time.perf_counter() - mark
-        if not in_reach:
-            return True  # a command came in: to the boundary first
-        mark = time.perf_counter()
-        batch = self.collector.fill(state.policy_version, self.interrupted)
-        self.waited_data += time.perf_counter() - mark
-        if batch is not None:
-            self.train(batch)
-        return True  # after a last partial step, or none, the next turn sees the data ran out
+            return Ending(reason=self.collector.exhausted)
+        return None
 
-    def fleet_in_reach(self) -> bool:
-        """A slow broadcast costs time, not data: before a step after which the fleet's groups would be too
-        stale to train on, wait (at most `sync.timeout_s`) until every live member holds a version within
-        reach, and has published the older groups it had in hand (reading them ahead meanwhile, so a full
-        stream cannot keep them out). A member the publisher dropped (hung, straggling) is not waited for,
-        nor is anyone once the collector holds all it could train in time. False: interrupted."""
-        version, cfg = self.state.policy_version, self.cfg
-        floor = min(version, version + 1 - cfg.max_staleness)
-        deadline = time.monotonic() + self.sync.timeout_s
-        while True:
-            excluded = set(self.publisher.excluded)
-            held, oldest = self.telemetry.worker_versions(), self.telemetry.worker_oldest_versions()
-            behind = {w: v for w, v in held.items() if w not in excluded and (v or 0) < floor}
-            in_hand = {w: v for w, v in oldest.items() if w not in excluded and (v or 0) < floor}
-            # Groups in hand need room in the stream: read ahead, unless the collector is already full.
-            if not behind and (not in_hand or not self.collector.read_ahead(version)):
-                return True
-            if self.interrupted():
-                return False
-            if time.monotonic() > deadline:
-                log.warning(
-                    "workers %s are still behind version %d after %.0fs; training on",
-                    behind or in_hand,
-                    floor,
-                    self.sync.timeout_s,
-                )
-                return True
-            time.sleep(0.05)
+    def step(
+        self, batch: Batch, waited: dict[str, float] | None = None, journaled: bool = False
+    ) -> StepMetrics | None:
+        """One step: update → commit → publish → report (→ checkpoint); its row. `waited`: the seconds
+        spent waiting for the fleet and the data since the last step. `journaled`: a replay.
+        None: no step was taken (it raised, none of its updates was applied, or its weights are not
+        finite: then `guard.stop` says why the run must end)."""
+        state, clock, started = self.state, Clock(), time.monotonic()
+        updated = self.update(batch, journaled)
+        if updated is None:
+            return None
+        batch, stats, seconds = updated
+        with clock.timed("copy_weights"):
+            weights = self.trainer.weights()
+        if not self.guard.publishable(weights, self.ledger.saved_step):
+            return None
+        state.step, state.policy_version = state.step + 1, state.policy_version + 1
+        with clock.timed("bookkeeping"):
+            acked = self.ledger.commit(state, batch, journaled) + self.collector.take_acked()
+        with clock.timed("publish"):  # the broadcast runs on the publisher's thread
+            self.fleet.publish(state.policy_version, weights)
+        if state.step == self.cfg.max_steps:
+            self.fleet.settle(state.policy_version)
+        hparams = hparams_in_force(self.trainer.engine, self.cfg, batch.groups)
+        timings = (waited or {}) | seconds | clock.seconds
+        seconds_taken = time.monotonic() - started
+        row = self.reports.step(
+            batch, stats, state, seconds_taken, self.fleet.last_sync, hparams, timings, acked, self.cfg
+        )
+        if state.step % self.cfg.checkpoint_every == 0:
+            self.checkpoint_or_log()
+        return row
+
+    def update(self, batch: Batch, journaled: bool) -> tuple[Batch, Stats, Stats] | None:
+        """The step's updates: (the part of `batch` they trained, statistics, seconds by part); None when
+        they trained nothing (the guard sent the groups back, or dead-lettered them)."""
+        try:
+            stats, seconds = self.trainer.update(batch, self.state.step + 1)
+        except RankLost:
+            raise
+        except Exception as exc:  # a bad batch must cost its step, not the process (and every restart)
+            self.guard.failed_step(batch, exc)
+            return None
+        trained = self.guard.checked(batch, stats, journaled)
+        return None if trained is None else (trained, stats, seconds)
 
     def replay(self) -> int:
         """Redo the steps the journal holds after the checkpoint, in order, as the same steps: their
@@ -185,7 +196,7 @@ class Learner:
         replayed = 0
         for step, batch in self.ledger.replay(self.state.step):
             log.info("replaying step %d from the journal (%d groups)", step, len(batch.entries))
-            if self.train(batch, journaled=True) is None:
+            if self.step(batch, {"wait_data": 0.0, "wait_fleet": 0.0}, journaled=True) is None:
                 raise RuntimeError(
                     f"replaying step {step} from {self.ledger.journal.path(step)} failed; see above"
                 )
@@ -194,173 +205,34 @@ class Learner:
             log.info("replayed %d steps from the journal: the model reflects them again", replayed)
         return replayed
 
+    def publish_first(self, broadcast: bool, source: str) -> None:
+        """The version the learner starts from: announced (a fresh run's version 0 is the model every
+        worker loaded already) or, resumed, broadcast. Weights `source` left not finite stop the start."""
+        weights = self.trainer.weights()
+        if names := nonfinite_tensors(weights):  # a checkpoint or model that was saved broken
+            self.guard.weights_broken = True
+            self.guard.stop = broken_start(names, self.state.step, source)
+            raise RuntimeError(self.guard.stop)
+        self.fleet.publish(self.state.policy_version, weights, broadcast=broadcast)
+
     def interrupted(self) -> bool:
         self.ledger.rebuild_if_wiped()  # between reads: before the next group's trained mark is looked up
         return self.stop.is_set() or self.control.pending()
 
-    def train(self, batch: Batch, journaled: bool = False) -> StepMetrics | None:
-        """One optimizer step on `batch`: update, journal, acknowledge, publish, report, maybe checkpoint.
-        `journaled`: a replay, whose entries are in the journal already. None: no step was taken (it
-        raised, or none of its update was applied: its groups went back), or the run must stop
-        (`guard.stop`)."""
-        cfg, state = self.cfg, self.state
-        started = time.monotonic()
-        timings = {"wait_data": self.waited_data, "wait_fleet": self.waited_fleet}
-        self.waited_data = self.waited_fleet = 0.0
-        stats = self.update(batch, timings)
-        if stats is None:
-            return None
-        if stats.get("updates_skipped"):
-            applied = self.guard.not_applied(batch, stats, journaled)
-            if applied is None:
-                return None
-            batch = applied
-        else:
-            self.guard.streak.reset()
-            self.metrics.nonfinite_in_a_row.set(0)
-        mark = time.perf_counter()
-        weights = self.full_weights()
-        if not self.guard.publishable(weights, self.ledger.saved_step):
-            return None
-        timings["copy_weights"] = time.perf_counter() - mark
-        state.step += 1
-        state.policy_version += 1
-        mark = time.perf_counter()
-        acked = self.ledger.commit(state, batch, journaled) + self.collector.take_acked()
-        timings["bookkeeping"], mark = time.perf_counter() - mark, time.perf_counter()
-        self.publisher.submit(state.policy_version, weights)
-        timings["publish"] = time.perf_counter() - mark  # the broadcast runs on the publisher's thread
-        if state.step == cfg.max_steps:
-            self.settle_fleet()
-        depth = (self.bus.pending_info("trajectories"), self.bus.pending_info("prompts"))
-        fleet = self.telemetry.live_workers()
-        row = step_row(
-            batch,
-            stats,
-            state,
-            time.monotonic() - started,
-            self.publisher.last_sync,
-            {w: s.policy_version for w, s in fleet.items()},
-            depth,
-            hparams_in_force(self.engine, cfg, batch.groups),
-            timings | fleet_timings(fleet.values()),
-            exploration_stats(batch.groups, cfg.proxy_kappa),
-            self._top_sparks(batch),
-        )
-        self.run_log.write_step(row, state)
-        self.run_log.write_samples(sample_rows(state.step, batch.groups, cfg.samples_per_step))
-        if self.tracker is not None:
-            self.tracker.log(row)
-        self.telemetry.append(row)
-        self.metrics.observe_step(row, len(batch.groups), acked)
-        self.reporter.update(row=row)
-        if state.step % cfg.checkpoint_every == 0:
-            self.checkpoint_or_log()
-        return row
-
-    def settle_fleet(self) -> None:
-        """At the last step: the last row should show where the fleet ends up, not where it was
-        mid-broadcast; and a worker outside the group (it joined late, or is still loading) catches up
-        over HTTP while we still serve the snapshot: a fleet under compose or Kubernetes outlives us."""
-        self.publisher.flush(self.sync.timeout_s)
-        fleet = tuple(dict.fromkeys([*self.publisher.members, *self.telemetry.worker_versions()]))
-        self.telemetry.wait_for_fleet(fleet, self.state.policy_version, timeout_s=self.sync.timeout_s)
-
-    def update(self, batch: Batch, timings: dict[str, float]) -> dict[str, float] | None:
-        """The step's update (compute_update) on every rank; None: it raised, and `failed_step` sent its
-        groups back (one rank; across ranks a failure ends the run)."""
-        cfg, state = self.cfg, self.state
-        if self.ranks is not None:
-            ranks = self.ranks
-
-            def update() -> dict[str, float]:
-                ranks.send(train_order(batch.groups, cfg, state.step + 1))
-                return compute_update(
-                    self.engine, batch, cfg, self.pad_id, state.step + 1, self.reference, timings, ranks
-                )
-
-            return self.collective(f"step {state.step + 1}", update)
-        try:
-            return compute_update(
-                self.engine, batch, cfg, self.pad_id, state.step + 1, self.reference, timings
-            )
-        except Exception as exc:  # a bad batch must cost its step, not the process (and every restart)
-            self.guard.failed_step(batch, exc)
-            return None
-
-    def _top_sparks(self, batch: Batch) -> dict[str, int]:
-        top: dict[str, int] = {}
-        for token_id, count in spark_tokens(batch.groups).most_common(TOP_SPARKS):
-            text = self.tokenizer.decode([token_id])  # two ids may decode alike: their counts add up
-            top[text] = top.get(text, 0) + count
-        return top
-
-    def collective(self, what: str, run: Callable[[], T]) -> T:
-        """`run` a part every learner rank takes part in; any failure ends the run (`rank_lost`), as
-        RankLost naming what to do. One rank: just `run`."""
-        if self.ranks is None:
-            return run()
-        try:
-            return run()
-        except Exception as exc:
-            error = lost(what, exc, self.ledger.saved_step)
-            self.rank_lost = str(error)
-            log.error("%s", error)
-            raise error from exc
-
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """A CPU copy of the weights to publish; under ZeRO-3 across ranks, every rank gathers."""
-        if self.ranks is None or self.cfg.zero_stage != 3:
-            return cpu_weights(self.engine)
-        ranks = self.ranks
-
-        def gather() -> dict[str, torch.Tensor]:
-            ranks.send(RankOrder(kind="gather"))
-            return cpu_weights(self.engine)
-
-        return self.collective("gathering the weights", gather)
-
-    def release_ranks(self) -> None:
-        """The other ranks may exit: the run is over (nothing to tell once one is lost)."""
-        if self.ranks is not None and self.rank_lost is None:
-            ranks = self.ranks
-            try:
-                self.collective("the stop", lambda: ranks.send(RankOrder(kind="stop")))
-            except RankLost:
-                return  # logged: the process exits non-zero
-            torch.distributed.destroy_process_group()  # now, not at interpreter exit (see follower.py)
-
-    def _order_save(self, path: Path) -> None:
-        if self.ranks is not None:
-            self.ranks.send(RankOrder(kind="save", path=str(path)))
+    def idle(self) -> None:
+        """A paused turn: the groups in hand are kept (alive), none is read."""
+        self.ledger.rebuild_if_wiped()
+        self.collector.keep_alive()
+        self.stop.wait(PAUSED_POLL_S)
 
     def checkpoint(self, tag: str | None) -> Path:
-        """Write a checkpoint, then trim the journal up to it. Raises CheckpointError, trimming nothing:
-        the journal must keep every step since the last checkpoint that was written."""
-        previous = self.reporter.report.phase
-        self.reporter.update(phase="checkpointing")
-        self.state.hparam_overrides = dict(self.control.overrides)
-        try:
-            path = self.collective(
-                "the checkpoint",
-                lambda: save_checkpoint(
-                    self.engine,
-                    self.tokenizer,
-                    self.run_dir,
-                    self.state,
-                    self.cfg.keep_checkpoints,
-                    tag,
-                    before_save=self._order_save,
-                ),
-            )
-        except CheckpointError:
-            self.metrics.checkpoint_failures.inc()
-            raise
-        finally:
-            self.reporter.update(phase=previous)
+        """Write a checkpoint, then let the ledger trim the journal up to it. Raises CheckpointError,
+        trimming nothing: the journal must keep every step since the last checkpoint that was written."""
+        with self.reports.checkpointing():
+            self.state.hparam_overrides = dict(self.control.overrides)
+            path = self.trainer.save(self.state, tag)
         self.ledger.checkpointed(self.state.step)
-        self.metrics.checkpoints.inc()
-        self.reporter.update(last_checkpoint=str(path))
+        self.reports.checkpointed(path)
         return path
 
     def checkpoint_or_log(self) -> None:
@@ -375,3 +247,58 @@ class Learner:
                 self.state.step - self.ledger.saved_step,
                 self.ledger.saved_step,
             )
+
+    def checkpoint_command(self, command: ControlCommand) -> None:
+        """A checkpoint command, answered with the checkpoint or why it could not be written."""
+        try:
+            path = self.checkpoint(command.body.tag)  # type: ignore[union-attr]
+        except CheckpointError as exc:
+            log.error("%s (a checkpoint command); training goes on", exc)
+            self.control.answer(command, "rejected", str(exc), self.state.step)
+            return
+        self.control.answer(command, "applied", f"checkpoint {path}", self.state.step)
+
+    def close(self, ending: Ending) -> str | None:
+        """The final checkpoint first (disk only, before anything that may wait on the network), then the
+        stop command's answer and the last broadcast. `ended.json` says why the run ended. Returns why it
+        ends non-zero (None: it does not)."""
+        state, command, guard = self.state, ending.command, self.guard
+        keep = command is None or command.body.checkpoint  # type: ignore[union-attr]
+        # Never a checkpoint the ranks cannot all write, nor one of weights that are not finite.
+        keep = keep and self.trainer.lost is None and not guard.weights_broken
+        causes = [why for why in (self.trainer.lost, ending.crashed, guard.stop) if why]  # each ends non-zero
+        final_failed = self.final_checkpoint() if keep and state.step > self.ledger.saved_step else None
+        keep = keep and final_failed is None
+        suspect, latest = guard.suspect, latest_checkpoint(self.run_dir)
+        if suspect is not None and latest is not None:
+            try:
+                drop_overrides(latest, list(suspect.values))  # an older checkpoint may carry it
+            except OSError as exc:
+                log.warning("%s still carries %s: %s", latest, suspect.describe(), exc)
+        self.trainer.close()
+        self.reports.phase("stopping")
+        if command is not None:
+            where = f"; checkpoint {self.reports.last_checkpoint}" if keep else ""
+            self.control.answer(command, "applied", f"stopped at step {state.step}{where}", state.step)
+        self.fleet.close()
+        final = [final_failed] if final_failed else []
+        normal = ending.reason or ("a stop command" if command is not None else "stopped (signal)")
+        ended = "; then ".join(causes + final if causes else [normal, *final])
+        write_ended(self.run_dir, ended, state.step, self.collector.counts)
+        self.reports.close()
+        log.info(
+            "learner stopped at step %d (policy version %d): %s", state.step, state.policy_version, ended
+        )
+        return "; then ".join(causes + final) or None
+
+    def final_checkpoint(self) -> str | None:
+        """The run's last checkpoint; why it failed, if it did (a lost rank is not its failure)."""
+        try:
+            self.checkpoint(None)
+        except RankLost:
+            log.warning("no final checkpoint: the learner's ranks cannot all write theirs (see above)")
+        except Exception as exc:  # a disk full or gone (CheckpointError), or DeepSpeed's own error
+            why = final_checkpoint_failed(exc, self.state.step, self.ledger.saved_step)
+            log.error("%s", why, exc_info=not isinstance(exc, CheckpointError))
+            return why
+        return None

@@ -18,8 +18,46 @@ _SYNC_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 
 class LearnerMetrics:
     """Counters, gauges and histograms of the training loop and the weight broadcast."""
 
+    registry: CollectorRegistry
+    steps: Counter
+    step_seconds: Histogram
+    groups_trained: Counter
+    groups_dropped: Counter
+    acked: Counter
+    tokens: Counter
+    step: Gauge
+    policy_version: Gauge
+    loss: Gauge
+    reward: Gauge
+    entropy: Gauge
+    reg_tokens: Gauge
+    paused: Gauge
+    commands: Counter
+    checkpoints: Counter
+    step_failures: Counter
+    nonfinite_skipped: Counter
+    nonfinite_in_a_row: Gauge
+    checkpoint_failures: Counter
+    dead_lettered: Counter
+    sync_seconds: Histogram
+    sync_bytes: Counter
+    sync_failures: Counter
+    sync_version: Gauge
+    sync_members: Gauge
+
     def __init__(self) -> None:
-        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._loop_metrics(self.registry)
+        self._sync_metrics(self.registry)
+        # Every labelled series exists at zero from the first scrape: a rate() over it needs no special case.
+        for phase in ("join", "connect", "transfer", "verify"):
+            self.sync_failures.labels(phase)
+        for command in ("pause", "resume", "stop", "checkpoint", "set_hparams"):
+            for outcome in ("applied", "rejected"):
+                self.commands.labels(command, outcome)
+
+    def _loop_metrics(self, r: CollectorRegistry) -> None:
+        """The training loop's: steps, groups, the last step's numbers, commands, what went wrong."""
         self.steps = Counter("sparkrl_learner_steps", "Optimizer steps taken.", registry=r)
         self.step_seconds = Histogram(
             "sparkrl_learner_step_seconds", "Wall time of one step.", buckets=_STEP_BUCKETS, registry=r
@@ -47,6 +85,9 @@ class LearnerMetrics:
             "sparkrl_learner_commands", "Control commands answered.", ["command", "outcome"], registry=r
         )
         self.checkpoints = Counter("sparkrl_learner_checkpoints", "Checkpoints written.", registry=r)
+        self._failure_metrics(r)
+
+    def _failure_metrics(self, r: CollectorRegistry) -> None:
         self.step_failures = Counter(
             "sparkrl_learner_step_failures", "Steps that raised (their groups went back).", registry=r
         )
@@ -68,6 +109,9 @@ class LearnerMetrics:
         self.dead_lettered = Counter(
             "sparkrl_learner_groups_dead_lettered", "Groups dead-lettered by the learner.", registry=r
         )
+
+    def _sync_metrics(self, r: CollectorRegistry) -> None:
+        """The weight broadcast's."""
         self.sync_seconds = Histogram(
             "sparkrl_sync_seconds",
             "Broadcast wall time, announce to every checksum acknowledged.",
@@ -80,12 +124,6 @@ class LearnerMetrics:
         )
         self.sync_version = Gauge("sparkrl_sync_version", "Newest version every member holds.", registry=r)
         self.sync_members = Gauge("sparkrl_sync_members", "Members of the newest broadcast.", registry=r)
-        # Every labelled series exists at zero from the first scrape: a rate() over it needs no special case.
-        for phase in ("join", "connect", "transfer", "verify"):
-            self.sync_failures.labels(phase)
-        for command in ("pause", "resume", "stop", "checkpoint", "set_hparams"):
-            for outcome in ("applied", "rejected"):
-                self.commands.labels(command, outcome)
 
     def observe_step(self, row: StepMetrics, groups: int, acked: int) -> None:
         self.steps.inc()

@@ -1,40 +1,51 @@
-"""A data-parallel learner (`learner.ranks`): rank 0 runs the loop, the other ranks follow its orders.
+"""A data-parallel learner (`learner.ranks`): rank 0 runs the loop with a `ManyRanks` trainer; the other
+ranks `follow` its orders.
 
 Rank 0 alone reads the bus, acknowledges, records the trained ids, reports, writes checkpoints' own files
-and publishes weights. Whatever needs every rank, it first announces with a `RankOrder` broadcast on a
-gloo group of the learner's ranks:
+and publishes weights. Whatever needs every rank, its trainer first announces with a `RankOrder` broadcast
+on a gloo group of the learner's ranks:
 
 - `train`: every rank builds the step's micro-batches from the same groups, the same way, and takes its
   share (`Ranks.share`: every `size`-th one, padded with empty ones so that every rank runs as many
-  forward/backward passes as the others); the token-mean's divisor is the step's global token count, so
-  the averaged gradient is the single-rank one (`train_step` scales each rank's loss by the DP size,
+  forward/backward passes as the others); the token-mean's divisor is the update's global token count, so
+  the averaged gradient is the single-rank one (`apply_update` scales each rank's loss by the DP size,
   which DeepSpeed's gradient averaging divides out).
 - `gather`: ZeRO-3's partitions are gathered for a full copy of the weights (a collective).
 - `save`: DeepSpeed's checkpoint (each rank writes its optimizer partitions).
 - `stop`: the run is over.
 
-A rank that dies fails the next collective on the others: rank 0 ends the step with `RankLost`, writes
-no checkpoint (the last complete one stays `latest`) and exits non-zero; the launcher stops the rest.
-`--resume` restores every rank from that checkpoint and replays the journal: no group is trained twice.
+A rank that dies fails the next collective on the others: rank 0's trainer raises `RankLost` (and keeps
+why in `lost`), the run writes no checkpoint (the last complete one stays `latest`) and exits non-zero;
+the launcher stops the rest. `--resume` restores every rank from that checkpoint and replays the
+journal: no group is trained twice.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from sparkrl.proto import RankOrder, TrajectoryGroup, decode_group, encode_group
-from sparkrl.services.common.settings import LearnerSettings
+from sparkrl.services.common.settings import LearnerSettings, SparkSettings
 from sparkrl.services.learner.batch import MicroBatch
+from sparkrl.services.learner.checkpoint import cpu_weights, join_gather, save_checkpoint, save_partitions
+from sparkrl.services.learner.ledger import Batch
+from sparkrl.services.learner.startup import watchdog
+from sparkrl.services.learner.state import TrainState
+from sparkrl.services.learner.trainer import Loaded, OneRank, Trainer, load
+from sparkrl.services.learner.update import Stats, run_updates
 
-log = logging.getLogger("sparkrl.learner.ranks")
+log = logging.getLogger("sparkrl.learner")
 
 # Followers wait for rank 0's next order as long as the run lasts (a paused learner may idle for hours);
 # a dead rank 0 fails the wait at once (its connections close), so this only bounds a hung one.
@@ -53,16 +64,6 @@ def world() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def lost(what: str, error: BaseException, last_checkpoint: int | None) -> RankLost:
-    since = f"step {last_checkpoint}" if last_checkpoint else "the start (no checkpoint yet)"
-    return RankLost(
-        f"{what} failed on the learner's ranks — a rank died, cannot be reached, or raised "
-        f"({type(error).__name__}: {str(error)[:300]}). The run stops here without a new checkpoint; "
-        f"`--resume` continues from the last one ({since}) and replays the journal, so no group is "
-        "trained twice."
-    )
 
 
 @dataclass
@@ -93,19 +94,19 @@ class Ranks:
             raise RuntimeError(f"rank 0 sent {type(box[0]).__name__}, not a RankOrder")
         return box[0]
 
-    def share(self, items: list[T], empty: Callable[[], T]) -> list[T]:
-        """This rank's every `size`-th item (the micro-batches are sorted by length: the shares balance),
-        padded with `empty()` up to the largest share, so that every rank runs as many passes."""
-        count = -(-len(items) // self.size)
-        mine = items[self.rank :: self.size]
-        return mine + [empty() for _ in range(count - len(mine))]
+    def share(self, micro: list[MicroBatch]) -> list[MicroBatch]:
+        """This rank's every `size`-th micro-batch (they are sorted by length: the shares balance), padded
+        with empty ones up to the largest share, so that every rank runs as many passes."""
+        count = -(-len(micro) // self.size)
+        mine = micro[self.rank :: self.size]
+        return mine + [empty_like(micro[0]) for _ in range(count - len(mine))]
 
-    def sum_stats(self, stats: dict[str, float]) -> dict[str, float]:
-        """The step's statistics over every rank: each rank's are its share of the global numbers (token
+    def sum_stats(self, stats: Stats) -> Stats:
+        """The update's statistics over every rank: each rank's are its share of the global numbers (token
         shares of the global count), so they add up; a rank with only padding has fewer keys."""
-        every: list[dict[str, float] | None] = [None] * self.size
+        every: list[Stats | None] = [None] * self.size
         dist.all_gather_object(every, stats, group=self.group)
-        total: dict[str, float] = {}
+        total: Stats = {}
         for part in every:
             for key, value in (part or {}).items():
                 if key in NOT_SUMMED:
@@ -113,20 +114,6 @@ class Ranks:
                 else:
                     total[key] = total.get(key, 0.0) + value
         return total
-
-
-def train_order(groups: list[TrajectoryGroup], cfg: LearnerSettings, step: int) -> RankOrder:
-    return RankOrder(
-        kind="train", step=step, groups=[encode_group(g) for g in groups], learner=cfg.model_dump(mode="json")
-    )
-
-
-def order_groups(order: RankOrder) -> list[TrajectoryGroup]:
-    return [decode_group(data) for data in order.groups]
-
-
-def order_settings(order: RankOrder) -> LearnerSettings:
-    return LearnerSettings.model_validate(order.learner)
 
 
 def empty_like(mb: MicroBatch) -> MicroBatch:
@@ -142,3 +129,162 @@ def empty_like(mb: MicroBatch) -> MicroBatch:
         advantages=torch.zeros_like(mb.advantages[:1, :1]),
         temperature=mb.temperature[:1],
     )
+
+
+@dataclass
+class ManyRanks:
+    """Rank 0's trainer: its own share of every update, as `local` would train it alone, each call that
+    needs every rank ordered first. Any failure of such a call ends the run (`RankLost`, `lost`)."""
+
+    local: OneRank
+    ranks: Ranks
+    saved_step: int  # the newest checkpoint's step: where `--resume` goes on from
+    lost: str | None = None
+
+    @property
+    def engine(self):  # type: ignore[no-untyped-def]  (the protocol's attribute)
+        return self.local.engine
+
+    def update(self, batch: Batch, step: int) -> tuple[Stats, Stats]:
+        cfg, local = self.local.cfg, self.local
+
+        def run() -> tuple[Stats, Stats]:
+            order = RankOrder(
+                kind="train",
+                step=step,
+                groups=[encode_group(g) for g in batch.groups],
+                learner=cfg.model_dump(mode="json"),
+            )
+            self.ranks.send(order)
+            return run_updates(
+                local.engine, batch.groups, cfg, local.pad_id, step, local.reference, self.ranks
+            )
+
+        return self._collective(f"step {step}", run)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        if self.local.cfg.zero_stage != 3:  # the full weights are on this rank already
+            return cpu_weights(self.engine)
+
+        def gather() -> dict[str, torch.Tensor]:
+            self.ranks.send(RankOrder(kind="gather"))
+            return cpu_weights(self.engine)
+
+        return self._collective("gathering the weights", gather)
+
+    def save(self, state: TrainState, tag: str | None) -> Path:
+        local = self.local
+
+        def save() -> Path:
+            return save_checkpoint(
+                local.engine,
+                local.tokenizer,
+                local.run_dir,
+                state,
+                local.cfg.keep_checkpoints,
+                tag,
+                before_save=lambda path: self.ranks.send(RankOrder(kind="save", path=str(path))),
+            )
+
+        path = self._collective("the checkpoint", save)
+        self.saved_step = state.step
+        return path
+
+    def probe(self, group: TrajectoryGroup) -> str | None:
+        return None  # never asked: an update that raises ends the run (RankLost)
+
+    def finite_alone(self, group: TrajectoryGroup) -> bool:
+        return True  # cannot tell on one rank: under ZeRO-3 across ranks a forward is a collective
+
+    def close(self) -> None:
+        """The other ranks may exit (nothing to tell once one is lost)."""
+        if self.lost is not None:
+            return
+        try:
+            self._collective("the stop", lambda: self.ranks.send(RankOrder(kind="stop")))
+        except RankLost:
+            return  # logged: the process exits non-zero
+        dist.destroy_process_group()  # now, not at interpreter exit (see `follow`)
+
+    def _collective(self, what: str, run: Callable[[], T]) -> T:
+        """`run` a part every rank takes part in; any failure ends the run, as RankLost naming what to do."""
+        try:
+            return run()
+        except Exception as exc:
+            since = f"step {self.saved_step}" if self.saved_step else "the start (no checkpoint yet)"
+            error = RankLost(
+                f"{what} failed on the learner's ranks — a rank died, cannot be reached, or raised "
+                f"({type(exc).__name__}: {str(exc)[:300]}). The run stops here without a new checkpoint; "
+                f"`--resume` continues from the last one ({since}) and replays the journal, so no group is "
+                "trained twice."
+            )
+            self.lost = str(error)
+            log.error("%s", error)
+            raise error from exc
+
+
+def trainer_for(cfg: SparkSettings, loaded: Loaded) -> Trainer:
+    """Rank 0's trainer: `OneRank`, or `ManyRanks` under a launcher that started several (joining the
+    orders' group is a collective: every rank does it right after its engine is built)."""
+    ranks = Ranks.join()
+    local = OneRank(loaded.engine, loaded.tokenizer, cfg.learner, Path(cfg.run_dir), loaded.reference)
+    if ranks is None:
+        if cfg.learner.ranks > 1:
+            log.warning(
+                "learner.ranks is %d but this learner was started alone: training as one rank (`sparkrl up` "
+                "starts the ranks under torchrun; elsewhere run `torchrun --nproc-per-node=%d -m "
+                "sparkrl.cli learner …`)",
+                cfg.learner.ranks,
+                cfg.learner.ranks,
+            )
+        return local
+    log.info("learner rank 0 of %d: reads the bus and orders the others", ranks.size)
+    return ManyRanks(local, ranks, loaded.state.step)
+
+
+def follow(cfg: SparkSettings, resume: bool) -> None:
+    """A rank other than the first: the same engine (restored like rank 0's when resuming), then rank 0's
+    orders until `stop`. It reads no bus, serves nothing and writes no file of its own but its checkpoint
+    partitions; it keeps no state between orders but the engine's."""
+    guard = watchdog(cfg.learner.startup_timeout_s)
+    loaded = load(cfg, resume)
+    ranks = Ranks.join()
+    guard.cancel()
+    if ranks is None:
+        raise RuntimeError("follow() is for the learner's ranks other than the first; this is rank 0 of 1")
+    _leave_stops_to_rank_0(ranks.rank)
+    pad_id = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
+    log.info(
+        "learner rank %d of %d up at step %d: following rank 0", ranks.rank, ranks.size, loaded.state.step
+    )
+    while True:
+        order = ranks.receive()
+        if order.kind == "train":
+            groups = [decode_group(data) for data in order.groups]
+            settings = LearnerSettings.model_validate(order.learner)
+            run_updates(loaded.engine, groups, settings, pad_id, order.step, loaded.reference, ranks)
+        elif order.kind == "gather":
+            join_gather(loaded.engine)
+        elif order.kind == "save":
+            save_partitions(loaded.engine, Path(order.path or ""))
+        else:
+            log.info("learner rank %d: rank 0 says the run is over", ranks.rank)
+            break
+    # Torn down here, not at interpreter exit (where gloo's threads have aborted the process).
+    dist.destroy_process_group()
+
+
+def _leave_stops_to_rank_0(rank: int) -> None:
+    """SIGTERM/SIGINT reach every rank at once (a launcher signals its whole group): rank 0 finishes its
+    step and orders the final checkpoint, which needs this rank alive, then `stop`. Until the engine is
+    built a signal ends the start at once, as on rank 0; a launcher's SIGKILL still ends a hung rank."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum: int, _frame: object) -> None:
+        log.info(
+            "learner rank %d: signal %d; rank 0 leads the stop (final checkpoint, then stop)", rank, signum
+        )
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)

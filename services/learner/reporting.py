@@ -1,12 +1,15 @@
-"""What the learner reports: the step row, its heartbeat, and the run's files.
+"""What the learner reports, all through `Reports`: each step's row, its heartbeat, the sync events, and
+the run's files.
 
 - `step_row` builds the one `StepMetrics` per step (namespaced metrics, the fleet's versions, the
   hyperparameters in force).
-- `Reporter` is the learner's heartbeat: a thread re-publishing its `LearnerStatus` every couple of
-  seconds, so the control plane sees it alive through a long step, and a `StateEvent` on each change.
+- `Heartbeat` (heartbeat.py) re-publishes the learner's status every couple of seconds.
 - `RunLog` appends `metrics.jsonl`, `trained_groups.jsonl` (the audit trail of "each group is trained
-  once") and `weights.jsonl` (the sync history) to the run directory, flushed per record: the record of
-  the run for `sparkrl report`, never read back to learn the live state.
+  once", which the ledger rebuilds the trained marks from) and `weights.jsonl` (the sync history) to the
+  run directory, flushed per record: the record of the run for `sparkrl report`, never read back to learn
+  the live state.
+- `Reports` sends a step row everywhere it goes: those files, the trackers, the telemetry channel,
+  Prometheus (metrics.py) and the heartbeat.
 """
 
 from __future__ import annotations
@@ -16,27 +19,29 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-from sparkrl.proto import (
-    HparamValue,
-    LearnerStatus,
-    StateEvent,
-    StepMetrics,
-    SyncEvent,
-    TrajectoryGroup,
-    WorkerStatus,
-)
+from transformers import PreTrainedTokenizerBase
+
+from sparkrl.proto import HparamValue, StepMetrics, SyncEvent, TrajectoryGroup, WorkerStatus
 from sparkrl.proto.run_files import PromptCounts
 from sparkrl.services.common.bus import QueueDepth
-from sparkrl.services.common.telemetry import LEARNER, LEARNER_HEARTBEAT_S, Telemetry
+from sparkrl.services.common.settings import LearnerSettings
+from sparkrl.services.common.telemetry import Telemetry
+from sparkrl.services.learner.checkpoint import CheckpointError
+from sparkrl.services.learner.exploration import exploration_stats, spark_tokens
+from sparkrl.services.learner.heartbeat import Heartbeat
 from sparkrl.services.learner.ledger import Batch
-from sparkrl.services.learner.publisher import WeightPublisher
+from sparkrl.services.learner.metrics import LearnerMetrics
 from sparkrl.services.learner.state import TrainState
+from sparkrl.services.learner.tracking import Tracker
 
 log = logging.getLogger("sparkrl.learner")
+
+TOP_SPARKS = 10  # sparks per step row, the most frequent
 
 
 def _finite(value: float | None) -> float | None:
@@ -65,7 +70,7 @@ def step_row(
     exploration: dict[str, float] | None = None,
     top_sparks: dict[str, int] | None = None,
 ) -> StepMetrics:
-    """The step's row. `stats` are train_step's (loss statistics); `depth` is (trajectories, prompts);
+    """The step's row. `stats` are the trainer's (loss statistics); `depth` is (trajectories, prompts);
     `timings` (seconds by part: the learner's, and the fleet's `worker_*`) become `time/<part>_s`;
     `exploration` is exploration.py's `explore/*`."""
     rewards = [r for g in batch.groups for r in g.rewards]
@@ -108,115 +113,6 @@ def step_row(
         hparams=hparams,
         top_sparks=top_sparks or {},
     )
-
-
-@dataclass
-class LearnerReport:
-    """The learner's status fields that change as it runs; the loop writes, the heartbeat reads."""
-
-    phase: str = "starting"
-    row: StepMetrics | None = None
-    hparams: dict[str, HparamValue] = field(default_factory=dict)
-    last_checkpoint: str | None = None
-
-
-class StatusSource:
-    """Builds the status from the report, the train state and the publisher (callable)."""
-
-    def __init__(
-        self,
-        publisher: WeightPublisher,
-        max_steps: int | None,
-        data_steps: Callable[[TrainState], int | None] = lambda state: None,
-    ) -> None:
-        """`data_steps`: where the data ends the run (None: not known, or no end), `data_end.py`."""
-        self.publisher, self.max_steps, self.data_steps = publisher, max_steps, data_steps
-
-    def limit(self, state: TrainState) -> int | None:
-        """Where the run ends: learner.max_steps, or sooner where the data runs out."""
-        ends = [n for n in (self.max_steps, self.data_steps(state)) if n is not None]
-        return max(1, min(ends)) if ends else None
-
-    def __call__(self, report: LearnerReport, state: TrainState) -> LearnerStatus:
-        row, sync = report.row, self.publisher.last_sync
-        return LearnerStatus(
-            step=state.step,
-            policy_version=state.policy_version,
-            state=report.phase,
-            groups_trained=state.groups_trained,
-            groups_dropped_stale=state.groups_dropped_stale,
-            last_loss=row.value("loss/value") if row else None,
-            last_reward=row.value("rollout/reward_mean") if row else None,
-            last_entropy=row.value("loss/entropy") if row else None,
-            tokens_per_s=row.value("time/tokens_per_s") if row else None,
-            last_sync_seconds=sync.seconds if sync else None,
-            group_epoch=self.publisher.epoch,
-            members=list(self.publisher.members),
-            max_steps=self.limit(state),
-            last_checkpoint=report.last_checkpoint,
-            hyperparameters=report.hparams,
-            heartbeat_at=time.time(),
-        )
-
-
-class Reporter(threading.Thread):
-    """Publishes `LearnerStatus` every LEARNER_HEARTBEAT_S and as soon as `update` changes it, plus a
-    `StateEvent` per change. All network work happens on this thread: `update` never blocks the loop
-    (a Redis that is down must not keep the learner from writing its checkpoint)."""
-
-    def __init__(self, telemetry: Telemetry, state: TrainState, status_of: StatusSource) -> None:
-        super().__init__(name="learner-heartbeat", daemon=True)
-        self.telemetry, self.state, self.status_of = telemetry, state, status_of
-        self.report = LearnerReport()
-        self.stopped = threading.Event()
-        self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._events: list[StateEvent] = []
-
-    def update(self, **changes: object) -> None:
-        """Change the report (phase, row, hparams, last_checkpoint); the thread publishes it at once."""
-        with self._lock:
-            previous = self.report.phase
-            self.report = replace(self.report, **changes)  # type: ignore[arg-type]
-            if self.report.phase != previous:
-                self._events.append(
-                    StateEvent(
-                        target=LEARNER,
-                        state=self.report.phase,
-                        previous=previous,
-                        step=self.state.step,
-                        at=time.time(),
-                    )
-                )
-        self._wake.set()
-
-    def run(self) -> None:
-        while not self.stopped.is_set():
-            self._wake.wait(LEARNER_HEARTBEAT_S)
-            self._wake.clear()
-            self.beat()
-
-    def close(self, timeout_s: float = 5.0) -> None:
-        """A last beat (the final state), then stop; bounded, so a dead Redis cannot hold the exit."""
-        self.stopped.set()
-        self._wake.set()
-        self.join(timeout_s)
-        if not self.is_alive():
-            self.beat()
-
-    def beat(self) -> None:
-        with self._lock:
-            report, events, self._events = self.report, self._events, []
-        for event in events:
-            self._safely(lambda event=event: self.telemetry.append(event))
-        self._safely(lambda: self.telemetry.put_learner(self.status_of(report, self.state)))
-
-    @staticmethod
-    def _safely(call: Callable[[], object]) -> None:
-        try:
-            call()
-        except Exception:  # a missed beat must never kill the learner; the next one retries
-            log.exception("learner heartbeat failed")
 
 
 class RunLog:
@@ -296,3 +192,98 @@ def write_ended(run_dir: Path, reason: str, step: int, prompts: PromptCounts | N
     if prompts is not None:
         ended["prompts"] = prompts.model_dump()
     (run_dir / ENDED_FILE).write_text(json.dumps(ended))
+
+
+@dataclass
+class Reports:
+    """Where the learner's account of itself goes: each step's row (`step`), its phase and hyperparameters
+    (the heartbeat), each sync event (`sync`), checkpoints and commands (Prometheus)."""
+
+    telemetry: Telemetry
+    heartbeat: Heartbeat
+    metrics: LearnerMetrics
+    run_log: RunLog
+    tokenizer: PreTrainedTokenizerBase  # the sparks' text
+    tracker: Tracker | None = None  # learner.tracking's backends
+
+    def step(
+        self,
+        batch: Batch,
+        stats: dict[str, float],
+        state: TrainState,
+        seconds: float,
+        sync: SyncEvent | None,
+        hparams: dict[str, HparamValue],
+        timings: dict[str, float],
+        acked: int,
+        cfg: LearnerSettings,
+    ) -> StepMetrics:
+        """The step's row, written and sent everywhere; `acked`: the entries acknowledged with it."""
+        depth = (self.telemetry.bus.pending_info("trajectories"), self.telemetry.bus.pending_info("prompts"))
+        fleet = self.telemetry.live_workers()
+        row = step_row(
+            batch,
+            stats,
+            state,
+            seconds,
+            sync,
+            {w: s.policy_version for w, s in fleet.items()},
+            depth,
+            hparams,
+            timings | fleet_timings(fleet.values()),
+            exploration_stats(batch.groups, cfg.proxy_kappa),
+            self.top_sparks(batch),
+        )
+        self.run_log.write_step(row, state)
+        self.run_log.write_samples(sample_rows(state.step, batch.groups, cfg.samples_per_step))
+        if self.tracker is not None:
+            self.tracker.log(row)
+        self.telemetry.append(row)
+        self.metrics.observe_step(row, len(batch.groups), acked)
+        self.heartbeat.update(row=row)
+        return row
+
+    def top_sparks(self, batch: Batch) -> dict[str, int]:
+        """The step's most frequent sparks, by their text."""
+        top: dict[str, int] = {}
+        for token_id, count in spark_tokens(batch.groups).most_common(TOP_SPARKS):
+            text = self.tokenizer.decode([token_id])  # two ids may decode alike: their counts add up
+            top[text] = top.get(text, 0) + count
+        return top
+
+    def turn(self, paused: bool, hparams: dict[str, HparamValue]) -> None:
+        """At each turn of the loop: training or paused, with the hyperparameters in force."""
+        self.heartbeat.update(phase="paused" if paused else "training", hparams=hparams)
+        self.metrics.paused.set(float(paused))
+
+    def phase(self, phase: str) -> None:
+        self.heartbeat.update(phase=phase)
+
+    @contextmanager
+    def checkpointing(self) -> Iterator[None]:
+        """Around a checkpoint's write: its phase, and its failure counted."""
+        previous = self.heartbeat.report.phase
+        self.heartbeat.update(phase="checkpointing")
+        try:
+            yield
+        except CheckpointError:
+            self.metrics.checkpoint_failures.inc()
+            raise
+        finally:
+            self.heartbeat.update(phase=previous)
+
+    @property
+    def last_checkpoint(self) -> str | None:
+        return self.heartbeat.report.last_checkpoint
+
+    def checkpointed(self, path: Path) -> None:
+        self.metrics.checkpoints.inc()
+        self.heartbeat.update(last_checkpoint=str(path))
+
+    def close(self) -> None:
+        """The last beat (`stopped`), then the files and the trackers."""
+        self.heartbeat.update(phase="stopped")
+        self.heartbeat.close()
+        self.run_log.close()
+        if self.tracker is not None:
+            self.tracker.close()

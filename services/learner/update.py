@@ -1,104 +1,123 @@
-"""One learner step's update: the step's groups → advantages → π_old (and the KL reference) for every
-micro-batch, before any update → `updates_per_rollout` optimizer steps, one per mini-batch, at the
-scheduled learning rate.
+"""A step's update, in one scroll: groups → advantages → mini-batches → micro-batches → π_old → for each
+update: forward, loss and backward per micro-batch → one optimizer step (`run_updates`, then its parts).
 
-With one update per rollout (the default) this is one optimizer step over all the step's tokens. With N,
-the groups are split into N mini-batches (contiguous, at group boundaries) and each is its own update
-against the same π_old: from the second on, the ratio moves off 1 and the loss's clipping is what
-keeps the step near π_old (the paper's off-policy setting uses 8). The policy version still advances
-once per learner step: the fleet gets one new version per rollout batch.
+Words (learner.py has them all): a *step* trains one batch of groups; an *update* is one optimizer step,
+over one *mini-batch* (the step's groups cut into `learner.updates_per_rollout` contiguous parts at group
+boundaries: one by default); a *micro-batch* is one forward/backward, as many padded rows as
+`learner.micro_batch_tokens` holds.
 
-An update whose loss or gradient norm is not finite is not applied (trainer.py), and the step's later
-updates are not taken: the learner commits the groups the applied ones trained (`split_applied`) and
-sends the rest back, or dead-letters a group whose loss alone is not finite (`loss_is_finite`).
+With N updates per step, each mini-batch is its own update against the same π_old (computed for every
+micro-batch before the first update): from the second on the ratio moves off 1, and the loss's clipping
+keeps the weights near π_old (the paper's off-policy setting uses 8). The version still advances once per
+step: the fleet gets one new version per rollout batch.
+
+An update's loss is the token-mean over all its tokens: each micro-batch's token-mean is weighted by its
+share of the tokens, its tokens re-weighted for `learner.loss_aggregation` (aggregation.py). An update whose
+loss or gradient norm is not finite is not applied (`apply_gradients`) and the step's later updates are
+not taken: the learner commits the groups the applied ones trained (`split_applied`) and sends the rest
+back, or dead-letters a group whose loss alone is not finite (`loss_is_finite`).
+
+A data-parallel learner (ranks.py) runs `run_updates` on every rank with the same groups: each rank takes its
+`share` of every update's micro-batches, the divisors stay the update's global counts, and `sum_stats`
+adds the statistics up over the ranks. One rank takes them all (`ALONE`).
+
+The loss is chosen once by name from the registry (`policy_loss`); nothing here branches on it.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
-from typing import TypeVar
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
 
+import deepspeed
 import torch
-from deepspeed import DeepSpeedEngine
-from torch import nn
+from torch import Tensor, nn
 
 from sparkrl.proto import TrajectoryGroup
 from sparkrl.services.common.settings import LearnerSettings
-from sparkrl.services.learner.aggregation import sequences
-from sparkrl.services.learner.batch import Sample, micro_batches, samples_from_groups
+from sparkrl.services.learner import logprobs
+from sparkrl.services.learner.advantages import truncated_is_metrics, truncated_is_weights
+from sparkrl.services.learner.aggregation import aggregation_weights, sequences
+from sparkrl.services.learner.batch import MicroBatch, Sample, micro_batches, samples_from_groups
 from sparkrl.services.learner.control import set_lr
-from sparkrl.services.learner.ledger import Batch
-from sparkrl.services.learner.ranks import Ranks, empty_like
+from sparkrl.services.learner.losses import LossInputs, entropy_has_gradient, policy_loss
+from sparkrl.services.learner.proxy import proxy_logp_from_topk
+from sparkrl.services.learner.reference import kl_to_reference
 from sparkrl.services.learner.schedule import lr_factor
-from sparkrl.services.learner.trainer import micro_batch_loss, old_policy, train_step
 
 T = TypeVar("T")
+Stats = dict[str, float]  # an update's statistics by name (`loss`, `grad_norm`, ...): the step row's loss/*
 
-# Counts add up over updates.
+# Counts add up over updates (and micro-batches); the rest are averaged by token share.
 ADDITIVE = ("reg_tokens", "reg_tokens_pos", "proxy_inexact", "tokens", "tis_capped_tokens")
 
 
-def _equal_rewards(group: TrajectoryGroup) -> bool:
-    return len(set(group.rewards)) <= 1
+class Share(Protocol):
+    """How an update's micro-batches are split over the learner's ranks (ranks.py's `Ranks`)."""
+
+    def share(self, micro: list[MicroBatch]) -> list[MicroBatch]:
+        """This rank's micro-batches of the update (padded so that every rank runs as many)."""
+        ...
+
+    def sum_stats(self, stats: Stats) -> Stats:
+        """The update's statistics over every rank."""
+        ...
 
 
-def split_groups(groups: list[T], parts: int) -> list[list[T]]:
-    """`groups` in `parts` contiguous runs of near-equal size (fewer when there are fewer groups)."""
-    parts = max(1, min(parts, len(groups)))
-    bounds = [round(i * len(groups) / parts) for i in range(parts + 1)]
-    return [groups[bounds[i] : bounds[i + 1]] for i in range(parts)]
+class _Alone:
+    """One rank: every micro-batch is its own, its statistics are the update's."""
+
+    def share(self, micro: list[MicroBatch]) -> list[MicroBatch]:
+        return micro
+
+    def sum_stats(self, stats: Stats) -> Stats:
+        return stats
 
 
-def compute_update(
-    engine: DeepSpeedEngine,
-    batch: Batch,
+ALONE: Share = _Alone()
+
+
+def run_updates(
+    engine: deepspeed.DeepSpeedEngine,
+    groups: list[TrajectoryGroup],
     cfg: LearnerSettings,
     pad_id: int,
     step: int,
     reference: nn.Module | None = None,
-    timings: dict[str, float] | None = None,
-    ranks: Ranks | None = None,
-) -> dict[str, float]:
-    """π_old for every micro-batch (before any update), then the step's optimizer steps; `step` is the
-    learner step being taken (1-based, for the schedule). `timings` gets the seconds of `collate`,
-    `old_policy`, `forward_backward` and `optimizer` (summed over the updates). With `ranks`, every rank
-    calls this on the same batch: each takes its share of every update's micro-batches, the divisors
-    stay the update's global counts, and the statistics come back summed over the ranks."""
-    timings = timings if timings is not None else {}
+    ranks: Share = ALONE,
+) -> tuple[Stats, Stats]:
+    """The step's updates on `groups` (`step`: the one being taken, 1-based, for the lr schedule). Returns
+    (the statistics, merged over the updates applied; the seconds of `collate`, `old_policy`,
+    `forward_backward` and `optimizer`, summed over the updates)."""
     started = time.perf_counter()
     adv = cfg.advantage
-    groups = [g for g in batch.groups if not (adv.drop_equal_groups and _equal_rewards(g))]
-    extra = {"equal_groups_dropped": float(len(batch.groups) - len(groups))}
+    kept = [g for g in groups if not (adv.drop_equal_groups and _equal_rewards(g))]
+    extra = {"equal_groups_dropped": float(len(groups) - len(kept))}
     # Advantages over the whole step (a batch-level std is the step's), then cut at group boundaries.
-    samples = samples_from_groups(groups, std_normalize=adv.std_normalize, level=adv.level)
-    minis: list[list[Sample]] = []
-    for part in split_groups(groups, cfg.updates_per_rollout):
-        count = sum(len(group.completions) for group in part)
-        minis.append(samples[:count])
-        samples = samples[count:]
-    device = engine.device
-    every = [micro_batches(m, cfg.micro_batch_tokens, pad_id) for m in minis if m]
+    samples = samples_from_groups(kept, std_normalize=adv.std_normalize, level=adv.level)
+    every = [micro_batches(m, cfg.micro_batch_tokens, pad_id) for m in mini_batches(samples, kept, cfg) if m]
     totals = [(sum(mb.num_tokens for mb in mbs), sum(sequences(mb.mask) for mb in mbs)) for mbs in every]
-    if ranks is not None:
-        every = [ranks.share(mbs, lambda first=mbs[0]: empty_like(first)) for mbs in every]
-    batches = [[mb.to(device) for mb in mbs] for mbs in every]
+    minis = [[mb.to(engine.device) for mb in ranks.share(mbs)] for mbs in every]
     collated = time.perf_counter()
-    engine.eval()
-    olds = [[old_policy(engine.module, mb, cfg, reference) for mb in mini] for mini in batches]
+    engine.eval()  # π_old: every micro-batch of every update, before the first one changes the weights
+    olds = [[old_policy(engine.module, mb, cfg, reference) for mb in micro] for micro in minis]
     engine.train()
-    timings["collate"], timings["old_policy"] = collated - started, time.perf_counter() - collated
+    seconds = {"collate": collated - started, "old_policy": time.perf_counter() - collated}
     set_lr(engine, cfg.lr * lr_factor(step, cfg.schedule, cfg.max_steps))
-    if not batches:  # every group had equal rewards and was left out: nothing to learn from
-        return extra | {"tokens": 0.0, "updates": 0.0}
-    per_update, skipped = [], {}
-    for mini, old, total in zip(batches, olds, totals, strict=True):
-        part: dict[str, float] = {}
-        norm = max((g.sampling.max_new_tokens for g in groups), default=None)  # Dr. GRPO's constant
-        stats = train_step(engine, mini, old, cfg, part, norm, total)
-        stats = stats if ranks is None else ranks.sum_stats(stats)  # every rank skips alike (trainer.py)
-        for key, seconds in part.items():
-            timings[key] = timings.get(key, 0.0) + seconds
+    if not minis:  # every group had equal rewards and was left out: nothing to learn from
+        return extra | {"tokens": 0.0, "updates": 0.0}, seconds
+    norm = max(g.sampling.max_new_tokens for g in kept)  # Dr. GRPO's constant length
+    applied: list[Stats] = []
+    skipped: Stats = {}
+    for micro, old, total in zip(minis, olds, totals, strict=True):
+        stats, parts = apply_update(engine, micro, old, cfg, total, norm)
+        stats = ranks.sum_stats(stats)  # every rank applies or skips alike (`apply_gradients`)
+        for part, spent in parts.items():
+            seconds[part] = seconds.get(part, 0.0) + spent
         if stats.pop("skipped", 0.0):
             # Not applied: the later updates are not taken either, so what was applied is a prefix of the
             # step's groups (`split_applied`) and the rest can go back whole.
@@ -108,25 +127,217 @@ def compute_update(
                 "skipped_grad_norm": stats["grad_norm"],
             }
             break
-        per_update.append(stats)
-    return _merge(per_update) | extra | {"updates": float(len(per_update))} | skipped
+        applied.append(stats)
+    return _merge(applied) | extra | {"updates": float(len(applied))} | skipped, seconds
 
 
-def split_applied(batch: Batch, cfg: LearnerSettings, updates: int) -> tuple[list[int], list[int]]:
-    """Indexes into `batch.groups`: (those the first `updates` updates of `compute_update` trained, the
-    rest). Groups left out for equal rewards need no update: they go with the trained part, if any."""
+def mini_batches(
+    samples: list[Sample], groups: list[TrajectoryGroup], cfg: LearnerSettings
+) -> list[list[Sample]]:
+    """`samples` (the groups' completions, in order) cut into one mini-batch per update."""
+    minis = []
+    for part in split_groups(groups, cfg.updates_per_rollout):
+        count = sum(len(group.completions) for group in part)
+        minis.append(samples[:count])
+        samples = samples[count:]
+    return minis
+
+
+def apply_update(
+    engine: deepspeed.DeepSpeedEngine,
+    micro: list[MicroBatch],
+    olds: list[OldPolicy],
+    cfg: LearnerSettings,
+    totals: tuple[int, int] | None = None,
+    norm_length: int | None = None,
+) -> tuple[Stats, Stats]:
+    """One update: forward/backward every micro-batch, then the optimizer step. Returns (its statistics,
+    the seconds of `forward_backward` and `optimizer`). `totals`: the update's (tokens, sequences) when
+    `micro` is this rank's share of it (a data-parallel learner): each rank's loss is then scaled by the
+    DP size, which DeepSpeed's gradient averaging divides out again. `norm_length`: Dr. GRPO's constant.
+    `skipped` is 1 when the update was not applied: its loss or gradient norm was not finite."""
+    started = time.perf_counter()
+    tokens, total_sequences = totals or (
+        sum(mb.num_tokens for mb in micro),
+        sum(sequences(mb.mask) for mb in micro),
+    )
+    total_tokens = max(tokens, 1)
+    dp_size = engine.dp_world_size
+    sums: Stats = defaultdict(float)
+    entropy_grad = entropy_has_gradient(cfg.loss.name)
+    for index, (mb, old) in enumerate(zip(micro, olds, strict=True)):
+        engine.set_gradient_accumulation_boundary(index == len(micro) - 1)
+        if mb.num_tokens == 0:  # a rank's padding (ranks.py): the pass every rank runs, contributing 0
+            with autocast(cfg):
+                logp, _ = logprobs.token_logp_and_entropy(engine, mb, entropy_grad)
+            engine.backward(logp.sum() * 0.0, scale_wrt_gas=False)
+            continue
+        loss, stats, entropy = micro_batch_loss(
+            engine, mb, old, cfg, (total_tokens, total_sequences), norm_length, entropy_grad
+        )
+        share = mb.num_tokens / total_tokens
+        # A non-finite loss goes backward as NaN (a tensor op: no GPU sync here), so its gradient is
+        # non-finite for certain, on every rank once reduced, and `apply_gradients` drops the update.
+        scale = torch.where(torch.isfinite(loss.detach()), share * dp_size, float("nan"))
+        engine.backward(loss * scale, scale_wrt_gas=False)
+        sums["loss"] += float(loss.detach()) * share
+        sums["entropy"] += float((entropy.detach() * mb.mask).sum()) / total_tokens
+        sums["proxy_inexact"] += old.proxy_inexact
+        if old.tis is not None:  # how much truncated IS corrected the rollout engine's numbers
+            sums["tis_capped_tokens"] += old.tis["capped_tokens"]
+            sums["tis_weight_mean"] += old.tis["weight_mean"] * share
+        for key, value in stats.items():
+            if key != "entropy":  # measured above over every token; entropy_bonus reports its own copy
+                sums[key] += float(value) * (1.0 if key in ("reg_tokens", "reg_tokens_pos") else share)
+    stepped = time.perf_counter()
+    sums["grad_norm"], applied = apply_gradients(engine)
+    sums["skipped"] = 0.0 if applied else 1.0
+    sums["tokens"] = float(total_tokens)
+    return dict(sums), {"forward_backward": stepped - started, "optimizer": time.perf_counter() - stepped}
+
+
+@dataclass(frozen=True)
+class OldPolicy:
+    """What the loss needs from π_old for one micro-batch, all [B, L-1]."""
+
+    old_logp: Tensor
+    proxy_logp: Tensor
+    is_weights: Tensor | None
+    proxy_inexact: int  # positions where the top-k proxy is only approximate
+    ref_logp: Tensor | None = None  # the frozen reference's log-probs (learner.kl), else None
+    tis: dict[str, float] | None = None  # truncated IS: `capped_tokens`, `weight_mean` (with is_weights)
+
+
+@torch.no_grad()
+def old_policy(
+    model: nn.Module, mb: MicroBatch, cfg: LearnerSettings, reference: nn.Module | None = None
+) -> OldPolicy:
+    """old_logp and the Lp-Reg proxy, from the rollout's numbers or from a pass of the current weights
+    (before this step's first update, so they are π_old for the step); with a `reference`, its log-probs."""
+    need_pass = cfg.old_logp_source == "recompute" or cfg.proxy_source == "logits"
+    learner_logp, proxy = (None, None)
+    if need_pass:
+        kappa = cfg.proxy_kappa if cfg.proxy_source == "logits" else None
+        with autocast(cfg):  # one pass for both, a chunk of positions at a time (logprobs.py)
+            learner_logp, proxy = logprobs.old_logp_and_proxy(model, mb, kappa)
+    targets = mb.input_ids[:, 1:]
+    if cfg.proxy_source == "logits":
+        inexact = 0
+    else:
+        proxy, exact = proxy_logp_from_topk(targets, mb.topk_ids, mb.topk_logp, kappa=cfg.proxy_kappa)
+        inexact = int((mb.mask & ~exact).sum())
+    is_weights, tis = None, None
+    if cfg.old_logp_source == "recompute":
+        old_logp = learner_logp
+        if cfg.tis_cap is not None:
+            is_weights = truncated_is_weights(learner_logp, mb.rollout_logp, mb.mask, cap=cfg.tis_cap)
+            measured = truncated_is_metrics(learner_logp, mb.rollout_logp, mb.mask, cap=cfg.tis_cap)
+            tis = {name: float(measured[name]) for name in ("capped_tokens", "weight_mean")}
+    else:
+        old_logp = mb.rollout_logp
+    ref_logp = None
+    if reference is not None:
+        with autocast(cfg):
+            ref_logp = logprobs.old_logp_and_proxy(reference, mb, kappa=None)[0]
+    return OldPolicy(old_logp, proxy, is_weights, inexact, ref_logp, tis)
+
+
+def micro_batch_loss(
+    model: nn.Module,
+    mb: MicroBatch,
+    old: OldPolicy,
+    cfg: LearnerSettings,
+    totals: tuple[int, int],
+    norm_length: int | None = None,
+    entropy_grad: bool = True,
+) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+    """One micro-batch's (loss, the loss's statistics, entropy [B, L-1]): the registry's policy loss on its
+    tokens, re-weighted for `learner.loss_aggregation` against the update's `totals` (tokens, sequences),
+    plus the KL term when a reference is loaded."""
+    with autocast(cfg):
+        logp, entropy = logprobs.token_logp_and_entropy(model, mb, entropy_grad)
+    weights = aggregation_weights(mb.mask, cfg.loss_aggregation, totals[0], totals[1], norm_length)
+    if weights is not None:
+        weights = weights.to(mb.mask.device)
+        weights = weights if old.is_weights is None else weights * old.is_weights
+    inputs = LossInputs(
+        logp=logp,
+        old_logp=old.old_logp,
+        advantages=mb.advantages,
+        mask=mb.mask,
+        proxy_logp=old.proxy_logp,
+        entropy=entropy,
+        is_weights=old.is_weights if weights is None else weights,
+    )
+    loss, stats = policy_loss(cfg.loss.name, inputs, **cfg.loss.model_dump(exclude={"name"}))
+    if old.ref_logp is not None and cfg.kl.coef > 0:
+        kl = kl_to_reference(logp, old.ref_logp, cfg.kl.estimator)
+        kl_mean = (kl * mb.mask).sum() / mb.mask.sum().clamp(min=1)
+        loss = loss + cfg.kl.coef * kl_mean
+        stats = {**stats, "kl_ref": kl_mean.detach()}
+    return loss, stats, entropy
+
+
+def apply_gradients(engine: deepspeed.DeepSpeedEngine) -> tuple[float, bool]:
+    """The optimizer step, unless the gradient norm is not finite: (pre-clip norm, whether it was applied).
+
+    ZeRO's optimizers and DeepSpeed's bf16 one measure the norm and drop such a step themselves (its
+    gradients cleared, `engine.skipped_steps` counted, the same on every rank). The plain torch optimizer
+    of ZeRO stage 0 in float32 would apply NaN, and DeepSpeed clips its gradients and drops the norm, so
+    here it is measured first and a non-finite update is dropped by hand: the gradients of every rank are
+    the all-reduced ones by now, so every rank decides alike."""
+    if engine.zero_optimization() or engine.bfloat16_enabled() or engine.fp16_enabled():
+        engine.step()
+        norm = engine.get_global_grad_norm()
+        return (float(norm) if norm is not None else float("nan")), engine.was_step_applied()
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
+    norm = float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+    if not math.isfinite(norm):
+        engine.zero_grad()
+        return norm, False
+    engine.step()
+    return norm, True
+
+
+def autocast(cfg: LearnerSettings) -> torch.autocast:
+    """The forward's precision: bf16 matmuls under `learner.autocast`, float32 otherwise."""
+    device = "cpu" if cfg.device == "cpu" else "cuda"
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=_bf16_autocast(cfg.autocast, device))
+
+
+@functools.cache
+def _bf16_autocast(setting: str, device: str) -> bool:
+    if setting != "auto":
+        return setting == "bfloat16"
+    if device == "cpu":  # without native bf16 (AVX512-BF16, AMX), autocast would only emulate it: slower
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+def split_groups(groups: list[T], parts: int) -> list[list[T]]:
+    """`groups` in `parts` contiguous runs of near-equal size (fewer when there are fewer groups)."""
+    parts = max(1, min(parts, len(groups)))
+    bounds = [round(i * len(groups) / parts) for i in range(parts + 1)]
+    return [groups[bounds[i] : bounds[i + 1]] for i in range(parts)]
+
+
+def split_applied(
+    groups: list[TrajectoryGroup], cfg: LearnerSettings, updates: int
+) -> tuple[list[int], list[int]]:
+    """Indexes into `groups`: (those the first `updates` updates of `run_updates` trained, the rest). Groups
+    left out for equal rewards need no update: they go with the trained part, if any."""
     adv = cfg.advantage
-    kept = [i for i, g in enumerate(batch.groups) if not (adv.drop_equal_groups and _equal_rewards(g))]
+    kept = [i for i, g in enumerate(groups) if not (adv.drop_equal_groups and _equal_rewards(g))]
     if updates == 0:
-        return [], list(range(len(batch.groups)))
+        return [], list(range(len(groups)))
     parts = split_groups(kept, cfg.updates_per_rollout)
     left = {i for part in parts[updates:] for i in part}
-    return [i for i in range(len(batch.groups)) if i not in left], sorted(left)
+    return [i for i in range(len(groups)) if i not in left], sorted(left)
 
 
 @torch.no_grad()
 def loss_is_finite(
-    engine: DeepSpeedEngine,
+    engine: deepspeed.DeepSpeedEngine,
     groups: list[TrajectoryGroup],
     cfg: LearnerSettings,
     pad_id: int,
@@ -137,12 +348,12 @@ def loss_is_finite(
     overflows on any group. One rank only: under ZeRO-3 across ranks the forward is a collective."""
     adv = cfg.advantage
     samples = samples_from_groups(groups, std_normalize=adv.std_normalize, level=adv.level)
-    batches = [mb.to(engine.device) for mb in micro_batches(samples, cfg.micro_batch_tokens, pad_id)]
-    totals = (sum(mb.num_tokens for mb in batches), sum(sequences(mb.mask) for mb in batches))
+    micro = [mb.to(engine.device) for mb in micro_batches(samples, cfg.micro_batch_tokens, pad_id)]
+    totals = (sum(mb.num_tokens for mb in micro), sum(sequences(mb.mask) for mb in micro))
     norm = max((g.sampling.max_new_tokens for g in groups), default=None)
     engine.eval()
     try:
-        for mb in batches:
+        for mb in micro:
             old = old_policy(engine.module, mb, cfg, reference)
             loss, _, _ = micro_batch_loss(engine.module, mb, old, cfg, totals, norm, entropy_grad=False)
             if not math.isfinite(float(loss)):
@@ -152,10 +363,14 @@ def loss_is_finite(
     return True
 
 
-def _merge(stats: list[dict[str, float]]) -> dict[str, float]:
+def _equal_rewards(group: TrajectoryGroup) -> bool:
+    return len(set(group.rewards)) <= 1
+
+
+def _merge(stats: list[Stats]) -> Stats:
     """Counts add up over the updates; rates and losses are averaged by token share."""
     total = sum(s.get("tokens", 0.0) for s in stats) or 1.0
-    merged: dict[str, float] = {}
+    merged: Stats = {}
     for s in stats:
         weight = s.get("tokens", 0.0) / total
         for key, value in s.items():

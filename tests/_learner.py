@@ -1,0 +1,46 @@
+"""A learner on the tiny model for tests, built by the product's own start path (`trainer.load`,
+`ranks.trainer_for`, `service.assemble`): real DeepSpeed (gloo, one process) and a real bus; of the
+threads only the publisher's runs (the heartbeat and /metrics are the service's)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from conftest import free_port
+
+from sparkrl.services.common.bus import RedisBus
+from sparkrl.services.common.settings import SparkSettings, load_settings
+from sparkrl.services.learner.learner import Learner
+from sparkrl.services.learner.ranks import trainer_for
+from sparkrl.services.learner.service import assemble
+from sparkrl.services.learner.trainer import Trainer, load
+
+
+def settings(model_dir: Path, run_dir: Path, *overrides: str) -> SparkSettings:
+    """The smoke preset on `model_dir`, writing to `run_dir`; a free port for the weight sync (never the
+    default 29600, which another run on the machine may hold)."""
+    return load_settings(
+        "smoke", [f"model={model_dir}", f"run_dir={run_dir}", f"sync.port={free_port()}", *overrides]
+    )
+
+
+def one_rank(cfg: SparkSettings) -> Trainer:
+    """The learner's trainer, fresh from `cfg.model` (one rank: no launcher here)."""
+    return trainer_for(cfg, load(cfg, resume=False))
+
+
+@contextmanager
+def learner_loop(
+    cfg: SparkSettings, bus: RedisBus, trainer_as: Callable[[Trainer], Trainer] = lambda t: t
+) -> Iterator[Learner]:
+    """The loop and its parts, fresh; `trainer_as` wraps the trainer (a fault to inject)."""
+    loaded = load(cfg, resume=False)
+    learner = assemble(cfg, loaded, trainer_as(trainer_for(cfg, loaded)), bus, threading.Event())
+    learner.fleet.publisher.start()
+    try:
+        yield learner
+    finally:
+        learner.fleet.close()
