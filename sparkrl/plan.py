@@ -7,18 +7,17 @@ run's folders. The launcher then spawns each service from its file.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import secrets
 import shutil
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit
 
+from sparkrl.ports import free_ports
 from sparkrl.run_lock import LOCK_FILE
 from sparkrl.services.common.settings import BusSettings, SparkSettings, write_resolved
 from sparkrl.torchrun import torchrun_command
@@ -101,15 +100,6 @@ class StackPlan:
     def token_path(self) -> Path:
         given = self.settings.control.token_file
         return Path(given) if given else self.run_dir / TOKEN_FILE
-
-
-def _free_ports(count: int) -> list[int]:
-    # Hold every socket open until all are bound, so the OS cannot hand out the same port twice.
-    with contextlib.ExitStack() as held:
-        socks = [held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) for _ in range(count)]
-        for sock in socks:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in socks]
 
 
 def _client_host(host: str) -> str:
@@ -227,7 +217,7 @@ def plan_stack(
     if private_redis is None:
         private_redis = "url" not in cfg.bus.model_fields_set
     run_dir = Path(cfg.run_dir).resolve()
-    ports = _free_ports(5 + workers)
+    ports = free_ports(5 + workers)
     token, root = _plan_token(_resolve_root(cfg, private_redis, run_dir, ports[:5]), run_dir)
     services: list[ServiceSpec] = []
     if private_redis:

@@ -3,7 +3,8 @@
 A port a setting names (control.port, reward.port, sync.port, sync.http_port, learner.metrics.port,
 rollout.metrics.port) is kept as given by the plan (`plan.py`), so it must be free on its host: a busy one
 is refused with the setting, the port and, when this user may see it, the process that holds it. Ports
-left at their default or 0 are chosen free by the plan and need no check; so is the private Redis's.
+left at their default or 0 are chosen free by the plan (`free_ports`) and need no check; so is the private
+Redis's.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import random
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,43 @@ from pathlib import Path
 from sparkrl.services.common.settings import SparkSettings
 
 _LISTEN = "0A"  # a TCP socket's state in /proc/net/tcp: listening
+_EPHEMERAL = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST = 20000  # planned ports are drawn from here up to the kernel's ephemeral range
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports free on `host` now, drawn below the kernel's ephemeral range.
+
+    A port the OS hands out for `bind(0)` comes from the ephemeral range, which every outgoing connection
+    (a Redis client, an HTTP request) also draws from: in the seconds between the plan and a service's
+    bind, a client could take it ("Address already in use" at the learner's start). Below that range only
+    a listener can take a port. Each socket is held until all are bound, so no port is given twice.
+    Where the range leaves no room below it, the OS picks (bind 0)."""
+    low = _ephemeral_low()
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        candidates = random.sample(range(_LOWEST, low), k=low - _LOWEST) if low - _LOWEST > 4 * count else []
+        for port in candidates:
+            if len(ports) == count:
+                break
+            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            ports.append(port)
+        while len(ports) < count:
+            sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            ports.append(sock.getsockname()[1])
+        return ports
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_EPHEMERAL.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 @dataclass(frozen=True)

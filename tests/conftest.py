@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -16,6 +15,7 @@ import pytest
 import redis
 
 from sparkrl.launcher import Stack
+from sparkrl.ports import free_ports
 from sparkrl.services.common.settings import BusSettings
 
 # ── ports and processes ───────────────────────────────────────────────────────────────────────────────
@@ -27,10 +27,9 @@ def clean_env() -> dict[str, str]:
 
 
 def free_port() -> int:
-    """A loopback port free right now (the OS picks it; a race with another binder is retried by callers)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free right now, below the ephemeral range as `sparkrl up` picks them (no client
+    connection can take it before its server binds)."""
+    return free_ports(1)[0]
 
 
 class RedisServer:

@@ -70,6 +70,7 @@ def test_the_tiny_model_reproduces_its_warm_up_pass_at_1(tiny_model_dir: Path) -
     assert 0.0 <= result.greedy <= 1.0 and result.problems == count
 
 
+@pytest.mark.slow
 def test_the_command_prints_a_table_and_a_json_line(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
     command = [sys.executable, "-m", "sparkrl.cli", "eval", str(tiny_model_dir), "--problems", "32"]
     done = subprocess.run(
@@ -86,7 +87,8 @@ def test_the_command_prints_a_table_and_a_json_line(tiny_model_dir: Path, tmp_pa
         text=True,
         timeout=120,
     )
-    assert missing.returncode == 2 and "no model here" in missing.stderr
+    said = " ".join(missing.stderr.replace("│", " ").split())  # rich wraps the error in a box
+    assert missing.returncode == 2 and "no model here" in said, missing.stderr
     with pytest.raises(FileNotFoundError):
         resolve_model(tmp_path)
 
@@ -105,6 +107,7 @@ def test_math_files_load_with_their_own_field_names_and_score_through_the_verifi
         math_tasks(MATH_EVAL / "nope.jsonl")
 
 
+@pytest.mark.slow
 @needs_math_eval
 def test_math_eval_of_the_tiny_model_runs_end_to_end(tiny_model_dir: Path) -> None:  # noqa: F811
     command = [sys.executable, "-m", "sparkrl.cli", "eval", str(tiny_model_dir), "--task", "math"]
