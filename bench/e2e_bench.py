@@ -222,47 +222,54 @@ def main() -> None:
     ]
     summary: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="sparkrl-e2e-") as tmp:
-        workdir = Path(tmp)
         for work in workloads:
-            if args.only and work.name != args.only:
-                continue
-            print(f"{work.name} workload, {work.steps} steps, {CORES} cores: sparkrl, then TRL", flush=True)
-            ours = run_sparkrl(work, "demo", workdir)
-            print(_line("sparkrl", ours), flush=True)
-            theirs = run_trl(args.peer_python, work, workdir)
-            print(_line("TRL", theirs), flush=True)
-            if not work.fixed_length:  # what each learned: the same held-out problems, after the run
-                ours |= heldout(sparkrl_run_dir(work, "demo", workdir))
-                theirs |= heldout(workdir / f"trl-{work.name}-model")
-                print(
-                    f"  held-out pass@1 / pass@8 / greedy (512 problems, 8 samples at T=1): "
-                    f"sparkrl {ours['heldout_pass@1']:.3f} / {ours['heldout_pass@8']:.3f} / "
-                    f"{ours['heldout_greedy']:.3f}, TRL {theirs['heldout_pass@1']:.3f} / "
-                    f"{theirs['heldout_pass@8']:.3f} / {theirs['heldout_greedy']:.3f}",
-                    flush=True,
-                )
-            ratio_wall = theirs["wall_s"] / ours["wall_s"]
-            ratio_step = theirs["s_per_step"] / ours["s_per_step"]
-            print(f"  ratio sparkrl / TRL (speed): wall {ratio_wall:.2f}x, steady step {ratio_step:.2f}x")
-            summary |= {
-                f"ratio_vs_trl_{work.name}": round(ratio_wall, 3),
-                f"ratio_vs_trl_{work.name}_steady": round(ratio_step, 3),
-                f"cpu_utilisation_{work.name}": _rounded(ours)["cpu_utilisation_steady"],
-                f"sparkrl_{work.name}": _rounded(ours),
-                f"trl_{work.name}": _rounded(theirs),
-            }
-            if work.name == "demo":
-                lockstep = run_sparkrl(work, "onpolicy", workdir)
-                lockstep |= heldout(sparkrl_run_dir(work, "onpolicy", workdir))
-                print(_line("sparkrl lockstep", lockstep), flush=True)
-                print(f"  held-out pass@1 after lockstep: {lockstep['heldout_pass@1']:.3f}", flush=True)
-                ratio = lockstep["s_per_step"] / ours["s_per_step"]
-                print(f"  ratio async / lockstep (speed): steady step {ratio:.2f}x", flush=True)
-                summary |= {
-                    "ratio_async_vs_lockstep_demo": round(ratio, 3),
-                    "sparkrl_demo_lockstep": _rounded(lockstep),
-                }
+            if not args.only or work.name == args.only:
+                summary |= compare(work, args.peer_python, Path(tmp))
     print(json.dumps(summary))
+
+
+def compare(work: Workload, peer_python: str, workdir: Path) -> dict[str, object]:
+    """sparkrl, then TRL, on one workload (and, on the demo's, sparkrl in lockstep): the ratios printed,
+    the summary's entries returned."""
+    print(f"{work.name} workload, {work.steps} steps, {CORES} cores: sparkrl, then TRL", flush=True)
+    ours = run_sparkrl(work, "demo", workdir)
+    print(_line("sparkrl", ours), flush=True)
+    theirs = run_trl(peer_python, work, workdir)
+    print(_line("TRL", theirs), flush=True)
+    if not work.fixed_length:  # what each learned: the same held-out problems, after the run
+        ours |= heldout(sparkrl_run_dir(work, "demo", workdir))
+        theirs |= heldout(workdir / f"trl-{work.name}-model")
+        print(
+            f"  held-out pass@1 / pass@8 / greedy (512 problems, 8 samples at T=1): "
+            f"sparkrl {ours['heldout_pass@1']:.3f} / {ours['heldout_pass@8']:.3f} / "
+            f"{ours['heldout_greedy']:.3f}, TRL {theirs['heldout_pass@1']:.3f} / "
+            f"{theirs['heldout_pass@8']:.3f} / {theirs['heldout_greedy']:.3f}",
+            flush=True,
+        )
+    ratio_wall = theirs["wall_s"] / ours["wall_s"]
+    ratio_step = theirs["s_per_step"] / ours["s_per_step"]
+    print(f"  ratio sparkrl / TRL (speed): wall {ratio_wall:.2f}x, steady step {ratio_step:.2f}x")
+    summary: dict[str, object] = {
+        f"ratio_vs_trl_{work.name}": round(ratio_wall, 3),
+        f"ratio_vs_trl_{work.name}_steady": round(ratio_step, 3),
+        f"cpu_utilisation_{work.name}": _rounded(ours)["cpu_utilisation_steady"],
+        f"sparkrl_{work.name}": _rounded(ours),
+        f"trl_{work.name}": _rounded(theirs),
+    }
+    if work.name == "demo":
+        summary |= against_lockstep(work, ours, workdir)
+    return summary
+
+
+def against_lockstep(work: Workload, ours: dict[str, float | None], workdir: Path) -> dict[str, object]:
+    """sparkrl on-policy in lockstep on the same workload: its steady step against the asynchronous one."""
+    lockstep = run_sparkrl(work, "onpolicy", workdir)
+    lockstep |= heldout(sparkrl_run_dir(work, "onpolicy", workdir))
+    print(_line("sparkrl lockstep", lockstep), flush=True)
+    print(f"  held-out pass@1 after lockstep: {lockstep['heldout_pass@1']:.3f}", flush=True)
+    ratio = lockstep["s_per_step"] / ours["s_per_step"]
+    print(f"  ratio async / lockstep (speed): steady step {ratio:.2f}x", flush=True)
+    return {"ratio_async_vs_lockstep_demo": round(ratio, 3), "sparkrl_demo_lockstep": _rounded(lockstep)}
 
 
 if __name__ == "__main__":

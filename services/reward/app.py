@@ -140,35 +140,10 @@ def create_app(settings: RewardSettings) -> FastAPI:
         if unknown:
             return AsciiJSON({"detail": unknown}, status_code=422)
         started = time.monotonic()
-        timeout_s = min(request.timeout_s or settings.item_timeout_s, settings.max_item_timeout_s)
-        request_id, deadline = uuid.uuid4().hex, started + settings.max_request_seconds
-        futures = [
-            asyncio.wrap_future(
-                pool.submit(
-                    item.task,
-                    item.completion,
-                    item.answer,
-                    item.task_data,
-                    timeout_s,
-                    request_id=request_id,
-                    deadline=deadline,
-                )
-            )
-            for item in request.items
-        ]
-        gathered = asyncio.ensure_future(asyncio.gather(*futures))
-        while not gathered.done():
-            await asyncio.wait({gathered}, timeout=_DISCONNECT_POLL_S)
-            if not gathered.done() and await http.is_disconnected():
-                dropped = pool.cancel(request_id)  # nobody waits for the answer: stop the work
-                log.info(
-                    "client went away: cancelled a request of %d items (%d not started)",
-                    len(futures),
-                    dropped,
-                )
-                metrics.cancelled.inc()
-                return Response(status_code=499)
-        results: list[RewardResult] = gathered.result()
+        results = await _verify_all(pool, request, http, settings, started + settings.max_request_seconds)
+        if results is None:
+            metrics.cancelled.inc()
+            return Response(status_code=499)
         metrics.observe(request.items, results, time.monotonic() - started)
         return RewardResponse(results=results)
 
@@ -181,6 +156,39 @@ def create_app(settings: RewardSettings) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _verify_all(
+    pool: VerifierPool, request: RewardRequest, http: Request, settings: RewardSettings, deadline: float
+) -> list[RewardResult] | None:
+    """Every item's result, in request order; None when the client went away first (its work is then
+    cancelled: nobody waits for the answer)."""
+    timeout_s = min(request.timeout_s or settings.item_timeout_s, settings.max_item_timeout_s)
+    request_id = uuid.uuid4().hex
+    futures = [
+        asyncio.wrap_future(
+            pool.submit(
+                item.task,
+                item.completion,
+                item.answer,
+                item.task_data,
+                timeout_s,
+                request_id=request_id,
+                deadline=deadline,
+            )
+        )
+        for item in request.items
+    ]
+    gathered = asyncio.ensure_future(asyncio.gather(*futures))
+    while not gathered.done():
+        await asyncio.wait({gathered}, timeout=_DISCONNECT_POLL_S)
+        if not gathered.done() and await http.is_disconnected():
+            dropped = pool.cancel(request_id)
+            log.info(
+                "client went away: cancelled a request of %d items (%d not started)", len(futures), dropped
+            )
+            return None
+    return gathered.result()
 
 
 def main(settings: RewardSettings) -> None:

@@ -184,21 +184,7 @@ class TorchEngine(Engine):
         """Decode `prompts` (a group's rows adjacent) together. Each distinct prompt is prefilled once and
         its cache shared by its rows; rows that finished leave the batch once half of it has."""
         B, S, K = len(prompts), sampling.max_new_tokens, sampling.topk_logprobs
-        distinct, owner = _distinct_adjacent(prompts)
-        out, attention_mask, next_position = self._prefill(distinct)
-        logits, cache = out.logits[:, -1, :], getattr(out, self._cache_arg)
-        if len(distinct) < B:
-            if hasattr(cache, "batch_select_indices"):  # transformers' Cache: one row per completion
-                expand = torch.tensor(owner, device=self.device)
-                cache.batch_select_indices(expand)
-                logits, attention_mask, next_position = (
-                    logits[expand],
-                    attention_mask[expand],
-                    next_position[expand],
-                )
-            else:  # a model with its own cache type: prefill every row
-                out, attention_mask, next_position = self._prefill(prompts)
-                logits, cache = out.logits[:, -1, :], getattr(out, self._cache_arg)
+        logits, cache, attention_mask, next_position = self._prefill_shared(prompts)
         result = _Sampled.empty(B, S, K, self.device)
         rows = torch.arange(B, device=self.device)  # the result row of each batch row
         active = torch.ones(B, dtype=torch.bool, device=self.device)  # per batch row
@@ -242,6 +228,23 @@ class TorchEngine(Engine):
             logits, cache = out.logits[:, -1, :], getattr(out, self._cache_arg)
             next_position = next_position + 1
         return result
+
+    def _prefill_shared(
+        self, prompts: list[list[int]]
+    ) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
+        """The first token's logits, the cache, attention mask and next positions of every row of `prompts`,
+        each distinct (adjacent) prompt prefilled once and its cache copied to its rows."""
+        distinct, owner = _distinct_adjacent(prompts)
+        out, attention_mask, next_position = self._prefill(distinct)
+        logits, cache = out.logits[:, -1, :], getattr(out, self._cache_arg)
+        if len(distinct) == len(prompts):
+            return logits, cache, attention_mask, next_position
+        if hasattr(cache, "batch_select_indices"):  # transformers' Cache: one row per completion
+            expand = torch.tensor(owner, device=self.device)
+            cache.batch_select_indices(expand)
+            return logits[expand], cache, attention_mask[expand], next_position[expand]
+        out, attention_mask, next_position = self._prefill(prompts)  # its own cache type: prefill every row
+        return out.logits[:, -1, :], getattr(out, self._cache_arg), attention_mask, next_position
 
     def _stop_string_hits(
         self, result: _Sampled, candidates: torch.Tensor, t: int, stops: list[str]

@@ -13,43 +13,52 @@ from sparkrl.services.common.settings import SparkSettings
 
 commands = typer.Typer()
 
+# `sparkrl up`'s own options (the settings' flags are options.py's).
+Workers = Annotated[
+    int | None, typer.Option(min=1, help="Rollout worker processes (default: the preset's `workers`).")
+]
+RunDir = Annotated[
+    str | None, typer.Option("--run-dir", "--output-dir", help="Run directory (logs, metrics, checkpoints).")
+]
+Model = Annotated[str | None, typer.Option(help="A Hugging Face model directory (sets `model`).")]
+Dataset = Annotated[
+    str | None,
+    typer.Option(help="A jsonl/parquet prompt file (sets prompts.path and, unless given, task math)."),
+]
+Epochs = Annotated[
+    int | None, typer.Option(min=1, help="Passes over the data (prompts.epochs); then the run ends.")
+]
+PrivateRedis = Annotated[
+    bool | None, typer.Option(help="Start a private redis-server (default: when bus.url is not set).")
+]
+Resume = Annotated[bool, typer.Option(help="The learner continues from RUN_DIR/checkpoints/latest.")]
+Overwrite = Annotated[
+    bool, typer.Option(help="Delete an earlier run in RUN_DIR first (without it, one is refused).")
+]
+Ray = Annotated[
+    bool,
+    typer.Option("--ray", help="The learner and workers as Ray actors, the reward service on Ray Serve."),
+]
+Address = Annotated[
+    str | None,
+    typer.Option(help="With --ray: the Ray cluster to join (default ray.address, or a local Ray)."),
+]
+
 
 @commands.command()
 def up(
     preset: Preset = None,
     overrides: Overrides = None,
-    workers: Annotated[
-        int | None, typer.Option(min=1, help="Rollout worker processes (default: the preset's `workers`).")
-    ] = None,
-    run_dir: Annotated[
-        str | None,
-        typer.Option("--run-dir", "--output-dir", help="Run directory (logs, metrics, checkpoints)."),
-    ] = None,
-    model: Annotated[str | None, typer.Option(help="A Hugging Face model directory (sets `model`).")] = None,
-    dataset: Annotated[
-        str | None,
-        typer.Option(help="A jsonl/parquet prompt file (sets prompts.path and, unless given, task math)."),
-    ] = None,
-    epochs: Annotated[
-        int | None, typer.Option(min=1, help="Passes over the data (prompts.epochs); then the run ends.")
-    ] = None,
-    private_redis: Annotated[
-        bool | None, typer.Option(help="Start a private redis-server (default: when bus.url is not set).")
-    ] = None,
-    resume: Annotated[
-        bool, typer.Option(help="The learner continues from RUN_DIR/checkpoints/latest.")
-    ] = False,
-    overwrite: Annotated[
-        bool, typer.Option(help="Delete an earlier run in RUN_DIR first (without it, one is refused).")
-    ] = False,
-    ray: Annotated[
-        bool,
-        typer.Option("--ray", help="The learner and workers as Ray actors, the reward service on Ray Serve."),
-    ] = False,
-    address: Annotated[
-        str | None,
-        typer.Option(help="With --ray: the Ray cluster to join (default ray.address, or a local Ray)."),
-    ] = None,
+    workers: Workers = None,
+    run_dir: RunDir = None,
+    model: Model = None,
+    dataset: Dataset = None,
+    epochs: Epochs = None,
+    private_redis: PrivateRedis = None,
+    resume: Resume = False,
+    overwrite: Overwrite = False,
+    ray: Ray = False,
+    address: Address = None,
 ) -> None:
     """The whole stack, until the learner finishes; Ctrl-C stops it cleanly. Separate processes, or with
     `--ray` Ray actors and a Ray Serve deployment."""
