@@ -214,6 +214,14 @@ class LearnerStatus(WireModel):
         description="Hyperparameters in force (`lr`, `max_staleness`, `kappa`, `loss` and the loss's own, "
         "...). Writer: learner. Readers: controller (validates live changes against `loss`), page.",
     )
+    max_staleness: int | None = Field(
+        default=None,
+        ge=0,
+        description="learner.max_staleness in force (a live change included): a group sampled more than "
+        "this many versions before `policy_version` is not trained. Writer: learner. Reader: rollout "
+        "worker (does not publish a group that would arrive too stale). Unit: policy versions. None: not "
+        "said (a status written before this field): the worker publishes every group.",
+    )
     group_epoch: int = Field(
         ge=0,
         description="Generation of the broadcast process group, as in `WeightAnnouncement.group_epoch`. "

@@ -1,8 +1,9 @@
 """The plan of `sparkrl up`: which processes, on which ports, each with its resolved settings file.
 
 `plan_stack` decides everything and touches no file; `write_configs` writes `RUN_DIR/config/` (one file
-per service, which alone reproduces it), the control token (`RUN_DIR/control-token`, mode 0600) and the
-run's folders. The launcher then spawns each service from its file.
+per service, which alone reproduces it: only its role's part of the tree, `roles.py`), the control token
+(`RUN_DIR/control-token`, mode 0600) and the run's folders. The launcher then spawns each service from
+its file.
 """
 
 from __future__ import annotations
@@ -19,6 +20,15 @@ from urllib.parse import urlsplit
 
 from sparkrl.ports import free_ports
 from sparkrl.run_lock import LOCK_FILE
+from sparkrl.services.common.roles import (
+    ControlConfig,
+    EvaluatorConfig,
+    LearnerConfig,
+    PromptsConfig,
+    RewardConfig,
+    RoleConfig,
+    RolloutConfig,
+)
 from sparkrl.services.common.settings import BusSettings, SparkSettings, write_resolved
 from sparkrl.torchrun import torchrun_command
 
@@ -75,7 +85,7 @@ class ServiceSpec:
     role: Role
     command: tuple[str, ...]
     config_path: Path
-    config: SparkSettings | str  # the resolved tree, or (redis) the literal redis.conf text
+    config: RoleConfig | str  # its role's part of the resolved tree, or (redis) the literal redis.conf text
     log_path: Path
     env: tuple[tuple[str, str], ...] = ()  # set in its environment (CUDA_VISIBLE_DEVICES)
     ready: tuple[Literal["ping", "healthz"], str] | None = None  # its readiness probe and where; None: none
@@ -174,7 +184,7 @@ def _service(
     run_dir: Path,
     name: str,
     role: Role,
-    config: SparkSettings | str,
+    config: RoleConfig | str,
     *extra: str,
     python: str | None = None,
     gpus: list[int] | None = None,
@@ -185,21 +195,19 @@ def _service(
     else:
         config_path = run_dir / "config" / f"{name}.yaml"
         command = (python or sys.executable, "-m", "sparkrl.cli", role, "--preset", str(config_path), *extra)
-        if role == "learner" and isinstance(config, SparkSettings) and config.learner.ranks > 1:
+        if isinstance(config, LearnerConfig) and config.learner.ranks > 1:
             command = torchrun_command(config.learner.ranks, command)
     env = (("CUDA_VISIBLE_DEVICES", ",".join(map(str, gpus))),) if gpus else ()
-    ready = _probe(role, config)
+    ready = _probe(config)
     return ServiceSpec(name, role, command, config_path, config, run_dir / "logs" / f"{name}.log", env, ready)
 
 
-def _probe(role: Role, config: SparkSettings | str) -> tuple[Literal["ping", "healthz"], str] | None:
-    """How the launcher knows a service is up: Redis answers PING, reward and control GET /healthz (the
-    others have no probe: they retry what they need)."""
-    if isinstance(config, str):  # redis.conf: the root settings are not at hand here, see plan_stack
-        return None
-    if role == "reward":
+def _probe(config: RoleConfig | str) -> tuple[Literal["ping", "healthz"], str] | None:
+    """How the launcher knows a service is up: Redis answers PING (see plan_stack: its URL is the root
+    settings'), reward and control GET /healthz (the others have no probe: they retry what they need)."""
+    if isinstance(config, RewardConfig):
         return ("healthz", config.reward.url)
-    if role == "control":
+    if isinstance(config, ControlConfig):
         return ("healthz", config.control.url)
     return None
 
@@ -223,12 +231,13 @@ def plan_stack(
     if private_redis:
         redis_spec = _service(run_dir, "redis", "redis", _redis_conf(root.bus, run_dir / "redis"))
         services.append(dataclasses.replace(redis_spec, ready=("ping", root.bus.url)))
-    services.append(_service(run_dir, "control", "control", root))
-    services.append(_service(run_dir, "reward", "reward", root))
+    services.append(_service(run_dir, "control", "control", ControlConfig.of(root)))
+    services.append(_service(run_dir, "reward", "reward", RewardConfig.of(root)))
     resume_flag = ["--resume"] if resume else []
-    services.append(_service(run_dir, "learner", "learner", root, *resume_flag, gpus=root.learner.gpus))
+    learner = LearnerConfig.of(root)
+    services.append(_service(run_dir, "learner", "learner", learner, *resume_flag, gpus=root.learner.gpus))
     for index in range(workers):
-        worker = root.model_copy(deep=True)
+        worker = RolloutConfig.of(root)
         worker.rollout.worker_id = f"worker-{index}"
         if worker.rollout.metrics.port == 0:
             worker.rollout.metrics.port = ports[5 + index]
@@ -247,9 +256,9 @@ def plan_stack(
             )
         )
     if cfg.eval.every is not None:
-        services.append(_service(run_dir, "evaluator", "evaluator", root))
+        services.append(_service(run_dir, "evaluator", "evaluator", EvaluatorConfig.of(root)))
     # The feeder stays up: should the bus lose its data, it feeds again what was not trained yet.
-    services.append(_service(run_dir, "prompts", "prompts", root, "--watch"))
+    services.append(_service(run_dir, "prompts", "prompts", PromptsConfig.of(root), "--watch"))
     return StackPlan(run_dir, root, tuple(services), private_redis, token, resume)
 
 
@@ -262,6 +271,15 @@ def write_token(path: Path, token: str) -> None:
     os.chmod(path, 0o600)
 
 
+def _header(spec: ServiceSpec) -> str:
+    """The comment on top of a service's file: whose it is, and that it holds only its role's part."""
+    return (
+        f"{spec.name}: `sparkrl {spec.role}` settings, resolved by `sparkrl up`. Only the {spec.role} "
+        f"role's part of the tree\n({', '.join(type(spec.config).model_fields)}); "
+        f"`sparkrl {spec.role} --preset THIS_FILE` runs it again."
+    )
+
+
 def write_configs(plan: StackPlan) -> None:
     """Write every service's config (`RUN_DIR/config/<service>.yaml`, `redis.conf`), the control token
     and the run's folders."""
@@ -269,7 +287,7 @@ def write_configs(plan: StackPlan) -> None:
         if isinstance(spec.config, str):
             write_token(spec.config_path, spec.config.rstrip("\n"))  # redis.conf holds its password: 0600
         else:
-            write_resolved(spec.config, spec.config_path)
+            write_resolved(spec.config, spec.config_path, header=_header(spec))
     if plan.control_token is not None:
         write_token(plan.token_path, plan.control_token)
     if plan.private_redis and not plan.resume:

@@ -25,6 +25,7 @@ import httpx
 from sparkrl.launcher import Stack, StackError, logtail_bytes, supervise
 from sparkrl.plan import StackPlan, plan_stack, write_configs
 from sparkrl.services.common.bus._text import mask_password
+from sparkrl.services.common.roles import LearnerConfig, RolloutConfig
 from sparkrl.services.common.settings import RewardSettings, SparkSettings
 
 BESIDE = ("redis", "control", "prompts", "evaluator")  # what runs as plain processes next to the actors
@@ -38,12 +39,15 @@ class ServiceActor:
     goes to RUN_DIR/logs/<name>.log, as a process of `sparkrl up` writes it.
     """
 
-    def __init__(self, role: str, name: str, tree: dict[str, Any], resume: bool) -> None:
+    cfg: LearnerConfig | RolloutConfig
+
+    def __init__(self, role: str, name: str, config: dict[str, Any], resume: bool) -> None:
+        """`config`: the role's config (`roles.py`) as the driver resolved it, dumped to JSON."""
         import ray
 
         self.role, self.name = role, name
-        # model_validate, not the constructor: the settings are the driver's, not this process's environment.
-        self.cfg = SparkSettings.model_validate(tree)
+        # The driver's settings, validated as they are: not this process's environment.
+        self.cfg = (LearnerConfig if role == "learner" else RolloutConfig).model_validate(config)
         log_path = Path(self.cfg.run_dir) / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -54,11 +58,13 @@ class ServiceActor:
         with warnings.catch_warnings():  # Ray's own property trips its deprecation of `actor_id`
             warnings.simplefilter("ignore")
             restarted = bool(ray.get_runtime_context().was_current_actor_reconstructed)
-        if role == "rollout":
+        label = role
+        if isinstance(self.cfg, RolloutConfig):
             # A new id per incarnation: a restarted worker joins the next broadcast epoch as a new member,
             # and the prompts the dead one held are reclaimed after bus.claim_idle_ms.
             self.cfg.rollout.worker_id = f"{name}.{os.getpid()}"
-        setup_logging(f"rollout[{self.cfg.rollout.worker_id}]" if role == "rollout" else role)
+            label = f"rollout[{self.cfg.rollout.worker_id}]"
+        setup_logging(label)
         # A learner that Ray restarts goes on from its checkpoint and journal, as `--resume` does.
         self.resume = resume or (role == "learner" and restarted)
         self.stopping = threading.Event()
@@ -68,7 +74,7 @@ class ServiceActor:
             logging.getLogger("sparkrl").warning("%s restarted by Ray (its process had died)", name)
 
     def run(self) -> str:
-        if self.role == "learner":
+        if isinstance(self.cfg, LearnerConfig):
             from sparkrl.services.learner.service import main as learner_main
 
             learner_main(self.cfg, resume=self.resume, stop=self.stopping)
@@ -86,7 +92,7 @@ class ServiceActor:
         return os.getpid()
 
     def worker_id(self) -> str | None:
-        return self.cfg.rollout.worker_id
+        return self.cfg.rollout.worker_id if isinstance(self.cfg, RolloutConfig) else None
 
 
 class RewardIngress:
@@ -99,6 +105,11 @@ class RewardIngress:
         from sparkrl.services.reward.app import create_app
 
         return create_app(self.settings)
+
+
+def _actor_configs(s: SparkSettings) -> dict[str, LearnerConfig | RolloutConfig]:
+    """The configs of the actors' roles, from the root tree."""
+    return {"learner": LearnerConfig.of(s), "rollout": RolloutConfig.of(s)}
 
 
 def start_reward(cfg: SparkSettings, timeout_s: float = 180.0) -> str:
@@ -207,7 +218,9 @@ class RayStack:
         if fitted:
             self.beside.report(f"Ray cluster of {cpus:g} CPUs: requests fitted ({'; '.join(fitted)})")
         start_reward(s)
-        tree = s.model_dump(mode="json")
+        # Each actor its role's part of the root tree (as before the per-role files: no worker id, no
+        # planned /metrics port, which need not be free on the node Ray places it on).
+        configs = {role: config.model_dump(mode="json") for role, config in _actor_configs(s).items()}
         actor = ray.remote(ServiceActor)
         for spec in self.plan.services:
             if spec.role not in ("learner", "rollout"):
@@ -220,7 +233,7 @@ class RayStack:
                 max_restarts=res.max_restarts,
                 max_task_retries=-1,  # run() goes on in the restarted actor
                 max_concurrency=2,  # stop() arrives while run() loops
-            ).remote(spec.role, spec.name, tree, self.resume)
+            ).remote(spec.role, spec.name, configs[spec.role], self.resume)
             if spec.role == "learner":
                 self.learner = handle
             else:

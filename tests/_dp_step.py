@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from sparkrl.proto.testing import random_group
+from sparkrl.services.common.roles import LearnerConfig
 from sparkrl.services.common.settings import load_settings
 from sparkrl.services.learner import logprobs
 from sparkrl.services.learner.ledger import Batch
@@ -43,7 +44,7 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[])
     args = parser.parse_args()
     logprobs.CHUNK_BYTES = 4 * VOCAB * 5  # chunks of 5 positions: several per micro-batch, a ragged last
-    cfg = load_settings(
+    tree = load_settings(
         "smoke",
         [
             f"model={args.model}",
@@ -54,6 +55,7 @@ def main() -> None:
             *args.set,
         ],
     )
+    cfg = LearnerConfig.of(tree)
     if world()[0] != 0:
         follow(cfg, resume=False)  # rank 0's orders: the update, the gather of the weights, the stop
         return

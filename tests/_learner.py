@@ -12,29 +12,32 @@ from pathlib import Path
 from conftest import free_port
 
 from sparkrl.services.common.bus import RedisBus
-from sparkrl.services.common.settings import SparkSettings, load_settings
+from sparkrl.services.common.roles import LearnerConfig
+from sparkrl.services.common.settings import load_settings
 from sparkrl.services.learner.learner import Learner
 from sparkrl.services.learner.ranks import trainer_for
 from sparkrl.services.learner.service import assemble
 from sparkrl.services.learner.trainer import Trainer, load
 
 
-def settings(model_dir: Path, run_dir: Path, *overrides: str) -> SparkSettings:
-    """The smoke preset on `model_dir`, writing to `run_dir`; a free port for the weight sync (never the
-    default 29600, which another run on the machine may hold)."""
-    return load_settings(
-        "smoke", [f"model={model_dir}", f"run_dir={run_dir}", f"sync.port={free_port()}", *overrides]
+def settings(model_dir: Path, run_dir: Path, *overrides: str) -> LearnerConfig:
+    """The learner's part of the smoke preset on `model_dir`, writing to `run_dir`; a free port for the
+    weight sync (never the default 29600, which another run on the machine may hold)."""
+    return LearnerConfig.of(
+        load_settings(
+            "smoke", [f"model={model_dir}", f"run_dir={run_dir}", f"sync.port={free_port()}", *overrides]
+        )
     )
 
 
-def one_rank(cfg: SparkSettings) -> Trainer:
+def one_rank(cfg: LearnerConfig) -> Trainer:
     """The learner's trainer, fresh from `cfg.model` (one rank: no launcher here)."""
     return trainer_for(cfg, load(cfg, resume=False))
 
 
 @contextmanager
 def learner_loop(
-    cfg: SparkSettings, bus: RedisBus, trainer_as: Callable[[Trainer], Trainer] = lambda t: t
+    cfg: LearnerConfig, bus: RedisBus, trainer_as: Callable[[Trainer], Trainer] = lambda t: t
 ) -> Iterator[Learner]:
     """The loop and its parts, fresh; `trainer_as` wraps the trainer (a fault to inject)."""
     loaded = load(cfg, resume=False)

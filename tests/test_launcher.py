@@ -29,6 +29,7 @@ from sparkrl.proto.run_files import DeadLetterRecord
 from sparkrl.run_files import load_dead_letters
 from sparkrl.run_report import progress_line, startup_line, summarize
 from sparkrl.services.common.bus import RedisBus
+from sparkrl.services.common.roles import for_role
 from sparkrl.services.common.settings import SparkSettings, load_settings, write_resolved
 from sparkrl.services.common.telemetry import Telemetry
 
@@ -83,13 +84,13 @@ def test_plan_writes_one_config_per_service_that_loads_back(tmp_path: Path) -> N
         if spec.role == "redis":
             assert spec.config_path.read_text() == spec.config
             continue
-        loaded = load_settings(str(spec.config_path))
+        loaded = for_role(load_settings(str(spec.config_path)), spec.role)
         assert loaded == spec.config
         assert loaded.model_dump() == spec.config.model_dump()
     worker_1 = load_settings(str(tmp_path / "run" / "config" / "worker-1.yaml"))
     assert worker_1.rollout.worker_id == "worker-1"
-    assert worker_1.learner.max_steps == 7
     assert worker_1.run_dir == str(tmp_path / "run")
+    assert load_settings(str(tmp_path / "run" / "config" / "learner.yaml")).learner.max_steps == 7
 
 
 def test_plan_picks_free_ports_and_keeps_given_ones(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from sparkrl.proto.testing import random_group
 from sparkrl.services.common.bus import GROUPS, RedisBus
 from sparkrl.services.common.datasets import countdown_prompts
 from sparkrl.services.common.feeder import feed_held, feed_prompts, mark_fed
+from sparkrl.services.common.roles import RolloutConfig
 from sparkrl.services.common.settings import (
     BusSettings,
     LearnerSettings,
@@ -76,7 +77,7 @@ def make_worker(
 
     def make(**rollout: object) -> Worker:
         cfg = worker_settings(tiny_model_dir, tmp_path / "run", bus_settings, **rollout)
-        built.append(service.build(cfg, threading.Event()))
+        built.append(service.build(RolloutConfig.of(cfg), threading.Event()))
         return built[-1]
 
     yield make

@@ -19,7 +19,8 @@ from fastapi.staticfiles import StaticFiles
 
 from sparkrl.services.common.bus import BusError, RedisBus
 from sparkrl.services.common.http import AsciiJSON, install_validation_handler
-from sparkrl.services.common.settings import BusSettings, ControlSettings, SparkSettings
+from sparkrl.services.common.roles import ControlConfig
+from sparkrl.services.common.settings import BusSettings, ControlSettings
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.control.auth import TokenCheck, resolve_token
 from sparkrl.services.control.commands import Commander
@@ -86,7 +87,7 @@ def _errors(app: FastAPI) -> None:
         return AsciiJSON({"detail": f"the telemetry store is unreachable: {exc}"}, status_code=503)
 
 
-def main(cfg: SparkSettings) -> None:
+def main(cfg: ControlConfig) -> None:
     """Serve until SIGTERM/SIGINT (uvicorn's graceful shutdown)."""
     app = create_app(cfg.control, cfg.bus)
     log.info("control service on http://%s:%d/ (API /api/v1, docs /docs)", cfg.control.host, cfg.control.port)

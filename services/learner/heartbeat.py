@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from sparkrl.proto import HparamValue, LearnerStatus, StateEvent, StepMetrics
+from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.common.telemetry import LEARNER, LEARNER_HEARTBEAT_S, Telemetry
 from sparkrl.services.learner.publisher import WeightPublisher
 from sparkrl.services.learner.state import TrainState
@@ -28,20 +29,22 @@ class LearnerReport:
 
 
 class StatusSource:
-    """Builds the status from the report, the train state and the publisher (callable)."""
+    """Builds the status from the report, the train state, the publisher and the learner's settings in
+    force (callable)."""
 
     def __init__(
         self,
         publisher: WeightPublisher,
-        max_steps: int | None,
+        cfg: LearnerSettings,
         data_steps: Callable[[TrainState], int | None] = lambda state: None,
     ) -> None:
-        """`data_steps`: where the data ends the run (None: not known, or no end), `data_end.py`."""
-        self.publisher, self.max_steps, self.data_steps = publisher, max_steps, data_steps
+        """`cfg`: the settings the loop trains with, live changes (`max_staleness`) applied in place by its
+        control; `data_steps`: where the data ends the run (None: not known, or no end), `data_end.py`."""
+        self.publisher, self.cfg, self.data_steps = publisher, cfg, data_steps
 
     def limit(self, state: TrainState) -> int | None:
         """Where the run ends: learner.max_steps, or sooner where the data runs out."""
-        ends = [n for n in (self.max_steps, self.data_steps(state)) if n is not None]
+        ends = [n for n in (self.cfg.max_steps, self.data_steps(state)) if n is not None]
         return max(1, min(ends)) if ends else None
 
     def __call__(self, report: LearnerReport, state: TrainState) -> LearnerStatus:
@@ -62,6 +65,7 @@ class StatusSource:
             max_steps=self.limit(state),
             last_checkpoint=report.last_checkpoint,
             hyperparameters=report.hparams,
+            max_staleness=self.cfg.max_staleness,
             heartbeat_at=time.time(),
         )
 

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from sparkrl.proto import RankOrder, TrajectoryGroup, decode_group, encode_group
-from sparkrl.services.common.settings import LearnerSettings, SparkSettings
+from sparkrl.services.common.roles import LearnerConfig
+from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner.batch import MicroBatch
 from sparkrl.services.learner.checkpoint import cpu_weights, join_gather, save_checkpoint, save_partitions
 from sparkrl.services.learner.ledger import Batch
@@ -223,7 +224,7 @@ class ManyRanks:
             raise error from exc
 
 
-def trainer_for(cfg: SparkSettings, loaded: Loaded) -> Trainer:
+def trainer_for(cfg: LearnerConfig, loaded: Loaded) -> Trainer:
     """Rank 0's trainer: `OneRank`, or `ManyRanks` under a launcher that started several (joining the
     orders' group is a collective: every rank does it right after its engine is built)."""
     ranks = Ranks.join()
@@ -242,7 +243,7 @@ def trainer_for(cfg: SparkSettings, loaded: Loaded) -> Trainer:
     return ManyRanks(local, ranks, loaded.state.step)
 
 
-def follow(cfg: SparkSettings, resume: bool) -> None:
+def follow(cfg: LearnerConfig, resume: bool) -> None:
     """A rank other than the first: the same engine (restored like rank 0's when resuming), then rank 0's
     orders until `stop`. It reads no bus, serves nothing and writes no file of its own but its checkpoint
     partitions; it keeps no state between orders but the engine's."""

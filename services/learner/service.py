@@ -1,5 +1,6 @@
-"""The learner as a service: `build` its parts from the settings, `run` the loop, `close` it (`main`: all
-three). A data-parallel learner's other ranks `follow` rank 0's orders instead (ranks.py).
+"""The learner as a service: `build` its parts from its role's settings (`LearnerConfig`), `run` the
+loop, `close` it (`main`: all three). A data-parallel learner's other ranks `follow` rank 0's orders
+instead (ranks.py).
 
 A plain process (`sparkrl learner`) and a Ray actor (`sparkrl up --ray`) drive the same `main`; neither
 touches signals here: whoever runs the loop owns them and sets `stop` (the CLI takes them over only once
@@ -19,7 +20,7 @@ from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.control_channel import ControlReader
 from sparkrl.services.common.metrics_server import MetricsServer
 from sparkrl.services.common.recovery import warn_if_not_persistent
-from sparkrl.services.common.settings import SparkSettings
+from sparkrl.services.common.roles import LearnerConfig
 from sparkrl.services.common.telemetry import LEARNER, Telemetry
 from sparkrl.services.common.weight_sync.files import WeightFileServer
 from sparkrl.services.learner.checkpoint import latest_checkpoint
@@ -54,7 +55,7 @@ def run_state(run_dir: Path) -> str | None:
 
 
 def assemble(
-    cfg: SparkSettings,
+    cfg: LearnerConfig,
     loaded: Loaded,
     trainer: Trainer,
     bus: RedisBus,
@@ -74,10 +75,9 @@ def assemble(
         metrics.observe_sync(event)
 
     publisher = WeightPublisher(telemetry, cfg.sync, run_dir / "snapshots", on_sync=on_sync, files=files)
-    # The status's max_steps (the progress line's total): learner.max_steps, or where the data runs out.
-    status = StatusSource(
-        publisher, lc.max_steps, lambda now: steps_the_data_allows(bus, lc.prompts_per_step, now)
-    )
+    # The status's max_steps (the progress line's total): learner.max_steps, or where the data runs out;
+    # its max_staleness: the one in force (`lc`, which the control changes in place).
+    status = StatusSource(publisher, lc, lambda now: steps_the_data_allows(bus, lc.prompts_per_step, now))
     tracker = Tracker(lc.tracking, run_dir, cfg.model_dump(mode="json")) if lc.tracking.to else None
     reports = Reports(
         telemetry, Heartbeat(telemetry, state, status), metrics, run_log, loaded.tokenizer, tracker
@@ -103,7 +103,7 @@ class LearnerService:
 
 
 def build(
-    cfg: SparkSettings,
+    cfg: LearnerConfig,
     resume: bool,
     stop: threading.Event,
     engine_built: Callable[[], None] = lambda: None,
@@ -161,7 +161,7 @@ def close(service: LearnerService, ending: Ending) -> str | None:
 
 
 def main(
-    cfg: SparkSettings,
+    cfg: LearnerConfig,
     resume: bool = False,
     stop: threading.Event | None = None,
     engine_built: Callable[[], None] = lambda: None,

@@ -25,7 +25,8 @@ from transformers import PreTrainedTokenizerBase
 
 from sparkrl.proto import TrajectoryGroup
 from sparkrl.services.common.modeling import load_model, load_tokenizer
-from sparkrl.services.common.settings import LearnerSettings, SparkSettings
+from sparkrl.services.common.roles import LearnerConfig
+from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner.batch import micro_batches, samples_from_groups
 from sparkrl.services.learner.checkpoint import (
     cpu_weights,
@@ -135,7 +136,7 @@ class Loaded:
     reference: torch.nn.Module | None  # the frozen initial model of learner.kl (None: no KL term)
 
 
-def load(cfg: SparkSettings, resume: bool) -> Loaded:
+def load(cfg: LearnerConfig, resume: bool) -> Loaded:
     """Model → DeepSpeed engine, restored from the latest checkpoint when resuming."""
     lc = cfg.learner
     torch.manual_seed(lc.seed)

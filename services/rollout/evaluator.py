@@ -24,7 +24,8 @@ from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.datasets import file_prompts
 from sparkrl.services.common.evaluation import EvalResult, evaluate_engine, heldout_countdown
 from sparkrl.services.common.reward_client import RewardClient
-from sparkrl.services.common.settings import PromptSettings, SparkSettings, TorchEngineSettings
+from sparkrl.services.common.roles import EvaluatorConfig
+from sparkrl.services.common.settings import PromptSettings, TorchEngineSettings
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.common.weight_sync.files import FetchFailed
 from sparkrl.services.rollout.announcements import AnnouncementGate
@@ -36,7 +37,7 @@ log = logging.getLogger("sparkrl.evaluator")
 EVAL_FILE = "eval.jsonl"
 
 
-def eval_tasks(cfg: SparkSettings) -> list[Prompt]:
+def eval_tasks(cfg: EvaluatorConfig) -> list[Prompt]:
     """The problems every evaluation of this run uses."""
     if cfg.eval.task == "countdown":
         return heldout_countdown(cfg.eval.problems, cfg.prompts.countdown)
@@ -50,7 +51,7 @@ def eval_tasks(cfg: SparkSettings) -> list[Prompt]:
 class Evaluator:
     """`step()` evaluates the newest version when it is due; `close()` releases engine, bus and client."""
 
-    def __init__(self, cfg: SparkSettings, stop: threading.Event) -> None:
+    def __init__(self, cfg: EvaluatorConfig, stop: threading.Event) -> None:
         self.cfg, self.settings = cfg, cfg.eval
         if self.settings.every is None:
             raise ValueError("the evaluator needs eval.every (evaluate every N policy versions)")
@@ -142,7 +143,7 @@ def _record(result: EvalResult, version: int) -> EvalRecord:
     )
 
 
-def main(cfg: SparkSettings, stop: threading.Event) -> None:
+def main(cfg: EvaluatorConfig, stop: threading.Event) -> None:
     """Evaluate until `stop` is set (a signal, or the launcher stopping the stack). Without `eval.every`
     (a deployment that runs the evaluator whatever the preset says) it only waits for its stop signal."""
     if cfg.eval.every is None:

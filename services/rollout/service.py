@@ -1,4 +1,5 @@
-"""The rollout worker as a service: `build` its parts from the settings, `step` its loop once, `close` it.
+"""The rollout worker as a service: `build` its parts from its role's settings (`RolloutConfig`), `step`
+its loop once, `close` it.
 
 A plain process (`sparkrl rollout`) and a Ray actor (`sparkrl up --ray`) drive the same three; neither
 this module nor the worker touches signals: whoever runs the loop owns them and sets `stop`.
@@ -18,7 +19,7 @@ from sparkrl.services.common.control_channel import ControlReader
 from sparkrl.services.common.metrics_server import MetricsServer
 from sparkrl.services.common.recovery import warn_if_not_persistent
 from sparkrl.services.common.reward_client import RewardClient
-from sparkrl.services.common.settings import SparkSettings
+from sparkrl.services.common.roles import RolloutConfig
 from sparkrl.services.common.telemetry import Telemetry, worker_target
 from sparkrl.services.common.weight_sync import WeightReceiver
 from sparkrl.services.rollout.announcements import AnnouncementGate
@@ -36,7 +37,7 @@ log = logging.getLogger("sparkrl.rollout")
 LOCKSTEP_POLL_S = 0.005  # how often a worker in lockstep looks for the next version
 
 
-def build(cfg: SparkSettings, stop: threading.Event) -> Worker:
+def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
     """Bus, model (the learner's when ours is not there), engine, reward client, control, weight sync,
     heartbeat and /metrics — started, announced, ready for `step`."""
     worker_id = cfg.rollout.worker_id or f"{socket.gethostname()}-{os.getpid()}"
@@ -76,7 +77,7 @@ def build(cfg: SparkSettings, stop: threading.Event) -> Worker:
     return worker
 
 
-def _receiver(worker_id: str, cfg: SparkSettings, engine: Engine) -> WeightReceiver:
+def _receiver(worker_id: str, cfg: RolloutConfig, engine: Engine) -> WeightReceiver:
     """The weight receiver `sync.backend` names; for a vLLM engine one whose acknowledgement waits until
     vLLM holds the version (loaded in place, its checksum taken from what vLLM holds)."""
     if cfg.rollout.engine.kind == "vllm":
@@ -88,7 +89,7 @@ def _receiver(worker_id: str, cfg: SparkSettings, engine: Engine) -> WeightRecei
     return WeightReceiver(worker_id, backend=cfg.sync.backend, timeout_s=cfg.sync.timeout_s)
 
 
-def _reward_client(cfg: SparkSettings) -> RewardClient:
+def _reward_client(cfg: RolloutConfig) -> RewardClient:
     r = cfg.rollout
     return RewardClient(cfg.reward.url, r.reward_timeout_s, r.reward_retries, deadline_s=r.reward_deadline_s)
 
@@ -138,7 +139,7 @@ def close(worker: Worker) -> None:
     log.info("worker %s stopped after %d groups", worker.state.worker_id, worker.state.groups_published)
 
 
-def main(cfg: SparkSettings, stop: threading.Event | None = None) -> None:
+def main(cfg: RolloutConfig, stop: threading.Event | None = None) -> None:
     """Build, step until `stop` is set (a signal, a stop command, the Ray driver), close."""
     stop = stop or threading.Event()
     worker = build(cfg, stop)

@@ -89,6 +89,18 @@ def publish_groups(
     return new, redo
 
 
+def too_stale(learner: LearnerStatus | None, oldest: int | None) -> bool:
+    """Whether a group whose oldest token is of policy version `oldest` is older than the learner's
+    `max_staleness` (its status's typed field) against the version it holds now: the learner would not
+    train it. Never when the learner is not live or does not say (a status from before the field), nor
+    for a group without tokens (`oldest` None)."""
+    if learner is None or oldest is None or not Telemetry.learner_alive(learner):
+        return False
+    if learner.max_staleness is None:
+        return False
+    return learner.policy_version - oldest > learner.max_staleness
+
+
 def sync_weights(
     gate: AnnouncementGate,
     receiver: WeightReceiver,
@@ -284,14 +296,7 @@ class Worker:
         def doomed(group: TrajectoryGroup) -> bool:
             if not seen or time.monotonic() - seen[-1][0] > LEARNER_STATUS_REUSE_S:
                 seen[:] = [(time.monotonic(), self.telemetry.learner())]
-            learner = seen[-1][1]
-            oldest = group.oldest_policy_version
-            if learner is None or oldest is None or not Telemetry.learner_alive(learner):
-                return False
-            max_staleness = learner.hyperparameters.get("max_staleness")
-            if not isinstance(max_staleness, int):
-                return False
-            return learner.policy_version - oldest > max_staleness
+            return too_stale(seen[-1][1], group.oldest_policy_version)
 
         return doomed
 

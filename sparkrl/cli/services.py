@@ -1,5 +1,7 @@
 """One command per service, what a container or `sparkrl up` runs: `reward`, `rollout`, `control`,
-`learner`, `evaluator`, and the prompt feeder `prompts`. Service imports happen inside the commands so
+`learner`, `evaluator`, and the prompt feeder `prompts`. Each takes a settings file or preset (its role's
+file that `sparkrl up` wrote, or a whole tree, as compose and Kubernetes mount) plus `--set`, and hands its
+service only its role's part (`services/common/roles.py`). Service imports happen inside the commands so
 `sparkrl reward` never loads torch."""
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ import typer
 
 from sparkrl.cli.options import WHICH_REDIS, BusRunDir, Overrides, Preset, settings
 from sparkrl.services.common.logs import setup_logging
-from sparkrl.services.common.settings import SparkSettings
+from sparkrl.services.common.roles import (
+    ControlConfig,
+    EvaluatorConfig,
+    LearnerConfig,
+    PromptsConfig,
+    RewardConfig,
+    RolloutConfig,
+)
 
 commands = typer.Typer()
 
@@ -22,7 +31,7 @@ commands = typer.Typer()
 @commands.command()
 def reward(preset: Preset = None, overrides: Overrides = None) -> None:
     """Run the reward service (FastAPI) on reward.host:reward.port."""
-    cfg = settings(preset, overrides)
+    cfg = RewardConfig.of(settings(preset, overrides))
     setup_logging("reward")
     from sparkrl.services.reward.app import main
 
@@ -36,7 +45,7 @@ def rollout(
     worker_id: Annotated[str | None, typer.Option(help="Consumer name; default hostname-pid.")] = None,
 ) -> None:
     """Run one rollout worker: prompts → n completions → scores → trajectory stream."""
-    cfg = settings(preset, overrides)
+    cfg = RolloutConfig.of(settings(preset, overrides))
     if worker_id is not None:
         cfg.rollout.worker_id = worker_id
     log = setup_logging(f"rollout[{cfg.rollout.worker_id or 'auto'}]")
@@ -49,7 +58,7 @@ def rollout(
 @commands.command()
 def control(preset: Preset = None, overrides: Overrides = None) -> None:
     """Run the control service (REST API, live page, fleet metrics) on control.host:control.port."""
-    cfg = settings(preset, overrides)
+    cfg = ControlConfig.of(settings(preset, overrides))
     setup_logging("control")
     from sparkrl.services.control.app import main
 
@@ -73,7 +82,7 @@ def learner(
     ] = False,
 ) -> None:
     """Run the learner: trajectory stream → Lp-Reg (or a baseline) under DeepSpeed → weights to the fleet."""
-    cfg = settings(preset, overrides)
+    cfg = LearnerConfig.of(settings(preset, overrides))
     rank = os.environ.get("RANK", "0")  # under torchrun (learner.ranks > 1) each rank says which it is
     log = setup_logging("learner" if rank == "0" else f"learner[rank {rank}]")
     from sparkrl.services.common.logs import stop_on_signals
@@ -101,7 +110,7 @@ def learner(
 @commands.command()
 def evaluator(preset: Preset = None, overrides: Overrides = None) -> None:
     """Run the in-training evaluator: every `eval.every`-th published version on held-out problems."""
-    cfg = settings(preset, overrides)
+    cfg = EvaluatorConfig.of(settings(preset, overrides))
     log = setup_logging("evaluator")
     from sparkrl.services.common.logs import stop_on_signals
     from sparkrl.services.rollout.evaluator import main
@@ -127,7 +136,7 @@ def prompts(
     --run-dir (a live `sparkrl up`) or bus.url."""
     if run_dir is not None:
         preset = str(run_dir / "config" / "prompts.yaml")
-    cfg = settings(preset, overrides)
+    cfg = PromptsConfig.of(settings(preset, overrides))
     log = setup_logging("prompts")
     if "url" not in cfg.bus.model_fields_set:
         # This command writes: never into a Redis it was not pointed at (6379 may be someone else's).
@@ -139,7 +148,7 @@ def prompts(
     _feed(cfg, epochs or cfg.prompts.epochs, watch, log)
 
 
-def _feed(cfg: SparkSettings, epochs: int, watch: bool, log: logging.Logger) -> None:
+def _feed(cfg: PromptsConfig, epochs: int, watch: bool, log: logging.Logger) -> None:
     """Every epoch into the prompt stream, then (with `watch`) again whenever the Redis lost its data."""
     from sparkrl.services.common.bus import RedisBus
     from sparkrl.services.common.datasets import iter_prompts

@@ -1,0 +1,165 @@
+"""The learner's settings: the `learner` section; re-exported by `settings.py`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from sparkrl.services.common.learner_knobs import (
+    AdvantageSettings,
+    KlSettings,
+    ScheduleSettings,
+    TrackingSettings,
+)
+from sparkrl.services.common.loss_settings import LossSettings, LpRegLoss
+from sparkrl.services.common.server_settings import MetricsEndpoint
+from sparkrl.services.common.settings_section import Section
+
+MAX_STALENESS = 100_000  # versions; more is the same as never dropping a group
+
+
+class LearnerSettings(Section):
+    """The DeepSpeed learner: batches, loss, optimizer, staleness, checkpoints."""
+
+    loss: LossSettings = Field(default_factory=LpRegLoss, description="Policy loss, chosen by `name`.")
+    proxy_source: Literal["topk", "logits"] = Field(
+        "topk", description="Lp-Reg proxy from the streamed top-k (free) or an extra π_old pass (exact)."
+    )
+    proxy_kappa: float = Field(
+        0.02,
+        gt=0,
+        le=1,
+        description="κ of the min-p proxy: keep p ≥ κ·max p.",
+        json_schema_extra={
+            "why": {
+                "gt": "κ = 0 keeps every token: no proxy",
+                "le": "it is a fraction of the top probability",
+            }
+        },
+    )
+    old_logp_source: Literal["rollout", "recompute"] = Field(
+        "rollout",
+        description="old_logp from the rollout's log-probs, or recomputed by the learner (then truncated IS "
+        "corrects rollout/learner mismatch).",
+    )
+    tis_cap: float | None = Field(2.0, gt=0, description="Cap of truncated IS weights; None: no correction.")
+    lr: float = Field(
+        1e-6,
+        gt=0,
+        le=0.1,
+        description="Learning rate (the base of `schedule`).",
+        json_schema_extra={
+            "why": {
+                "gt": "a step must move the weights",
+                "le": "Adam moves every weight by about lr per step, whatever the gradient's scale: a larger "
+                "step wrecks a pretrained policy at once (tiny models train at 1e-3, LLMs at 1e-6)",
+            }
+        },
+    )
+    schedule: ScheduleSettings = Field(default_factory=ScheduleSettings, description="lr warm-up and decay.")
+    kl: KlSettings = Field(default_factory=KlSettings, description="KL penalty to the initial model.")
+    advantage: AdvantageSettings = Field(
+        default_factory=AdvantageSettings, description="Rewards → advantages."
+    )
+    loss_aggregation: Literal["token_mean", "seq_mean_token_sum", "seq_mean_token_mean", "dr_grpo"] = Field(
+        "token_mean",
+        description="A step's per-token losses → one: the token mean (the paper's), a mean over sequences of "
+        "their sums or means, or Dr. GRPO's sum over a constant length (the rollout's max_new_tokens).",
+    )
+    updates_per_rollout: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Optimizer steps per learner step: the step's groups split into this many mini-batches, "
+        "each its own update, π_old fixed for the whole step (the paper's off-policy setting: 8).",
+    )
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient norm clip.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
+    ranks: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel learner processes `sparkrl up` starts on this machine (torchrun; one "
+        "per GPU on a GPU). On several nodes, start `sparkrl learner` under torchrun on each "
+        "(docs/deployment.md).",
+    )
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="Training dtype (bf16 on GPU).")
+    device: str = Field("cpu", description="`cpu` or `cuda` (DeepSpeed's accelerator).")
+    gpus: list[int] = Field(
+        default_factory=list,
+        description="GPUs the learner may use (CUDA_VISIBLE_DEVICES); empty: no placement.",
+    )
+    autocast: Literal["off", "bfloat16", "auto"] = Field(
+        "off",
+        description="Forward/backward under torch.autocast in bf16: weights, gradients and optimizer stay "
+        "float32 (on a CPU with AVX512-BF16 a quarter faster; log-probs a little noisier). `auto`: bf16 "
+        "where the hardware runs it natively (oneDNN's bf16 on a CPU, a bf16-capable GPU), else off.",
+    )
+    attention: Literal["sdpa", "eager"] | None = Field(
+        None,
+        description="The model's attention kernel (transformers' attn_implementation); None: its default. "
+        "`eager` is faster for tiny models on a CPU, and the one bf16 autocast runs fast with there.",
+    )
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch CPU threads of the learner; None: torch's default. Several services on one "
+        "small machine should split the cores: oversubscribed threads slow every one of them.",
+    )
+    startup_timeout_s: float = Field(
+        900.0,
+        gt=0,
+        description="A start (model load, DeepSpeed's first op build) taking longer ends with an error "
+        "naming what it waits on.",
+    )
+    prompts_per_step: int = Field(256, ge=1, description="Groups per optimizer step.")
+    micro_batch_tokens: int = Field(8192, ge=16, description="Token budget of one forward/backward.")
+    max_staleness: int = Field(
+        4,
+        ge=0,
+        le=MAX_STALENESS,
+        description="Groups sampled more than this many versions ago are not trained: their prompts are "
+        "fed again and the groups made anew with newer weights (counted).",
+        json_schema_extra={
+            "why": {
+                "ge": "a group cannot be sampled by a version newer than the learner's",
+                "le": f"{MAX_STALENESS} already means 'never drop'",
+            }
+        },
+    )
+    max_nonfinite_steps: int = Field(
+        3,
+        ge=1,
+        le=1000,
+        description="Steps in a row whose loss or gradient norm is not finite before the run stops. Such a "
+        "step is never applied (its gradients are dropped, its groups go back); this many in a row means "
+        "the model or a hyperparameter, not the data, went wrong.",
+    )
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    checkpoint_every: int = Field(50, ge=1, description="Checkpoint every N steps (and on stop).")
+    keep_checkpoints: int = Field(2, ge=1, description="Older checkpoints are deleted.")
+    seed: int = Field(0, description="Seed of the learner's randomness (Clip-Cov's choice).")
+    tracking: TrackingSettings = Field(
+        default_factory=TrackingSettings, description="TensorBoard/wandb/MLflow."
+    )
+    samples_per_step: int = Field(
+        4, ge=0, le=1000, description="Completions per step written to RUN_DIR/samples.jsonl (0: none)."
+    )
+    metrics: MetricsEndpoint = Field(default_factory=MetricsEndpoint, description="/metrics and /healthz.")
+
+    @model_validator(mode="after")
+    def _own_aggregation(self) -> LearnerSettings:
+        if self.loss_aggregation != "token_mean" and self.loss.name in ("gspo", "eighty_twenty"):
+            raise ValueError(
+                f"learner.loss {self.loss.name} aggregates by its own definition: loss_aggregation token_mean"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _decay_needs_an_end(self) -> LearnerSettings:
+        if self.schedule.kind != "constant" and self.max_steps is None:
+            raise ValueError(
+                f"learner.schedule.kind {self.schedule.kind} decays to learner.max_steps: set it"
+            )
+        return self

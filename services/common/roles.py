@@ -1,0 +1,200 @@
+"""Each role its own settings: what one service reads, and nothing of the other services'.
+
+`SparkSettings` stays the tree people write (presets, environment, `--set`); a role config is the part of
+it one service reads, each part named as in the tree. So a role's file (`sparkrl up` writes
+`RUN_DIR/config/<service>.yaml` with only its role's sections) is a sub-tree: it loads as the tree too,
+and every role command takes either that file or a whole tree (a preset, the one file compose and
+Kubernetes mount) and keeps its own part (`for_role`, or the role's `of`).
+
+A part is a whole section of the tree, or, where a role reads a few fields of a section that is another
+service's, a narrower section of the same name holding just those (`RewardEndpoint`, `ModelWait`).
+"""
+
+from __future__ import annotations
+
+from copy import copy
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sparkrl.services.common.settings import (
+    BusSettings,
+    ControlSettings,
+    EvalSettings,
+    LearnerSettings,
+    PromptSettings,
+    RewardSettings,
+    RolloutSettings,
+    SparkSettings,
+    WeightSyncSettings,
+)
+from sparkrl.services.common.settings_section import Section
+
+Role = Literal["control", "reward", "learner", "rollout", "evaluator", "prompts"]
+
+# As the tree's sections: an unknown key is an error, an assignment (`--worker-id`) is validated.
+_ROLE_CONFIG = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _same_field(section: type[BaseModel], name: str) -> Any:
+    """The tree's own field (default, bounds, description), for a narrower section that repeats it."""
+    return copy(section.model_fields[name])
+
+
+class RewardEndpoint(Section):
+    """The client's part of the `reward` section: where the reward service answers."""
+
+    url: str = _same_field(RewardSettings, "url")
+
+
+class ModelWait(Section):
+    """The evaluator's part of the `rollout` section: how long it waits for the learner's weight files."""
+
+    model_wait_s: float = _same_field(RolloutSettings, "model_wait_s")
+
+
+def _model() -> Any:
+    return Field(description="Hugging Face model directory (config, weights, tokenizer), resolved.")
+
+
+def _run_dir() -> Any:
+    return Field(description="The run directory: logs, metrics, resolved configs, checkpoints.")
+
+
+class ControlConfig(BaseModel):
+    """What `sparkrl control` reads: the bus (telemetry and commands) and its own section."""
+
+    model_config = _ROLE_CONFIG
+
+    bus: BusSettings
+    control: ControlSettings
+
+    @classmethod
+    def of(cls, tree: SparkSettings) -> ControlConfig:
+        """The control service's part of `tree`, copied."""
+        t = tree.model_copy(deep=True)
+        return cls(bus=t.bus, control=t.control)
+
+
+class RewardConfig(BaseModel):
+    """What `sparkrl reward` reads: its own section (the service never touches the bus)."""
+
+    model_config = _ROLE_CONFIG
+
+    reward: RewardSettings
+
+    @classmethod
+    def of(cls, tree: SparkSettings) -> RewardConfig:
+        """The reward service's part of `tree`, copied."""
+        return cls(reward=tree.reward.model_copy(deep=True))
+
+
+class LearnerConfig(BaseModel):
+    """What `sparkrl learner` reads: the model, the run directory, the bus, the weight sync, its own
+    section."""
+
+    model_config = _ROLE_CONFIG
+
+    model: str = _model()
+    run_dir: str = _run_dir()
+    bus: BusSettings
+    sync: WeightSyncSettings
+    learner: LearnerSettings
+
+    @classmethod
+    def of(cls, tree: SparkSettings) -> LearnerConfig:
+        """The learner's part of `tree`, copied."""
+        t = tree.model_copy(deep=True)
+        return cls(model=t.model, run_dir=t.run_dir, bus=t.bus, sync=t.sync, learner=t.learner)
+
+
+class RolloutConfig(BaseModel):
+    """What `sparkrl rollout` reads: the model, the run directory, the bus, the weight sync, its own
+    section and where the reward service answers."""
+
+    model_config = _ROLE_CONFIG
+
+    model: str = _model()
+    run_dir: str = _run_dir()
+    bus: BusSettings
+    sync: WeightSyncSettings
+    rollout: RolloutSettings
+    reward: RewardEndpoint
+
+    @classmethod
+    def of(cls, tree: SparkSettings) -> RolloutConfig:
+        """A rollout worker's part of `tree`, copied."""
+        t = tree.model_copy(deep=True)
+        return cls(
+            model=t.model,
+            run_dir=t.run_dir,
+            bus=t.bus,
+            sync=t.sync,
+            rollout=t.rollout,
+            reward=RewardEndpoint(url=t.reward.url),
+        )
+
+
+class EvaluatorConfig(BaseModel):
+    """What `sparkrl evaluator` reads: the model, the run directory, the bus and the weight sync (it
+    follows the announcements), its own `eval` section, the prompts' format (the held-out problems are
+    asked as the training ones), where the reward service answers, and how long to wait for the model."""
+
+    model_config = _ROLE_CONFIG
+
+    model: str = _model()
+    run_dir: str = _run_dir()
+    bus: BusSettings
+    sync: WeightSyncSettings
+    eval: EvalSettings
+    prompts: PromptSettings
+    reward: RewardEndpoint
+    rollout: ModelWait
+
+    @classmethod
+    def of(cls, tree: SparkSettings) -> EvaluatorConfig:
+        """The evaluator's part of `tree`, copied."""
+        t = tree.model_copy(deep=True)
+        return cls(
+            model=t.model,
+            run_dir=t.run_dir,
+            bus=t.bus,
+            sync=t.sync,
+            eval=t.eval,
+            prompts=t.prompts,
+            reward=RewardEndpoint(url=t.reward.url),
+            rollout=ModelWait(model_wait_s=t.rollout.model_wait_s),
+        )
+
+
+class PromptsConfig(BaseModel):
+    """What `sparkrl prompts` reads: the bus it feeds and its own section."""
+
+    model_config = _ROLE_CONFIG
+
+    bus: BusSettings
+    prompts: PromptSettings
+
+    @classmethod
+    def of(cls, tree: SparkSettings) -> PromptsConfig:
+        """The feeder's part of `tree`, copied (the bus's set fields too: the feeder writes only into a
+        Redis it was pointed at)."""
+        t = tree.model_copy(deep=True)
+        return cls(bus=t.bus, prompts=t.prompts)
+
+
+RoleConfig = ControlConfig | RewardConfig | LearnerConfig | RolloutConfig | EvaluatorConfig | PromptsConfig
+
+ROLE_CONFIGS: dict[Role, type[RoleConfig]] = {
+    "control": ControlConfig,
+    "reward": RewardConfig,
+    "learner": LearnerConfig,
+    "rollout": RolloutConfig,
+    "evaluator": EvaluatorConfig,
+    "prompts": PromptsConfig,
+}
+
+
+def for_role(tree: SparkSettings, role: Role) -> RoleConfig:
+    """`role`'s part of `tree`: its config, holding only the sections that service reads."""
+    return ROLE_CONFIGS[role].of(tree)

@@ -1,0 +1,73 @@
+"""The HTTP services' settings: the `reward` and `control` sections and a service's own /metrics
+endpoint; re-exported by `settings.py`."""
+
+from __future__ import annotations
+
+from pydantic import Field, SecretStr
+
+from sparkrl.services.common.settings_section import Section
+
+
+class RewardSettings(Section):
+    """The reward service (server side) and how clients reach it."""
+
+    host: str = Field("127.0.0.1", description="Interface the service binds.")
+    port: int = Field(8100, ge=0, le=65535, description="Port the service binds (0: any free port).")
+    url: str = Field("http://127.0.0.1:8100", description="Base URL clients (rollout workers) call.")
+    item_timeout_s: float = Field(5.0, gt=0, le=600, description="Default per-item verification time limit.")
+    max_item_timeout_s: float = Field(
+        30.0, gt=0, le=600, description="Cap on the per-item limit a client may ask for (`timeout_s`)."
+    )
+    max_request_seconds: float = Field(
+        120.0,
+        gt=0,
+        le=3600,
+        description="Budget of one request: items not finished within it score 0 with `timeout`, so no "
+        "request holds the pool longer.",
+    )
+    verifier_processes: int = Field(2, ge=1, le=64, description="Processes in the verification pool.")
+    max_request_bytes: int = Field(16 << 20, ge=1024, description="Larger request bodies get 413.")
+    custom_verifiers: list[str] = Field(
+        default_factory=list,
+        description="Extra verifiers as `module:function` import paths, registered under the function name.",
+    )
+
+
+class MetricsEndpoint(Section):
+    """A service's own HTTP endpoint for `GET /metrics` (Prometheus) and `GET /healthz`."""
+
+    host: str = Field("127.0.0.1", description="Interface it binds.")
+    port: int = Field(
+        0, ge=0, le=65535, description="Port it binds; 0: off (`sparkrl up` picks a free one for each)."
+    )
+
+
+class ControlSettings(Section):
+    """The control service: REST API, live page, the fleet's Prometheus view; and how clients reach it."""
+
+    host: str = Field("127.0.0.1", description="Interface the service binds.")
+    port: int = Field(8200, ge=0, le=65535, description="Port the service binds.")
+    url: str = Field("http://127.0.0.1:8200", description="Base URL clients (CLI, scripts) call.")
+    token: SecretStr | None = Field(
+        None,
+        description="Bearer token of the mutating routes (env SPARKRL_CONTROL__TOKEN); None: read from "
+        "`token_file`. The service refuses to start with neither.",
+    )
+    token_file: str | None = Field(
+        None, description="File holding the token (`sparkrl up` writes RUN_DIR/control-token, mode 0600)."
+    )
+    protect_reads: bool = Field(False, description="Require the token on the read routes and the page too.")
+    read_token: SecretStr | None = Field(
+        None,
+        description="A read-only token (env SPARKRL_CONTROL__READ_TOKEN): when set, the read routes and the "
+        "page require it or the control token, so viewers can watch without the power to steer.",
+    )
+    command_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        le=3600,
+        description="How long a command waits for every target's outcome before it answers 504, seconds.",
+    )
+    heartbeat_s: float = Field(
+        1.0, gt=0, le=60, description="How often the server-sent event stream polls Redis, seconds."
+    )
