@@ -123,3 +123,20 @@ def test_the_learners_status_carries_the_max_staleness_in_force() -> None:
     assert source(LearnerReport(), TrainState()).max_staleness == 3
     cfg.max_staleness = 1  # a live change (`sparkrl set max_staleness=1`), applied in place by the control
     assert source(LearnerReport(), TrainState()).max_staleness == 1
+
+
+def test_a_role_command_refuses_another_roles_file(tmp_path: Path) -> None:
+    """`sparkrl learner --preset config/worker-0.yaml` would run on the learner section's defaults: refused
+    before anything starts, naming whose file it is."""
+    import subprocess
+    import sys
+
+    plan = plan_stack(load_settings("demo", [f"run_dir={tmp_path}"]), workers=1)
+    write_configs(plan)
+    worker = next(spec for spec in plan.services if spec.role == "rollout")
+    command = [sys.executable, "-m", "sparkrl.cli", "learner", "--preset", str(worker.config_path)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_")} | {"COLUMNS": "300"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    said = " ".join(done.stderr.replace("│", " ").split())
+    assert done.returncode == 2, done.stderr
+    assert f"is {worker.name}'s settings" in said and "`sparkrl learner` needs its own file" in said, said

@@ -3,6 +3,7 @@ the settings with an error that says which setting is wrong."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated
 
@@ -31,6 +32,26 @@ def settings(preset: str | None, overrides: list[str] | None) -> SparkSettings:
         return load_settings(preset, overrides)
     except (ValueError, FileNotFoundError) as exc:
         raise typer.BadParameter(describe_settings_error(exc)) from exc
+
+
+_ROLE_FILE = re.compile(r"^# (\S+): `sparkrl (\w+)` settings")  # plan.py's header on a role's file
+
+
+def role_settings(role: str, preset: str | None, overrides: list[str] | None) -> SparkSettings:
+    """The tree for `sparkrl ROLE` (the role keeps its part). A file `sparkrl up` wrote for another role is
+    refused: it holds only that role's sections, so this role's would silently be the defaults."""
+    path = Path(preset) if preset else None
+    if path is not None and path.is_file():
+        with path.open() as file:
+            written_for = _ROLE_FILE.match(file.readline())
+        if written_for is not None and written_for.group(2) != role:
+            raise typer.BadParameter(
+                f"{preset} is {written_for.group(1)}'s settings, written by `sparkrl up` with only the "
+                f"{written_for.group(2)} role's part; `sparkrl {role}` needs its own file (RUN_DIR/config/ "
+                "holds one per service) or a whole tree (a preset)",
+                param_hint="--preset",
+            )
+    return settings(preset, overrides)
 
 
 def say(line: str) -> None:

@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from sparkrl.cli.options import WHICH_REDIS, BusRunDir, Overrides, Preset, settings
+from sparkrl.cli.options import WHICH_REDIS, BusRunDir, Overrides, Preset, role_settings
 from sparkrl.services.common.logs import setup_logging
 from sparkrl.services.common.roles import (
     ControlConfig,
@@ -31,7 +31,7 @@ commands = typer.Typer()
 @commands.command()
 def reward(preset: Preset = None, overrides: Overrides = None) -> None:
     """Run the reward service (FastAPI) on reward.host:reward.port."""
-    cfg = RewardConfig.of(settings(preset, overrides))
+    cfg = RewardConfig.of(role_settings("reward", preset, overrides))
     setup_logging("reward")
     from sparkrl.services.reward.app import main
 
@@ -45,7 +45,7 @@ def rollout(
     worker_id: Annotated[str | None, typer.Option(help="Consumer name; default hostname-pid.")] = None,
 ) -> None:
     """Run one rollout worker: prompts → n completions → scores → trajectory stream."""
-    cfg = RolloutConfig.of(settings(preset, overrides))
+    cfg = RolloutConfig.of(role_settings("rollout", preset, overrides))
     if worker_id is not None:
         cfg.rollout.worker_id = worker_id
     log = setup_logging(f"rollout[{cfg.rollout.worker_id or 'auto'}]")
@@ -58,7 +58,7 @@ def rollout(
 @commands.command()
 def control(preset: Preset = None, overrides: Overrides = None) -> None:
     """Run the control service (REST API, live page, fleet metrics) on control.host:control.port."""
-    cfg = ControlConfig.of(settings(preset, overrides))
+    cfg = ControlConfig.of(role_settings("control", preset, overrides))
     setup_logging("control")
     from sparkrl.services.control.app import main
 
@@ -82,7 +82,7 @@ def learner(
     ] = False,
 ) -> None:
     """Run the learner: trajectory stream → Lp-Reg (or a baseline) under DeepSpeed → weights to the fleet."""
-    cfg = LearnerConfig.of(settings(preset, overrides))
+    cfg = LearnerConfig.of(role_settings("learner", preset, overrides))
     rank = os.environ.get("RANK", "0")  # under torchrun (learner.ranks > 1) each rank says which it is
     log = setup_logging("learner" if rank == "0" else f"learner[rank {rank}]")
     from sparkrl.services.common.logs import stop_on_signals
@@ -110,7 +110,7 @@ def learner(
 @commands.command()
 def evaluator(preset: Preset = None, overrides: Overrides = None) -> None:
     """Run the in-training evaluator: every `eval.every`-th published version on held-out problems."""
-    cfg = EvaluatorConfig.of(settings(preset, overrides))
+    cfg = EvaluatorConfig.of(role_settings("evaluator", preset, overrides))
     log = setup_logging("evaluator")
     from sparkrl.services.common.logs import stop_on_signals
     from sparkrl.services.rollout.evaluator import main
@@ -136,7 +136,7 @@ def prompts(
     --run-dir (a live `sparkrl up`) or bus.url."""
     if run_dir is not None:
         preset = str(run_dir / "config" / "prompts.yaml")
-    cfg = PromptsConfig.of(settings(preset, overrides))
+    cfg = PromptsConfig.of(role_settings("prompts", preset, overrides))
     log = setup_logging("prompts")
     if "url" not in cfg.bus.model_fields_set:
         # This command writes: never into a Redis it was not pointed at (6379 may be someone else's).
