@@ -9,7 +9,7 @@ EXTRAS := learner,rollout,reward,control,ray,dev
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install redis chromium test lint bench bench-e2e schema demo clean compose-smoke vllm-env demo-vllm bench-engine
+.PHONY: install redis chromium test test-fast lint bench bench-e2e schema demo clean compose-smoke vllm-env demo-vllm bench-engine
 
 install: $(VENV)/.installed redis
 
@@ -30,8 +30,13 @@ chromium:
 # The vLLM tier (`-m vllm`: vLLM's CPU build) runs in its own environment; SPARKRL_REQUIRE_VLLM turns its
 # "not installed" skips into failures, so `make test` never passes without it.
 test: install chromium vllm-env
-	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -m "not vllm"
+	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -m "not vllm" --durations=15
 	SPARKRL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_engine_contract.py tests/test_vllm_cpu.py
+
+# The inner loop's tier: unit and contract tests, no stack and no DeepSpeed start-up (`slow` marks those);
+# a few minutes (docs/testing.md). `make test` runs everything.
+test-fast: install
+	$(VENV)/bin/pytest -q -m "not slow and not vllm" --durations=10
 
 # ruff, then the import contracts (pyproject.toml's [tool.importlinter]). import-linter finds a package's
 # modules by walking its folder, and sparkrl.proto and sparkrl.services live in proto/ and services/

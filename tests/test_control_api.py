@@ -369,6 +369,7 @@ def test_events_stream_live_and_resume_from_an_id(service: tuple[Server, Telemet
 # ── schemathesis: the OpenAPI document against the service, no 5xx ────────────────────────────────────
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_no_server_error(service: tuple[Server, Telemetry]) -> None:
     """Every operation of the OpenAPI document, fuzzed (bounded examples), with the right token, a wrong
     one and none: never a 5xx. A stale learner status makes the learner's commands 409, a worker's

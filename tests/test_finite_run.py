@@ -27,6 +27,8 @@ from conftest import clean_env
 
 from sparkrl.proto import group_id_for
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SHORT, LONG = 20, (5, 15)  # 20 prompts that fit; rows 5 and 15 are too long and get dead-lettered
 EPOCHS = 2

@@ -75,6 +75,7 @@ def test_3_templates_keep_their_braces_and_need_the_prompt() -> None:
         load_settings(None, ["prompts.template=no placeholder"])
 
 
+@pytest.mark.slow
 def test_5_a_finite_dataset_ends_the_run_with_a_message(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
     run_dir = tmp_path / "run"
     done = _cli(

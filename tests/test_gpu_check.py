@@ -11,6 +11,8 @@ import pytest
 from _tiny import CACHE_DIR, tiny_model_dir  # noqa: F401  (fixture: the model is built once, reused)
 from conftest import clean_env
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

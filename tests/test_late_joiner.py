@@ -73,6 +73,7 @@ def test_weight_files_need_the_token_and_verify(server: WeightFileServer, tmp_pa
         fetch_model(server.url, server.model_sha256 or "", tmp_path / "other", "another secret long enough")
 
 
+@pytest.mark.slow
 def test_a_worker_without_the_learners_disk_or_model_catches_up(
     tiny_model_dir: Path,  # noqa: F811
     tmp_path: Path,

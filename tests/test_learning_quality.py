@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from learning_quality import LABELS, QUICK  # noqa: E402

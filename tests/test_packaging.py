@@ -13,6 +13,8 @@ import pytest
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
 from conftest import clean_env
 
+pytestmark = pytest.mark.slow
+
 REPO = Path(__file__).resolve().parents[1]
 
 

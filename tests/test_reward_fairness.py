@@ -41,6 +41,7 @@ def _idle(client: httpx.Client, timeout_s: float = 30) -> None:
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_flood_does_not_starve_a_one_item_request(service: httpx.Client) -> None:
     flood_answer: list[httpx.Response] = []
 
@@ -68,6 +69,7 @@ def test_a_flood_does_not_starve_a_one_item_request(service: httpx.Client) -> No
     _idle(service)
 
 
+@pytest.mark.slow
 def test_the_server_caps_what_a_client_asks_for(service: httpx.Client) -> None:
     started = time.monotonic()
     reply = service.post("/score", json={"items": [STUCK], "timeout_s": 600})

@@ -55,6 +55,7 @@ def _rate(client: httpx.Client, pairs: list[tuple[str, str]], batches: int = 4) 
     return sum(r["status"] == "correct" for r in results) / len(results)
 
 
+@pytest.mark.slow
 def test_math500_reference_solutions_verify_against_own_answer_only(service: httpx.Client) -> None:
     rows = _math500()
     started = time.monotonic()

@@ -69,6 +69,7 @@ def test_tensorboard_wandb_and_mlflow_get_every_step(tmp_path: Path, monkeypatch
     assert run.data.params["a"] == "1" and run.info.status == "FINISHED"
 
 
+@pytest.mark.slow
 def test_a_run_writes_tensorboard_events_with_its_step_metrics(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
     run_dir = tmp_path / "run"
     command = [sys.executable, "-m", "sparkrl.cli", "up", "--preset", "smoke", "--run-dir", str(run_dir)]
