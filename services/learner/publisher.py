@@ -39,7 +39,7 @@ def _drop_reason(failure: SyncFailed, timeout_s: float) -> str:
     if failure.reason == "checksum mismatch":
         return "checksum mismatch"
     if failure.reason.startswith("gone"):
-        return "its heartbeat expired mid-broadcast (the process is gone)"
+        return "it stopped, or its heartbeat expired, mid-broadcast"
     if failure.reason == "stragglers cut off":
         return "no checksum acknowledgement while the others had theirs (sync.straggler_s)"
     if failure.phase == "verify":
@@ -83,7 +83,9 @@ class WeightPublisher(threading.Thread):
             bucket_bytes=cfg.bucket_mb << 20,
             straggler_s=cfg.straggler_s,
         )
-        self.sender.gone = lambda members: set(members) - set(self.telemetry.workers())
+        # A worker that said `stopping` (Ctrl-C, a stop command) will not acknowledge: cut at once, not when
+        # its heartbeat expires.
+        self.sender.gone = lambda members: set(members) - set(self.telemetry.live_workers())
         self.epoch = 0
         self.members: tuple[str, ...] = ()
         self.needs_new_epoch = True

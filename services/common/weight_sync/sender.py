@@ -101,8 +101,9 @@ class WeightSender:
         self.backend = self.transport.name
         self.host = host
         self.straggler_s = straggler_s
-        # Members known to be gone (the caller's liveness view, e.g. expired heartbeats): a dead member is
-        # cut as soon as that is known, not after `timeout`, and the live ones are not blamed with it.
+        # Members known to be gone (the caller's liveness view: expired heartbeats, a worker that said it is
+        # stopping): a dead member is cut as soon as that is known, not after `timeout`, and the live ones
+        # are not blamed with it.
         self.gone = lambda members: set()
         self.timeout = timedelta(seconds=timeout_s)
         self.bucket_bytes = bucket_bytes
@@ -281,7 +282,7 @@ class WeightSender:
                 look = now + _GONE_POLL_S
                 dead = sorted(self.gone(tuple(waiting)) & set(waiting))
                 if dead:
-                    why = "gone (its heartbeat expired)"
+                    why = "gone (stopping, or its heartbeat expired)"
                     raise SyncFailed(why, epoch=epoch, phase="verify", missing=dead)
             if answered and cut is None:
                 cut = now + self.straggler_s
