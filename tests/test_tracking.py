@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
@@ -82,3 +83,31 @@ def test_a_run_writes_tensorboard_events_with_its_step_metrics(tiny_model_dir: P
     for name in ("rollout/reward_mean", "loss/entropy", "time/step_seconds"):
         assert [s for s, _ in scalars[name]] == [r["step"] for r in rows]
         assert [v for _, v in scalars[name]] == pytest.approx([r["metrics"][name] for r in rows], rel=1e-6)
+
+
+def test_the_tracked_config_has_the_whole_run_and_no_secret(tmp_path: Path) -> None:
+    """The learner reads only its own settings, but a tracked run is compared by all of them: the workers'
+    sampling, the prompts, eval and reward come from the files `sparkrl up` wrote; the Redis password and
+    the weight-sync secret never leave the machine."""
+    from sparkrl.plan import plan_stack, write_configs
+    from sparkrl.services.common.roles import LearnerConfig
+    from sparkrl.services.common.settings import load_settings
+    from sparkrl.services.learner.tracking import tracked_config
+
+    secret = "a-weight-sync-secret-long-enough-0123456789"
+    tree = load_settings(
+        "demo",
+        [f"run_dir={tmp_path}", "rollout.sampling.temperature=0.7", f"sync.secret={secret}", "eval.every=5"],
+    )
+    plan = plan_stack(tree, workers=1)
+    write_configs(plan)
+    learner = next(spec.config for spec in plan.services if spec.role == "learner")
+    assert isinstance(learner, LearnerConfig) and learner.sync.secret == secret
+    tracked = tracked_config(learner.model_dump(mode="json"), tmp_path)
+    assert (
+        tracked["rollout"]["sampling"]["temperature"] == 0.7
+        and tracked["learner"]["lr"] == learner.learner.lr
+    )
+    assert {"prompts", "eval", "reward"} <= set(tracked) and tracked["eval"]["every"] == 5
+    password = urlsplit(learner.bus.url).password
+    assert password and password not in json.dumps(tracked) and secret not in json.dumps(tracked)

@@ -37,7 +37,7 @@ from sparkrl.services.learner.publisher import SNAPSHOT_NAME, WeightPublisher
 from sparkrl.services.learner.ranks import follow, trainer_for, world
 from sparkrl.services.learner.reporting import Reports, RunLog
 from sparkrl.services.learner.startup import clear_stale_locks, watchdog
-from sparkrl.services.learner.tracking import Tracker
+from sparkrl.services.learner.tracking import Tracker, tracked_config
 from sparkrl.services.learner.trainer import Loaded, Trainer, load
 from sparkrl.services.learner.validate import ModelLimits
 
@@ -78,7 +78,11 @@ def assemble(
     # The status's max_steps (the progress line's total): learner.max_steps, or where the data runs out;
     # its max_staleness: the one in force (`lc`, which the control changes in place).
     status = StatusSource(publisher, lc, lambda now: steps_the_data_allows(bus, lc.prompts_per_step, now))
-    tracker = Tracker(lc.tracking, run_dir, cfg.model_dump(mode="json")) if lc.tracking.to else None
+    tracker = (
+        Tracker(lc.tracking, run_dir, tracked_config(cfg.model_dump(mode="json"), run_dir))
+        if lc.tracking.to
+        else None
+    )
     reports = Reports(
         telemetry, Heartbeat(telemetry, state, status), metrics, run_log, loaded.tokenizer, tracker
     )

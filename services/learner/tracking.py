@@ -10,10 +10,44 @@ import os
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from sparkrl.proto import StepMetrics
+from sparkrl.services.common.bus._text import mask_password
 from sparkrl.services.common.settings import TrackingSettings
 
 log = logging.getLogger("sparkrl.learner")
+
+
+# The other roles' sections a run is compared by (sampling, data, evaluation, reward), each from the file of
+# the service that owns it (`sparkrl up` writes RUN_DIR/config/<service>.yaml).
+_OWNERS = {
+    "rollout": "worker-*.yaml",
+    "prompts": "prompts.yaml",
+    "eval": "evaluator.yaml",
+    "reward": "reward.yaml",
+}
+
+
+def tracked_config(config: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+    """What the trackers record as the run's config: the learner's settings, without its secrets (the
+    Redis password, `sync.secret`), and the other roles' sections that `sparkrl up` wrote beside it
+    (RUN_DIR/config/*.yaml: the workers' sampling, the prompts, eval): the learner reads only its own part,
+    but a run is compared by all of it."""
+    tracked = {**config}
+    if isinstance(bus := tracked.get("bus"), dict) and isinstance(bus.get("url"), str):
+        tracked["bus"] = {**bus, "url": mask_password(bus["url"])}
+    if isinstance(sync := tracked.get("sync"), dict) and sync.get("secret") is not None:
+        tracked["sync"] = {**sync, "secret": "***"}
+    for section, owner in _OWNERS.items():
+        for path in sorted((run_dir / "config").glob(owner))[:1]:
+            try:
+                written = yaml.safe_load(path.read_text())
+            except (OSError, yaml.YAMLError):
+                continue
+            if isinstance(written, dict) and isinstance(written.get(section), dict):
+                tracked.setdefault(section, written[section])
+    return tracked
 
 
 def _scalars(row: StepMetrics) -> dict[str, float]:
