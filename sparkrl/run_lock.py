@@ -60,11 +60,10 @@ def holder_alive(lock: RunLock) -> bool | None:
     if lock.host != socket.gethostname():
         return None
     try:
-        os.kill(lock.pid, 0)
+        with contextlib.suppress(PermissionError):  # another user's process: it exists
+            os.kill(lock.pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        pass  # it exists, under another user
     started = _process_started(lock.pid)
     return lock.pid_started is None or started is None or started == lock.pid_started
 
