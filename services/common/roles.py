@@ -89,9 +89,9 @@ class RewardConfig(BaseModel):
         return cls(reward=tree.reward.model_copy(deep=True))
 
 
-class LearnerConfig(BaseModel):
-    """What `sparkrl learner` reads: the model, the run directory, the bus, the weight sync, its own
-    section."""
+class _FollowsWeights(BaseModel):
+    """The parts every role that holds the model shares: the model, the run directory, the bus and the
+    weight sync (it follows, or makes, the announced versions)."""
 
     model_config = _ROLE_CONFIG
 
@@ -99,25 +99,28 @@ class LearnerConfig(BaseModel):
     run_dir: str = _run_dir()
     bus: BusSettings
     sync: WeightSyncSettings
+
+    @staticmethod
+    def _shared(t: SparkSettings) -> dict[str, Any]:
+        return {"model": t.model, "run_dir": t.run_dir, "bus": t.bus, "sync": t.sync}
+
+
+class LearnerConfig(_FollowsWeights):
+    """What `sparkrl learner` reads: the shared parts and its own section."""
+
     learner: LearnerSettings
 
     @classmethod
     def of(cls, tree: SparkSettings) -> LearnerConfig:
         """The learner's part of `tree`, copied."""
         t = tree.model_copy(deep=True)
-        return cls(model=t.model, run_dir=t.run_dir, bus=t.bus, sync=t.sync, learner=t.learner)
+        return cls(**cls._shared(t), learner=t.learner)
 
 
-class RolloutConfig(BaseModel):
-    """What `sparkrl rollout` reads: the model, the run directory, the bus, the weight sync, its own
-    section and where the reward service answers."""
+class RolloutConfig(_FollowsWeights):
+    """What `sparkrl rollout` reads: the shared parts, its own section and where the reward service
+    answers."""
 
-    model_config = _ROLE_CONFIG
-
-    model: str = _model()
-    run_dir: str = _run_dir()
-    bus: BusSettings
-    sync: WeightSyncSettings
     rollout: RolloutSettings
     reward: RewardEndpoint
 
@@ -125,27 +128,14 @@ class RolloutConfig(BaseModel):
     def of(cls, tree: SparkSettings) -> RolloutConfig:
         """A rollout worker's part of `tree`, copied."""
         t = tree.model_copy(deep=True)
-        return cls(
-            model=t.model,
-            run_dir=t.run_dir,
-            bus=t.bus,
-            sync=t.sync,
-            rollout=t.rollout,
-            reward=RewardEndpoint(url=t.reward.url),
-        )
+        return cls(**cls._shared(t), rollout=t.rollout, reward=RewardEndpoint(url=t.reward.url))
 
 
-class EvaluatorConfig(BaseModel):
-    """What `sparkrl evaluator` reads: the model, the run directory, the bus and the weight sync (it
-    follows the announcements), its own `eval` section, the prompts' format (the held-out problems are
-    asked as the training ones), where the reward service answers, and how long to wait for the model."""
+class EvaluatorConfig(_FollowsWeights):
+    """What `sparkrl evaluator` reads: the shared parts, its own `eval` section, the prompts' format (the
+    held-out problems are asked as the training ones), where the reward service answers, and how long to
+    wait for the model."""
 
-    model_config = _ROLE_CONFIG
-
-    model: str = _model()
-    run_dir: str = _run_dir()
-    bus: BusSettings
-    sync: WeightSyncSettings
     eval: EvalSettings
     prompts: PromptSettings
     reward: RewardEndpoint
@@ -156,10 +146,7 @@ class EvaluatorConfig(BaseModel):
         """The evaluator's part of `tree`, copied."""
         t = tree.model_copy(deep=True)
         return cls(
-            model=t.model,
-            run_dir=t.run_dir,
-            bus=t.bus,
-            sync=t.sync,
+            **cls._shared(t),
             eval=t.eval,
             prompts=t.prompts,
             reward=RewardEndpoint(url=t.reward.url),
