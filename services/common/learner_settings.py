@@ -67,6 +67,14 @@ class LearnerSettings(Section):
         description="A step's per-token losses → one: the token mean (the paper's), a mean over sequences of "
         "their sums or means, or Dr. GRPO's sum over a constant length (the rollout's max_new_tokens).",
     )
+    skip_zero_advantage: bool = Field(
+        True,
+        description="Do not run the forward/backward of completions whose advantage is 0 (a group whose "
+        "answers all scored alike) when the loss has no term on them: the same gradient, their tokens "
+        "still counted in the token mean, less work (`loss/skipped_tokens`). The step's `loss/entropy` is "
+        "then over the tokens trained on. No effect with a KL to the reference or a loss that reaches A = 0 "
+        "tokens (entropy bonus, 80/20, KL-Cov, Clip-Cov, GSPO).",
+    )
     updates_per_rollout: int = Field(
         1,
         ge=1,

@@ -8,6 +8,7 @@ model's logits at position j predict token j+1, so every per-token tensor is [B,
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -137,3 +138,75 @@ def micro_batches(samples: list[Sample], token_budget: int, pad_id: int) -> list
     if current:
         batches.append(collate(current, pad_id))
     return batches
+
+
+def empty_like(mb: MicroBatch) -> MicroBatch:
+    """A padding micro-batch: the first row's first two tokens and no target — a forward, and a backward
+    of zero, that every collective of the pass still sees."""
+    return MicroBatch(
+        input_ids=mb.input_ids[:1, :2],
+        attention_mask=mb.attention_mask[:1, :2],
+        mask=torch.zeros_like(mb.mask[:1, :1]),
+        rollout_logp=mb.rollout_logp[:1, :1],
+        topk_ids=mb.topk_ids[:1, :1],
+        topk_logp=mb.topk_logp[:1, :1],
+        advantages=torch.zeros_like(mb.advantages[:1, :1]),
+        temperature=mb.temperature[:1],
+    )
+
+
+def trained_rows(mb: MicroBatch) -> MicroBatch | None:
+    """`mb` without the rows no loss term reaches: a completion whose advantage is 0 (every answer of its
+    group scored alike) or that has no token. The rest keep their order and their right padding, cut to
+    the longest row kept: the same tensors `collate` makes of them. None when no row is left.
+
+    Only for a loss that is a token mean of terms that vanish where A = 0 and that picks its tokens among
+    A ≠ 0 only (losses/registry.py, `skips_zero_advantage`): its gradient is then unchanged, provided the
+    caller still divides by every token of the micro-batch, these included (update.py)."""
+    keep = ((mb.advantages != 0) & mb.mask).any(dim=-1)
+    if bool(keep.all()):
+        return mb
+    if not bool(keep.any()):
+        return None
+    length = int(mb.attention_mask[keep].sum(dim=-1).max())
+    return MicroBatch(
+        input_ids=mb.input_ids[keep, :length],
+        attention_mask=mb.attention_mask[keep, :length],
+        mask=mb.mask[keep, : length - 1],
+        rollout_logp=mb.rollout_logp[keep, : length - 1],
+        topk_ids=mb.topk_ids[keep, : length - 1],
+        topk_logp=mb.topk_logp[keep, : length - 1],
+        advantages=mb.advantages[keep, : length - 1],
+        temperature=mb.temperature[keep],
+    )
+
+
+def padded_positions(mb: MicroBatch) -> tuple[int, int]:
+    """(positions the forward runs on, those of them padding): B·L and B·L − real tokens."""
+    positions = mb.attention_mask.numel()
+    return positions, positions - int(mb.attention_mask.sum())
+
+
+class Totals(NamedTuple):
+    """An update's counts, over every rank: its `tokens` and `sequences` (the loss's divisors) and the
+    tokens it runs (`trained`; fewer when A = 0 completions are left out). None: the tokens."""
+
+    tokens: int
+    sequences: int
+    trained: int | None = None
+
+
+def trained(micro: list[MicroBatch]) -> list[MicroBatch]:
+    """An update's micro-batches without their A = 0 rows (`trained_rows`), each micro-batch's remaining
+    rows kept together (Lp-Reg's k is counted per micro-batch); one empty pass when nothing is left, so
+    the optimizer still steps (Adam moves on a zero gradient too) as it would have."""
+    left = [mb for mb in map(trained_rows, micro) if mb is not None]
+    return left or [empty_like(micro[0])]
+
+
+def work_done(every: list[list[MicroBatch]], totals: list[Totals]) -> dict[str, float]:
+    """The step's `skipped_tokens` (A = 0 tokens not run) and `padding_share` (of the positions run)."""
+    tokens = sum(t.tokens for t in totals)
+    run = sum(mb.num_tokens for mbs in every for mb in mbs)
+    positions, padding = map(sum, zip(*(padded_positions(mb) for mbs in every for mb in mbs), strict=True))
+    return {"skipped_tokens": float(tokens - run), "padding_share": padding / max(positions, 1)}

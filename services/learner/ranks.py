@@ -38,7 +38,7 @@ import torch.distributed as dist
 from sparkrl.proto import RankOrder, TrajectoryGroup, decode_group, encode_group
 from sparkrl.services.common.roles import LearnerConfig
 from sparkrl.services.common.settings import LearnerSettings
-from sparkrl.services.learner.batch import MicroBatch
+from sparkrl.services.learner.batch import MicroBatch, empty_like
 from sparkrl.services.learner.checkpoint import cpu_weights, join_gather, save_checkpoint, save_partitions
 from sparkrl.services.learner.ledger import Batch
 from sparkrl.services.learner.startup import watchdog
@@ -115,21 +115,6 @@ class Ranks:
                 else:
                     total[key] = total.get(key, 0.0) + value
         return total
-
-
-def empty_like(mb: MicroBatch) -> MicroBatch:
-    """A padding micro-batch: the first row's first two tokens and no target — a forward, and a backward
-    of zero, that every collective of the pass still sees."""
-    return MicroBatch(
-        input_ids=mb.input_ids[:1, :2],
-        attention_mask=mb.attention_mask[:1, :2],
-        mask=torch.zeros_like(mb.mask[:1, :1]),
-        rollout_logp=mb.rollout_logp[:1, :1],
-        topk_ids=mb.topk_ids[:1, :1],
-        topk_logp=mb.topk_logp[:1, :1],
-        advantages=torch.zeros_like(mb.advantages[:1, :1]),
-        temperature=mb.temperature[:1],
-    )
 
 
 @dataclass

@@ -42,9 +42,22 @@ from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner import logprobs
 from sparkrl.services.learner.advantages import truncated_is_metrics, truncated_is_weights
 from sparkrl.services.learner.aggregation import aggregation_weights, sequences
-from sparkrl.services.learner.batch import MicroBatch, Sample, micro_batches, samples_from_groups
+from sparkrl.services.learner.batch import (
+    MicroBatch,
+    Sample,
+    Totals,
+    micro_batches,
+    samples_from_groups,
+    trained,
+    work_done,
+)
 from sparkrl.services.learner.control import set_lr
-from sparkrl.services.learner.losses import LossInputs, entropy_has_gradient, policy_loss
+from sparkrl.services.learner.losses import (
+    LossInputs,
+    entropy_has_gradient,
+    policy_loss,
+    skips_zero_advantage,
+)
 from sparkrl.services.learner.proxy import proxy_logp_from_topk
 from sparkrl.services.learner.reference import kl_to_reference
 from sparkrl.services.learner.schedule import lr_factor
@@ -100,7 +113,15 @@ def run_updates(
     # Advantages over the whole step (a batch-level std is the step's), then cut at group boundaries.
     samples = samples_from_groups(kept, std_normalize=adv.std_normalize, level=adv.level)
     every = [micro_batches(m, cfg.micro_batch_tokens, pad_id) for m in mini_batches(samples, kept, cfg) if m]
-    totals = [(sum(mb.num_tokens for mb in mbs), sum(sequences(mb.mask) for mb in mbs)) for mbs in every]
+    # The divisors count every token, those of completions left unrun for A = 0 included (`trained`).
+    totals = [
+        Totals(sum(mb.num_tokens for mb in mbs), sum(sequences(mb.mask) for mb in mbs)) for mbs in every
+    ]
+    if skips_zero_advantage(cfg.loss.name) and cfg.skip_zero_advantage and reference is None:
+        every = [trained(mbs) for mbs in every]
+        runs = [sum(mb.num_tokens for mb in mbs) for mbs in every]
+        totals = [t._replace(trained=run) for t, run in zip(totals, runs, strict=True)]
+    extra |= work_done(every, totals)
     minis = [[mb.to(engine.device) for mb in ranks.share(mbs)] for mbs in every]
     collated = time.perf_counter()
     engine.eval()  # π_old: every micro-batch of every update, before the first one changes the weights
@@ -148,22 +169,23 @@ def apply_update(
     micro: list[MicroBatch],
     olds: list[OldPolicy],
     cfg: LearnerSettings,
-    totals: tuple[int, int] | None = None,
+    totals: Totals | None = None,
     norm_length: int | None = None,
 ) -> tuple[Stats, Stats]:
     """One update: forward/backward every micro-batch, then the optimizer step. Returns (its statistics,
-    the seconds of `forward_backward` and `optimizer`). `totals`: the update's (tokens, sequences) when
-    `micro` is this rank's share of it (a data-parallel learner): each rank's loss is then scaled by the
-    DP size, which DeepSpeed's gradient averaging divides out again. `norm_length`: Dr. GRPO's constant.
-    `skipped` is 1 when the update was not applied: its loss or gradient norm was not finite."""
+    the seconds of `forward_backward` and `optimizer`). `totals`: the update's counts when `micro` is this
+    rank's share of it (a data-parallel learner: each rank's loss is then scaled by the DP size, which
+    DeepSpeed's gradient averaging divides out again) or lacks its A = 0 rows. `norm_length`: Dr. GRPO's
+    constant. `skipped` is 1 when the update was not applied: its loss or gradient norm was not finite."""
     started = time.perf_counter()
-    tokens, total_sequences = totals or (
-        sum(mb.num_tokens for mb in micro),
-        sum(sequences(mb.mask) for mb in micro),
-    )
-    total_tokens = max(tokens, 1)
+    if totals is None:
+        totals = Totals(sum(mb.num_tokens for mb in micro), sum(sequences(mb.mask) for mb in micro))
+    total_tokens = max(totals.tokens, 1)
+    # Statistics are means over the tokens run; the loss is the mean over all of them.
+    trained_tokens = max(totals.tokens if totals.trained is None else totals.trained, 1)
     dp_size = engine.dp_world_size
     sums: Stats = defaultdict(float)
+    sums["loss"] = 0.0
     entropy_grad = entropy_has_gradient(cfg.loss.name)
     for index, (mb, old) in enumerate(zip(micro, olds, strict=True)):
         engine.set_gradient_accumulation_boundary(index == len(micro) - 1)
@@ -173,22 +195,23 @@ def apply_update(
             engine.backward(logp.sum() * 0.0, scale_wrt_gas=False)
             continue
         loss, stats, entropy = micro_batch_loss(
-            engine, mb, old, cfg, (total_tokens, total_sequences), norm_length, entropy_grad
+            engine, mb, old, cfg, (total_tokens, totals.sequences), norm_length, entropy_grad
         )
         share = mb.num_tokens / total_tokens
+        weight = mb.num_tokens / trained_tokens
         # A non-finite loss goes backward as NaN (a tensor op: no GPU sync here), so its gradient is
         # non-finite for certain, on every rank once reduced, and `apply_gradients` drops the update.
         scale = torch.where(torch.isfinite(loss.detach()), share * dp_size, float("nan"))
         engine.backward(loss * scale, scale_wrt_gas=False)
         sums["loss"] += float(loss.detach()) * share
-        sums["entropy"] += float((entropy.detach() * mb.mask).sum()) / total_tokens
+        sums["entropy"] += float((entropy.detach() * mb.mask).sum()) / trained_tokens
         sums["proxy_inexact"] += old.proxy_inexact
         if old.tis is not None:  # how much truncated IS corrected the rollout engine's numbers
             sums["tis_capped_tokens"] += old.tis["capped_tokens"]
-            sums["tis_weight_mean"] += old.tis["weight_mean"] * share
+            sums["tis_weight_mean"] += old.tis["weight_mean"] * weight
         for key, value in stats.items():
             if key != "entropy":  # measured above over every token; entropy_bonus reports its own copy
-                sums[key] += float(value) * (1.0 if key in ("reg_tokens", "reg_tokens_pos") else share)
+                sums[key] += float(value) * (1.0 if key in ("reg_tokens", "reg_tokens_pos") else weight)
     stepped = time.perf_counter()
     sums["grad_norm"], applied = apply_gradients(engine)
     sums["skipped"] = 0.0 if applied else 1.0

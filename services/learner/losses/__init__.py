@@ -16,6 +16,7 @@ from sparkrl.services.learner.losses.registry import (
     LossInputs,
     entropy_has_gradient,
     policy_loss,
+    skips_zero_advantage,
 )
 
 __all__ = [
@@ -31,4 +32,5 @@ __all__ = [
     "lp_reg_loss",
     "policy_loss",
     "ppo_clip_loss",
+    "skips_zero_advantage",
 ]

@@ -98,6 +98,20 @@ def entropy_has_gradient(name: str) -> bool:
     return name in ENTROPY_GRADIENT
 
 
+# Losses that are a token mean of per-token terms that vanish where A = 0, choosing whatever they choose
+# (Lp-Reg's k lowest) among A ≠ 0 tokens only: a completion with A = 0 adds nothing to their gradient but
+# its tokens to the mean's divisor, so the learner need not run it (`learner.skip_zero_advantage`). Not
+# the others: the entropy bonus has a term on every token, 80/20 picks among every token by entropy,
+# KL-Cov and Clip-Cov center their covariance on every token's mean, GSPO averages over the micro-batch's
+# sequences.
+SKIPS_ZERO_ADVANTAGE: frozenset[str] = frozenset({"ppo_clip", "grpo", "clip_higher", "lp_reg"})
+
+
+def skips_zero_advantage(name: str) -> bool:
+    """Whether loss `name`'s gradient is unchanged when completions with A = 0 are not run (see above)."""
+    return name in SKIPS_ZERO_ADVANTAGE
+
+
 def policy_loss(name: str, inputs: LossInputs, **hparams: Any) -> tuple[Tensor, Metrics]:
     """Compute the policy loss registered as `name` on `inputs`; `hparams` override its defaults."""
     try:

@@ -1,0 +1,141 @@
+"""Exact work skipping (`learner.skip_zero_advantage`): a completion whose advantage is 0 is not run, and
+the gradient is the one of the full pass — under real DeepSpeed, through the product's `run_updates`, for
+every loss that allows it, at the micro-batch boundaries that decide Lp-Reg's k."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from _learner import one_rank, settings
+from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+
+from sparkrl.proto import TrajectoryGroup
+from sparkrl.proto.testing import random_group
+from sparkrl.services.learner.batch import collate, micro_batches, samples_from_groups, trained_rows
+from sparkrl.services.learner.losses.registry import SKIPS_ZERO_ADVANTAGE
+from sparkrl.services.learner.trainer import OneRank
+from sparkrl.services.learner.update import run_updates
+
+VOCAB = 260  # the tiny model's byte-level vocabulary
+
+
+def _groups(seed: int, count: int = 8) -> list[TrajectoryGroup]:
+    """Half the groups all-equal (A = 0 on every answer), half with signal; answers of 3-12 tokens."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for index in range(count):
+        group = random_group(rng, n=4, k=8, vocab_size=VOCAB, max_new_tokens=12)
+        prompt = group.prompt_token_ids[: int(rng.integers(6, 14))]
+        rewards = (
+            [1.0, 1.0, 1.0, 1.0] if index % 4 == 0 else [0.0] * 4 if index % 4 == 1 else [1.0, 0.0, 0.0, 1.0]
+        )
+        groups.append(group.model_copy(update={"prompt_token_ids": prompt, "rewards": rewards}))
+    return groups
+
+
+def test_trained_rows_are_what_collate_makes_of_the_kept_samples() -> None:
+    samples = samples_from_groups(_groups(0))
+    (mb,) = micro_batches(samples, token_budget=100_000, pad_id=0)
+    kept = trained_rows(mb)
+    assert kept is not None and 0 < kept.input_ids.shape[0] < mb.input_ids.shape[0]
+    ordered = sorted(samples, key=lambda s: len(s.input_ids))  # micro_batches' row order
+    want = collate([s for s in ordered if s.advantage != 0], pad_id=0)
+    for name in want.__dataclass_fields__:
+        assert torch.equal(getattr(kept, name), getattr(want, name)), name
+    assert trained_rows(collate([s for s in samples if s.advantage == 0], pad_id=0)) is None
+
+
+def _gradient_and_stats(trainer: OneRank, groups: list[TrajectoryGroup], skip: bool) -> tuple[list, dict]:
+    """The gradients `run_updates` hands the optimizer (recorded at each step), and the step's statistics.
+    The weights and the optimizer's state are put back afterwards: every call starts from the same ones."""
+    engine = trainer.engine
+    weights = [p.detach().clone() for p in engine.module.parameters()]
+    optimizer = copy.deepcopy(engine.optimizer.state_dict())
+    grads: list[torch.Tensor] = []
+    step: Callable[..., object] = engine.step
+
+    def recording_step(*args: object, **kwargs: object) -> object:
+        grads.extend(p.grad.detach().clone() for p in engine.module.parameters())
+        return step(*args, **kwargs)
+
+    engine.step = recording_step  # type: ignore[method-assign]
+    try:
+        cfg = trainer.cfg.model_copy(update={"skip_zero_advantage": skip})
+        stats, _ = run_updates(engine, groups, cfg, trainer.pad_id, step=1)
+    finally:
+        engine.step = step  # type: ignore[method-assign]
+        engine.optimizer.load_state_dict(optimizer)
+        with torch.no_grad():
+            for p, w in zip(engine.module.parameters(), weights, strict=True):
+                p.copy_(w)
+    return grads, stats
+
+
+CASES = {
+    "lp_reg": ["learner.loss.name=lp_reg", "learner.loss.rho=0.3", "learner.proxy_kappa=0.5"],
+    "grpo": ["learner.loss.name=grpo"],
+    "clip_higher": ["learner.loss.name=clip_higher"],
+    "ppo_clip, sequence-mean aggregation, 2 updates": [
+        "learner.loss.name=ppo_clip",
+        "learner.loss_aggregation=seq_mean_token_mean",
+        "learner.updates_per_rollout=2",
+    ],
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_skipping_zero_advantage_leaves_the_gradient_unchanged(
+    case: str,
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    # A small budget: several micro-batches, most mixing A = 0 rows with the others.
+    overrides = ["learner.micro_batch_tokens=160", "learner.lr=1e-3", *CASES[case]]
+    trainer = one_rank(settings(tiny_model_dir, tmp_path, *overrides))
+    assert trainer.cfg.loss.name in SKIPS_ZERO_ADVANTAGE
+    groups = _groups(1)
+    assert len(micro_batches(samples_from_groups(groups), 160, pad_id=0)) > 2
+    full_grads, full = _gradient_and_stats(trainer, groups, skip=False)
+    skip_grads, skipped = _gradient_and_stats(trainer, groups, skip=True)
+
+    assert full["skipped_tokens"] == 0 and skipped["skipped_tokens"] > 0.3 * skipped["tokens"]
+    assert skipped["tokens"] == full["tokens"]  # the divisor still counts them
+    assert len(skip_grads) == len(full_grads) > 0
+    for got, want in zip(skip_grads, full_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert any(float(g.abs().max()) > 1e-4 for g in full_grads), "a gradient to compare"
+    assert skipped["loss"] == pytest.approx(full["loss"], abs=1e-6)
+    assert skipped["grad_norm"] == pytest.approx(full["grad_norm"], rel=1e-5)
+    if trainer.cfg.loss.name == "lp_reg":  # the same tokens regularized, so the same k per micro-batch
+        assert skipped["reg_tokens"] == full["reg_tokens"] > 0
+
+
+def test_a_step_of_only_equal_groups_still_steps_the_optimizer(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Adam moves the weights on a zero gradient too (its momentum): skipping every row must not skip that."""
+    trainer = one_rank(settings(tiny_model_dir, tmp_path, "learner.lr=1e-3"))
+    groups = _groups(2)
+    run_updates(trainer.engine, groups, trainer.cfg, trainer.pad_id, step=1)  # momentum from real signal
+    equal = [g.model_copy(update={"rewards": [0.0] * 4}) for g in groups]
+    grads, stats = _gradient_and_stats(trainer, equal, skip=True)
+    assert stats["skipped_tokens"] == stats["tokens"] > 0 and stats["updates"] == 1
+    assert grads and all(float(g.abs().max()) == 0.0 for g in grads)
+
+
+@pytest.mark.parametrize("loss_name", ["kl_cov", "entropy_bonus"])
+def test_losses_with_terms_on_zero_advantage_tokens_run_every_row(
+    loss_name: str,
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    trainer = one_rank(settings(tiny_model_dir, tmp_path, f"learner.loss.name={loss_name}"))
+    assert trainer.cfg.skip_zero_advantage
+    stats, _ = run_updates(trainer.engine, _groups(3), trainer.cfg, trainer.pad_id, step=1)
+    assert stats["skipped_tokens"] == 0
