@@ -101,6 +101,12 @@ class WorkerStatus(WireModel):
         "`generate`, `score`, `publish`. Writer: rollout worker. Reader: learner (the step row's "
         "`time/worker_*_s`).",
     )
+    startup_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="Seconds each phase of its start took, in order, from the process's start: `imports`, "
+        "`engine` (the model loaded into the engine), `ready` (bus, weight sync, heartbeat). Writer: "
+        "rollout worker. Reader: `sparkrl up` (the start-up line, summary.json). Empty until it is up.",
+    )
     started_at: float | None = Field(
         default=None,
         ge=0,
@@ -226,6 +232,13 @@ class LearnerStatus(WireModel):
         ge=0,
         description="Generation of the broadcast process group, as in `WeightAnnouncement.group_epoch`. "
         "Writer: learner. Reader: sync monitor.",
+    )
+    startup_s: dict[str, float] = Field(
+        default_factory=dict,
+        description="Seconds each phase of its start took, in order, from the process's start: `imports`, "
+        "`model` (weights and tokenizer loaded), `engine` (DeepSpeed's engine, a checkpoint restored), "
+        "`ready` (bus, weight files, the first announcement). Writer: learner. Reader: `sparkrl up` (the "
+        "start-up line, summary.json). Empty until it is up.",
     )
     members: list[str] = Field(
         default_factory=list,

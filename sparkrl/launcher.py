@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import subprocess
@@ -25,7 +26,15 @@ import redis
 
 from sparkrl.dead_letters import save_dead_letters
 from sparkrl.plan import STOP_TIERS, Role, ServiceSpec, StackPlan, plan_stack, write_configs
-from sparkrl.run_report import progress_line, startup_line, summarize
+from sparkrl.proto import LearnerStatus
+from sparkrl.run_report import (
+    STARTUP_FILE,
+    progress_line,
+    startup_facts,
+    startup_line,
+    startup_text,
+    summarize,
+)
 from sparkrl.services.common.bus import BusError, RedisBus
 from sparkrl.services.common.paths import cache_dir
 from sparkrl.services.common.settings import BusSettings, SparkSettings
@@ -168,7 +177,7 @@ class Stack:
         self.telemetry = None
         self.restarts = Restarts(plan.settings.supervision)
         self.end_reason = None
-        self.started_at: float | None = None  # when start() began: the start-up line's clock
+        self.started_at: float | None = None  # when start() began, until the start-up is said
 
     def start(self) -> None:
         """Spawn each service from its written config: Redis first (until it answers PING: everyone talks
@@ -268,6 +277,8 @@ class Stack:
             learner = self.telemetry.learner()  # its max_steps: where the data ends the run, if sooner
             total = learner.max_steps if learner is not None else settings.learner.max_steps
             line = progress_line(self.telemetry.last_step(), total)
+            if line is not None and self.started_at is not None and learner and learner.startup_s:
+                self._say_startup(learner)
             if line is not None or self.started_at is None:
                 return line
             workers = {w: s.state for w, s in self.telemetry.workers().items()}
@@ -278,6 +289,17 @@ class Stack:
         state = learner.state if learner is not None else None
         elapsed = time.monotonic() - self.started_at
         return startup_line(elapsed, state, built, workers, settings.learner.startup_timeout_s)
+
+    def _say_startup(self, learner: LearnerStatus) -> None:
+        """At the first step: how long each service's start took (their heartbeats), said once, kept in
+        RUN_DIR/startup.json for the summary."""
+        assert self.telemetry is not None and self.started_at is not None
+        workers = {w: s.startup_s for w, s in self.telemetry.workers().items()}
+        facts = startup_facts(time.monotonic() - self.started_at, learner.startup_s, workers)
+        self.started_at = None  # said: the start-up is over
+        self.report(startup_text(facts))
+        with contextlib.suppress(OSError):
+            (self.plan.run_dir / STARTUP_FILE).write_text(json.dumps(facts, indent=2))
 
     def shutdown(self) -> None:
         """SIGTERM tier by tier (plan.STOP_TIERS), each given `grace_s`; SIGKILL what is left."""

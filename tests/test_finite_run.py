@@ -181,4 +181,12 @@ def test_4_dead_on_an_ended_run_answers_from_what_it_left(finished_run: Finished
     assert requeue.returncode == 1 and "is over and its Redis with it" in requeue.stderr
     summary = json.loads((run.run_dir / "summary.json").read_text())
     assert summary["dead_lettered"] == {"prompts": 4, "groups": 0}
+    # The start-up, phase by phase from the heartbeats, said with the first step and kept in the summary.
+    startup = summary["startup"]
+    assert list(startup["learner"]) == ["imports", "model", "engine", "ready"]
+    assert startup["workers"] and all(
+        list(p) == ["imports", "engine", "ready"] for p in startup["workers"].values()
+    )
+    assert startup["learner"]["imports"] > 0.5 and startup["to_first_step_s"] > startup["learner"]["imports"]
+    assert re.search(r"^started in [\d.]+ s \| learner: imports [\d.]+ s, model", run.stdout, re.MULTILINE)
     assert "dead-lettered: 4 prompts (by the workers), 0 groups (by the learner)" in run.stdout

@@ -100,3 +100,16 @@ def test_a_start_stuck_on_a_held_lock_ends_with_the_reason(
         proc.kill()
         builder.kill()
         builder.wait()
+
+
+def test_the_start_clock_counts_from_the_process_start_imports_included() -> None:
+    """The first phase begins when the process did (the kernel's clock), not when the clock was made."""
+    code = (
+        "import time; time.sleep(0.4)\n"
+        "from sparkrl.services.common.start_clock import StartClock\n"
+        "clock = StartClock(); clock.mark('imports'); time.sleep(0.2); clock.mark('model')\n"
+        "print(clock.phases['imports'], clock.phases['model'], clock.total)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    imports, model, total = map(float, done.stdout.split())
+    assert 0.4 <= imports < 5 and 0.2 <= model < 2 and total == pytest.approx(imports + model, abs=0.02)

@@ -26,6 +26,7 @@ class LearnerReport:
     row: StepMetrics | None = None
     hparams: dict[str, HparamValue] = field(default_factory=dict)
     last_checkpoint: str | None = None
+    startup_s: dict[str, float] = field(default_factory=dict)  # start_clock.py
 
 
 class StatusSource:
@@ -62,6 +63,7 @@ class StatusSource:
             last_sync_seconds=sync.seconds if sync else None,
             group_epoch=self.publisher.epoch,
             members=list(self.publisher.members),
+            startup_s=dict(report.startup_s),
             max_steps=self.limit(state),
             last_checkpoint=report.last_checkpoint,
             hyperparameters=report.hparams,

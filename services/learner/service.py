@@ -21,6 +21,7 @@ from sparkrl.services.common.control_channel import ControlReader
 from sparkrl.services.common.metrics_server import MetricsServer
 from sparkrl.services.common.recovery import warn_if_not_persistent
 from sparkrl.services.common.roles import LearnerConfig
+from sparkrl.services.common.start_clock import StartClock
 from sparkrl.services.common.telemetry import LEARNER, Telemetry
 from sparkrl.services.common.weight_sync.files import WeightFileServer
 from sparkrl.services.learner.checkpoint import latest_checkpoint
@@ -114,6 +115,8 @@ def build(
 ) -> LearnerService:
     """Engine (restored when resuming), bus, the loop's parts, weight files, heartbeat and /metrics;
     the journal replayed when resuming and the current version announced — ready to `run`."""
+    clock = StartClock()
+    clock.mark("imports")
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     clear_stale_locks()
@@ -122,7 +125,7 @@ def build(
     snapshot = run_dir / "snapshots" / SNAPSHOT_NAME
     files = WeightFileServer(cfg.sync.host, cfg.sync.http_port, Path(cfg.model), snapshot, cfg.sync.secret)
     files.start()
-    loaded = load(cfg, resume)
+    loaded = load(cfg, resume, clock)
     trainer = trainer_for(cfg, loaded)  # every rank joins the orders' group right after its engine
     guard.cancel()
     engine_built()
@@ -147,6 +150,11 @@ def build(
         files.wait_listed()  # the first announcement carries the model's digest
         # A fresh run's version 0 is the model every worker loaded already; a resumed one must be sent.
         loop.publish_first(loaded.resumed or replayed > 0, str(latest_checkpoint(run_dir) or cfg.model))
+        clock.mark("ready")
+        heartbeat.update(startup_s=clock.phases)
+        log.info(
+            "started in %.1f s: %s", clock.total, ", ".join(f"{k} {v:.1f} s" for k, v in clock.phases.items())
+        )
     except BaseException as exc:  # ended.json says why (a replay that failed, a signal, ...)
         why = f"the learner failed to start: {type(exc).__name__}: {exc}"[:2000]
         close(service, Ending(crashed=None if loop.guard.stop else why))  # a guard's reason is its own

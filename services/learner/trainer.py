@@ -27,6 +27,7 @@ from sparkrl.proto import TrajectoryGroup
 from sparkrl.services.common.modeling import load_model, load_tokenizer
 from sparkrl.services.common.roles import LearnerConfig
 from sparkrl.services.common.settings import LearnerSettings
+from sparkrl.services.common.start_clock import StartClock
 from sparkrl.services.learner.batch import micro_batches, samples_from_groups
 from sparkrl.services.learner.checkpoint import (
     cpu_weights,
@@ -136,8 +137,10 @@ class Loaded:
     reference: torch.nn.Module | None  # the frozen initial model of learner.kl (None: no KL term)
 
 
-def load(cfg: LearnerConfig, resume: bool) -> Loaded:
-    """Model → DeepSpeed engine, restored from the latest checkpoint when resuming."""
+def load(cfg: LearnerConfig, resume: bool, clock: StartClock | None = None) -> Loaded:
+    """Model → DeepSpeed engine, restored from the latest checkpoint when resuming; `clock` marks `model`
+    and `engine`."""
+    clock = clock or StartClock()
     lc = cfg.learner
     torch.manual_seed(lc.seed)
     if lc.threads is not None:
@@ -148,13 +151,14 @@ def load(cfg: LearnerConfig, resume: bool) -> Loaded:
     # The KL reference is the initial model (cfg.model), also when resuming: copied before the checkpoint,
     # and before DeepSpeed, whose ZeRO-3 would leave a copy of the engine's module only its partitions.
     reference = frozen_copy(model) if lc.kl.coef > 0 else None
+    clock.mark("model")
     engine = build_engine(model, lc)
     checkpoint = latest_checkpoint(Path(cfg.run_dir)) if resume else None
     if resume and checkpoint is None:
         log.warning("--resume: no checkpoint under %s; starting fresh", cfg.run_dir)
-    if checkpoint is None:
-        return Loaded(engine, tokenizer, TrainState(started_at=time.time()), False, reference)
-    return Loaded(engine, tokenizer, load_checkpoint(engine, checkpoint), True, reference)
+    state = TrainState(started_at=time.time()) if checkpoint is None else load_checkpoint(engine, checkpoint)
+    clock.mark("engine")
+    return Loaded(engine, tokenizer, state, checkpoint is not None, reference)
 
 
 def _device(lc: LearnerSettings) -> str:

@@ -31,6 +31,7 @@ class WorkerState:
     in_hand_version: int | None = None  # the version the groups being made or published were made with
     timings: dict[str, float] = field(default_factory=dict)  # seconds per part of the last batch
     started_at: float = field(default_factory=time.time)  # this process's incarnation
+    startup_s: dict[str, float] = field(default_factory=dict)  # start_clock.py
     weights_checksum: str | None = None
     tokens_per_s: float = 0.0
     groups_published: int = 0
@@ -82,6 +83,7 @@ class Heartbeat(threading.Thread):
                 in_hand_version=s.in_hand_version,
                 timings=dict(s.timings),
                 started_at=s.started_at,
+                startup_s=dict(s.startup_s),
                 progress_at=s.progress_at,
                 temperature=self.sampling.temperature,
                 top_p=self.sampling.top_p,

@@ -20,6 +20,7 @@ from sparkrl.services.common.metrics_server import MetricsServer
 from sparkrl.services.common.recovery import warn_if_not_persistent
 from sparkrl.services.common.reward_client import RewardClient
 from sparkrl.services.common.roles import RolloutConfig
+from sparkrl.services.common.start_clock import StartClock
 from sparkrl.services.common.telemetry import Telemetry, worker_target
 from sparkrl.services.common.weight_sync import WeightReceiver
 from sparkrl.services.rollout.announcements import AnnouncementGate
@@ -40,6 +41,8 @@ LOCKSTEP_POLL_S = 0.005  # how often a worker in lockstep looks for the next ver
 def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
     """Bus, model (the learner's when ours is not there), engine, reward client, control, weight sync,
     heartbeat and /metrics — started, announced, ready for `step`."""
+    clock = StartClock()
+    clock.mark("imports")
     worker_id = cfg.rollout.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     bus = RedisBus(cfg.bus)
     warn_if_not_persistent(bus)
@@ -47,6 +50,7 @@ def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
     model = model_dir_for(cfg.model, Path(cfg.run_dir), gate, cfg.sync.secret, cfg.rollout.model_wait_s, stop)
     native = cfg.sync.backend == "vllm_nccl"  # vLLM's own transfer engine receives the weights
     engine = make_engine(model, cfg.rollout.engine, native_transfer=native)
+    clock.mark("engine")
     telemetry, metrics = Telemetry(bus), WorkerMetrics(worker_id)
     state = WorkerState(worker_id, cfg.rollout.engine.kind, policy_version=engine.policy_version)
     heartbeat = Heartbeat(telemetry, state, cfg.rollout.sampling, cfg.rollout.heartbeat_s)
@@ -70,9 +74,11 @@ def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
         lockstep=Lockstep(cfg.rollout.lockstep_groups, cfg.rollout.lockstep_wait_s),
         health=HealthGuard(engine, telemetry, state, heartbeat, metrics, cfg.rollout.health),
     )
+    worker.server.start()
+    clock.mark("ready")
+    state.startup_s = clock.phases
     worker.heartbeat.beat()
     worker.heartbeat.start()
-    worker.server.start()
     log.info("worker %s up: model %s, engine %s", worker_id, model, cfg.rollout.engine.kind)
     return worker
 
