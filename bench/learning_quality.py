@@ -3,6 +3,7 @@ seeds each, equal compute (same prompts, steps and evaluation), one run after an
 
     python bench/learning_quality.py            # configs/explore.yaml, 7 losses × 3 seeds (~50 min here)
     python bench/learning_quality.py --quick    # the smoke scale: the whole pipeline in ~3 minutes
+    python bench/learning_quality.py --wide     # the paper's tokens per step (learning_quality_wide.py)
 
 Each run is a real `sparkrl up` (learner, worker, reward service, Redis) with the in-training evaluator
 (`eval.every`): held-out pass@1/pass@8/greedy per evaluated version land in RUN/eval.jsonl, the step rows
@@ -42,6 +43,9 @@ LABELS = {
 }
 RUN_TIMEOUT_S = 1800
 WALL_FILE = "experiment.json"  # in the runs folder: the experiment's wall time, for --report-only
+# The section `--wide` writes into the same report.md (learning_quality_wide.py); a rewrite here keeps it.
+WIDE_BEGIN = "<!-- explore-wide: begin (written by bench/learning_quality.py --wide) -->"
+WIDE_END = "<!-- explore-wide: end -->"
 
 # Measured while choosing configs/explore.yaml (not rerun by this script; each line gives its command).
 REGIMES_TRIED = """\
@@ -87,8 +91,10 @@ class Run:
     seconds: float
 
 
-def run_one(loss: str, seed: int, scale: Scale, runs: Path) -> Run:
-    run_dir = runs / f"{loss}-s{seed}"
+def up_command(
+    loss: str, seed: int, scale: Scale, run_dir: Path, extra: tuple[str, ...] = (), start: str = "--overwrite"
+) -> list[str]:
+    """The `sparkrl up` of one run: `start` is `--overwrite` (a fresh run) or `--resume`."""
     overrides = [
         f"learner.loss.name={loss}",
         f"learner.max_steps={scale.steps}",
@@ -98,9 +104,15 @@ def run_one(loss: str, seed: int, scale: Scale, runs: Path) -> Run:
         f"eval.problems={scale.eval_problems}",
         f"eval.n={scale.eval_n}",
         *scale.overrides,
+        *extra,  # after the loss name: a loss parameter must belong to the loss chosen
     ]
     command = [sys.executable, "-m", "sparkrl.cli", "up", "--preset", scale.preset, "--run-dir", str(run_dir)]
-    command += ["--overwrite", *(arg for o in overrides for arg in ("--set", o))]
+    return [*command, start, *(arg for o in overrides for arg in ("--set", o))]
+
+
+def run_one(loss: str, seed: int, scale: Scale, runs: Path) -> Run:
+    run_dir = runs / f"{loss}-s{seed}"
+    command = up_command(loss, seed, scale, run_dir)
     log_path = runs / f"{loss}-s{seed}.log"
     started = time.perf_counter()
     with log_path.open("w") as log:
@@ -173,7 +185,8 @@ def table(
     return "\n".join(lines)
 
 
-def plots(runs: list[Run], losses: tuple[str, ...], out: Path, n: int) -> list[str]:
+def plots(runs: list[Run], losses: tuple[str, ...], out: Path, n: int, prefix: str = "") -> list[str]:
+    """The curves, one PNG each, named `prefix` + heldout_pass / entropy / low_prob_share .png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -203,7 +216,7 @@ def plots(runs: list[Run], losses: tuple[str, ...], out: Path, n: int) -> list[s
         ax.set(xlabel="step (policy version)", ylabel=f"held-out pass@{k}", title=f"Held-out pass@{k}")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    written.append(_save(fig, out / "heldout_pass.png"))
+    written.append(_save(fig, out / f"{prefix}heldout_pass.png"))
 
     for name, metric, ylabel in (
         ("entropy.png", "loss/entropy", "token entropy of the sampled responses (nats)"),
@@ -217,7 +230,7 @@ def plots(runs: list[Run], losses: tuple[str, ...], out: Path, n: int) -> list[s
         ax.set(xlabel="step", ylabel=ylabel, title=ylabel.split(" (")[0].capitalize() + " (5-step mean)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        written.append(_save(fig, out / name))
+        written.append(_save(fig, out / f"{prefix}{name}"))
     return written
 
 
@@ -308,8 +321,16 @@ def write_report(runs: list[Run], scale: Scale, losses: tuple[str, ...], out: Pa
         ),
         "",
     ]
-    (out / "report.md").write_text("\n".join(text))
+    (out / "report.md").write_text("\n".join(text) + wide_section(out / "report.md"))
     return {"report": str(out / "report.md"), "runs": per_run, "minutes": round(wall_s / 60, 1)}
+
+
+def wide_section(report: Path) -> str:
+    """The `--wide` section of `report` with its markers (empty when it has none)."""
+    text = report.read_text() if report.is_file() else ""
+    if WIDE_BEGIN not in text or WIDE_END not in text:
+        return ""
+    return "\n" + WIDE_BEGIN + text.split(WIDE_BEGIN, 1)[1].split(WIDE_END, 1)[0] + WIDE_END + "\n"
 
 
 def main() -> None:
@@ -325,13 +346,26 @@ def main() -> None:
     parser.add_argument(
         "--runs", type=Path, default=None, help="Run folders (default runs/learning-quality)."
     )
-    parser.add_argument("--losses", nargs="+", default=list(LOSSES), choices=LOSSES)
-    parser.add_argument("--seeds", type=int, default=None, help="How many seeds (default: 3, --quick 1).")
+    parser.add_argument("--losses", nargs="+", default=None, choices=LOSSES, help="(default: all)")
+    parser.add_argument(
+        "--seeds", type=int, default=None, help="How many seeds (default 3; --quick 1, --wide 2)."
+    )
     parser.add_argument("--steps", type=int, default=None, help="Steps per run (default: the scale's).")
     parser.add_argument(
         "--report-only", action="store_true", help="Write the report from the runs already in --runs."
     )
+    parser.add_argument(
+        "--wide", action="store_true", help="configs/explore-wide.yaml (learning_quality_wide.py)."
+    )
+    parser.add_argument(
+        "--rhos", nargs="*", type=float, default=None, help="--wide: the dose-response ρ (default 0.03 0.1)."
+    )
     args = parser.parse_args()
+    if args.wide:
+        from learning_quality_wide import run_wide  # imports this module: only here, not at the top
+
+        run_wide(args)
+        return
     scale = QUICK if args.quick else FULL
     if args.seeds is not None or args.steps is not None:
         seeds = tuple(range(args.seeds)) if args.seeds is not None else scale.seeds
@@ -342,7 +376,7 @@ def main() -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))
     subprocess.run([sys.executable, "-m", "sparkrl.cli", "build-tiny-model", "--out", ".cache"], cwd=ROOT,
                    check=True, capture_output=True)  # fmt: skip
-    losses, started, runs = tuple(args.losses), time.perf_counter(), []
+    losses, started, runs = tuple(args.losses or LOSSES), time.perf_counter(), []
     total = len(losses) * len(scale.seeds)
     for seed in scale.seeds:  # seed-major: a stopped experiment still has every loss for the first seeds
         for loss in losses:
