@@ -314,3 +314,30 @@ def test_values_round_trip(bus: RedisBus) -> None:
     assert bus.get_value("weights") is None
     bus.set_value("weights", '{"version": 7, "sha256": "ab"}')
     assert bus.get_value("weights") == b'{"version": 7, "sha256": "ab"}'
+
+
+def test_the_feeder_waits_on_a_full_prompt_stream_as_long_as_it_takes(bus_settings: BusSettings) -> None:
+    """A producer fails after `publish_timeout_s` on a full stream; the feeder does not (a paused run holds
+    its prompts for hours): it goes on once the fleet takes some, and returns when told to stop."""
+    from sparkrl.services.common.datasets import iter_prompts
+    from sparkrl.services.common.feeder import feed_prompts
+    from sparkrl.services.common.settings import PromptSettings
+
+    settings = bus_settings.model_copy(update={"prompt_maxlen": 16, "publish_timeout_s": 0.3})
+    prompts = list(iter_prompts(PromptSettings(task="countdown", count=40, seed=3)))
+    stop = threading.Event()
+    reports = []
+    with RedisBus(settings) as feeding, RedisBus(settings) as fleet:
+        feeder = threading.Thread(target=lambda: reports.append(feed_prompts(feeding, prompts, stop=stop)))
+        feeder.start()
+        time.sleep(1.5)  # five publish timeouts on a full stream
+        assert feeder.is_alive() and fleet.pending_info("prompts").lag == 16
+        taken = fleet.read("prompts", "w0", count=20, block_ms=0)
+        fleet.ack("prompts", [e.entry_id for e in taken])
+        deadline = time.monotonic() + 10
+        while fleet.pending_info("prompts").lag < 16 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert fleet.pending_info("prompts").lag == 16  # refilled: 32 of the 40 fed, the rest waiting
+        stop.set()
+        feeder.join(timeout=5)
+        assert not feeder.is_alive() and reports[0].published == 32

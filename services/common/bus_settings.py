@@ -37,7 +37,10 @@ class BusSettings(Section):
         5, ge=1, description="An entry delivered this many times without ack goes to the dead-letter stream."
     )
     publish_timeout_s: float = Field(
-        600.0, gt=0, description="How long a producer waits on a full stream before failing, seconds."
+        600.0,
+        gt=0,
+        description="How long a rollout worker waits on a full trajectory stream before failing, seconds "
+        "(the prompt feeder waits on a full prompt stream as long as it takes).",
     )
     dedup_ttl_s: float = Field(
         7 * 24 * 3600.0, gt=0, description="How long a published prompt/group id is remembered, seconds."

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from sparkrl.proto import Prompt, encode_message, group_id_for
 from sparkrl.proto.telemetry import StateEvent
-from sparkrl.services.common.bus import DeadLetter, RedisBus
+from sparkrl.services.common.bus import BusBackpressureTimeout, DeadLetter, RedisBus
 from sparkrl.services.common.recovery import TRAINED_PREFIX, incarnation
 from sparkrl.services.common.telemetry import Telemetry
 
@@ -62,14 +62,34 @@ def feed_prompts(
         if skip_trained and bus.get_value(TRAINED_PREFIX + group_id_for(prompt.prompt_id)) is not None:
             duplicates += 1
             continue
-        # Blocks while the stream is full (bus.prompt_maxlen): the fleet sets the pace.
-        if bus.publish_prompt(prompt.prompt_id, encode_message(prompt)):
+        fresh = _publish_when_room(bus, prompt, stop)
+        if fresh is None:
+            break
+        if fresh:
             published += 1
         else:
             duplicates += 1
         if (published + duplicates) % log_every == 0:
             log.info("fed %d prompts (%d already fed)", published, duplicates)
     return FeedReport(published, duplicates, time.monotonic() - start)
+
+
+FEED_POLL_S = 0.25  # how often a feeder blocked on a full prompt stream looks again
+FEED_WAIT_S = 0.25  # one wait on a full stream, between looks at `stop` (its stop answers this fast)
+
+
+def _publish_when_room(bus: RedisBus, prompt: Prompt, stop: threading.Event | None) -> bool | None:
+    """Publish `prompt` once the stream has room (bus.prompt_maxlen: the fleet sets the pace), however
+    long that takes — a paused or held run keeps the feeder waiting, not failing; True if new, False for
+    a duplicate, None when `stop` came first. Looks again every FEED_POLL_S: a feeder waits most of a run."""
+    payload = encode_message(prompt)
+    while True:
+        try:
+            return bus.publish_prompt(prompt.prompt_id, payload, FEED_WAIT_S, poll_max_s=FEED_POLL_S)
+        except BusBackpressureTimeout:
+            if stop is not None and stop.is_set():
+                return None
+            log.debug("the prompt stream is full (bus.prompt_maxlen): still waiting for the fleet")
 
 
 def watch_and_refeed(

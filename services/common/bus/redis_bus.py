@@ -104,15 +104,25 @@ class RedisBus:
         return self.settings.prompt_maxlen if kind == "prompts" else self.settings.trajectory_maxlen
 
     # ── producer side ─────────────────────────────────────────────────────────────────────────────────
-    def publish_prompt(self, prompt_id: str, payload: bytes, timeout_s: float | None = None) -> bool:
-        """Add a prompt unless this prompt id was published before; False for a duplicate."""
-        return self._publish("prompts", prompt_id, payload, timeout_s)
+    def publish_prompt(
+        self, prompt_id: str, payload: bytes, timeout_s: float | None = None, poll_max_s: float = 0.02
+    ) -> bool:
+        """Add a prompt unless this prompt id was published before; False for a duplicate. While the
+        stream is full it looks again at most every `poll_max_s`."""
+        return self._publish("prompts", prompt_id, payload, timeout_s, poll_max_s)
 
     def publish_group(self, group_id: str, payload: bytes, timeout_s: float | None = None) -> bool:
         """Add a trajectory group unless this group id was published before; False for a duplicate."""
         return self._publish("trajectories", group_id, payload, timeout_s)
 
-    def _publish(self, kind: StreamKind, item_id: str, payload: bytes, timeout_s: float | None) -> bool:
+    def _publish(
+        self,
+        kind: StreamKind,
+        item_id: str,
+        payload: bytes,
+        timeout_s: float | None,
+        poll_max_s: float = _POLL_MAX_S,
+    ) -> bool:
         """Wait while the stream is full (bounded polls, up to timeout_s), then add atomically.
 
         A reply lost to a dropped connection is retried; the retry then finds the id already published
@@ -136,7 +146,7 @@ class RedisBus:
                 )
             log.debug("%s is full (%d entries): waiting for group %r", key, maxlen, GROUPS[kind])
             time.sleep(min(delay, remaining))
-            delay = min(delay * 2, _POLL_MAX_S)
+            delay = min(delay * 2, poll_max_s)
 
     # ── consumer side ─────────────────────────────────────────────────────────────────────────────────
     def read(self, kind: StreamKind, consumer: str, count: int, block_ms: int | None = None) -> list[Entry]:
