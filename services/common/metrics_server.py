@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -16,6 +15,7 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from sparkrl.services.common.settings import MetricsEndpoint
+from sparkrl.services.common.thread_server import serve, stop
 
 log = logging.getLogger("sparkrl.metrics")
 
@@ -37,15 +37,13 @@ class MetricsServer:
         if self.endpoint.port == 0:
             return
         self._server = ThreadingHTTPServer((self.endpoint.host, self.endpoint.port), self._handler)
-        self._server.daemon_threads = True
         self.port = self._server.server_address[1]
-        threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True).start()
+        serve(self._server, "metrics-http")
         log.info("metrics on http://%s:%d/metrics", self.endpoint.host, self.port)
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            stop(self._server)
             self._server = None
 
 

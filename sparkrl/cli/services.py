@@ -53,6 +53,7 @@ def rollout(
     from sparkrl.services.rollout.service import main
 
     main(cfg, stop_on_signals(log, "the batch in hand"))
+    _exit_now()
 
 
 @commands.command()
@@ -96,15 +97,23 @@ def learner(
     stop = threading.Event()
     # Signals are taken over once the engine is built: until then SIGTERM ends a stuck start at once.
     main(cfg, resume=resume, stop=stop, engine_built=lambda: stop_on_signals(log, "the current step", stop))
-    from sparkrl.services.common.weight_sync.sender import epochs_tearing_down
+    _exit_now()
 
-    if epochs_tearing_down():  # finalizing now would let gloo abort the process (exit code -6)
-        import sys
 
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+def _exit_now() -> None:
+    """A learner, worker or evaluator ended cleanly: what it writes is written and closed (the learner's
+    checkpoint, ended.json, trackers; every service's bus). What the interpreter's finalization would still
+    do is tear down torch, transformers, DeepSpeed and gloo — 1-2.4 s a process here, which `sparkrl up`
+    waits for between the last step and its exit — and, in a learner while a dead weight-sync
+    epoch's teardown runs on its thread (weight_sync/sender.py's `_abort`), let gloo abort the process
+    ("terminate called without an active exception", exit code -6). So the logs are flushed and the
+    process exits at once."""
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 @commands.command()
@@ -116,6 +125,7 @@ def evaluator(preset: Preset = None, overrides: Overrides = None) -> None:
     from sparkrl.services.rollout.evaluator import main
 
     main(cfg, stop_on_signals(log, "the current evaluation"))
+    _exit_now()
 
 
 @commands.command()

@@ -28,6 +28,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from sparkrl.services.common.thread_server import serve, stop
+
 log = logging.getLogger("sparkrl.weight_sync")
 
 CHUNK = 1 << 20
@@ -82,9 +84,8 @@ class WeightFileServer:
 
     def start(self) -> None:
         self._server = ThreadingHTTPServer((self.host, self.requested_port), _handler_for(self))
-        self._server.daemon_threads = True
         self.port = self._server.server_address[1]
-        threading.Thread(target=self._server.serve_forever, name="weight-files", daemon=True).start()
+        serve(self._server, "weight-files")
         threading.Thread(target=self._list_model, name="model-listing", daemon=True).start()
         log.info("weight files for late joiners on %s (/snapshot, /model)", self.url)
 
@@ -101,8 +102,7 @@ class WeightFileServer:
 
     def close(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            stop(self._server)
             self._server = None
 
     def authorized(self, header: str | None) -> bool:

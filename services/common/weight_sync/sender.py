@@ -322,13 +322,6 @@ class WeightSender:
         self._aborting = [t for t in self._aborting if t.is_alive()] + [thread]
 
 
-def epochs_tearing_down() -> int:
-    """Dead epochs whose teardown still runs on its thread (see `WeightSender.close`). A process that
-    finalizes its interpreter meanwhile is aborted by gloo's threads ("terminate called without an active
-    exception"): its entry point exits with `os._exit` instead, once everything is written."""
-    return sum(1 for t in threading.enumerate() if t.name == _ABORT_THREAD and t.is_alive())
-
-
 def _abort(held: list) -> None:  # type: ignore[type-arg]
     """Runs on its own thread with the only references to a dead epoch's link and sends."""
     link, sends = held.pop(0), held.pop(0)
