@@ -10,22 +10,20 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
 import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Protocol
 
-import httpx
 import redis
 
 from sparkrl.dead_letters import save_dead_letters
 from sparkrl.plan import STOP_TIERS, Role, ServiceSpec, StackPlan, plan_stack, write_configs
+from sparkrl.processes import is_ready, kill_group, spawn
 from sparkrl.proto import LearnerStatus
 from sparkrl.run_report import (
     STARTUP_FILE,
@@ -43,11 +41,6 @@ from sparkrl.supervision import Restarts, failure, logtail_bytes, on_exit, recor
 from sparkrl.terminal import Terminal, header
 from sparkrl.torchrun import is_torchrun, rank_zero
 
-_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
-_DIST_ENV += ("GLOO_SOCKET_IFNAME",)
-_PR_SET_PDEATHSIG = 1
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-
 __all__ = [
     "Role",
     "ServiceSpec",
@@ -63,73 +56,6 @@ __all__ = [
 
 class StackError(RuntimeError):
     """A service failed to start or died; the message names it and quotes the end of its log."""
-
-
-# ── processes ─────────────────────────────────────────────────────────────────────────────────────────
-
-
-def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: if the launcher itself is SIGKILLed (no finally, no atexit),
-    # the kernel still sends the service SIGTERM, so it stops cleanly instead of running on as an orphan.
-    if _LIBC is not None:
-        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def _child_env() -> dict[str, str]:
-    # The written file alone must define a service: SPARKRL_* variables would override it in the child
-    # (environment beats preset), undoing e.g. the private Redis URL. The launcher already folded them in.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPARKRL_") or k == "SPARKRL_LOG_LEVEL"}
-    # A launcher started inside a torch.distributed job (or a process that ran one) must not hand its
-    # rendezvous to the learner: it would bind the same MASTER_PORT (EADDRINUSE) or join the wrong world.
-    for name in _DIST_ENV:
-        env.pop(name, None)
-    env["PYTHONUNBUFFERED"] = "1"  # log lines reach the file (and a failure report) as they happen
-    # DeepSpeed's compiled op lives in sparkrl's cache (built once, whatever the working directory).
-    env.setdefault("TORCH_EXTENSIONS_DIR", str(cache_dir() / "torch_extensions"))
-    return env
-
-
-def _spawn(spec: ServiceSpec) -> subprocess.Popen[bytes]:
-    spec.log_path.parent.mkdir(parents=True, exist_ok=True)
-    with spec.log_path.open("ab") as log:
-        # Own session (so own process group): a terminal's Ctrl-C reaches only the launcher, which then
-        # stops services in order, and a SIGKILL to the group also takes a service's own children.
-        return subprocess.Popen(
-            spec.command,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=_child_env() | dict(spec.env),
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    # Safe only while the leader is unreaped or was reaped just now: until then the id cannot be reused.
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-
-
-def _is_ready(spec: ServiceSpec) -> bool:
-    """The spec's readiness probe (plan.py decides it): Redis answers PING, a /healthz answers 200, or
-    none (started is ready)."""
-    if spec.ready is None:
-        return True
-    kind, url = spec.ready
-    if kind == "healthz":
-        try:
-            return httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200
-        except httpx.HTTPError:
-            return False
-    client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
-    try:
-        return bool(client.ping())
-    except (redis.ConnectionError, redis.TimeoutError):
-        return False
-    finally:
-        client.close()
 
 
 def _quick(settings: SparkSettings) -> BusSettings:
@@ -189,7 +115,7 @@ class Stack:
             if not spec.config_path.is_file():
                 raise FileNotFoundError(f"{spec.config_path} is missing: write_configs(plan) before starting")
         for spec in self.specs:
-            self.procs[spec.name] = _spawn(spec)
+            self.procs[spec.name] = spawn(spec)
             if spec.role == "redis":
                 self._wait_ready(spec)
         for spec in self.specs:
@@ -197,7 +123,7 @@ class Stack:
 
     def _wait_ready(self, spec: ServiceSpec) -> None:
         deadline = time.monotonic() + self.ready_timeout_s
-        while not _is_ready(spec):
+        while not is_ready(spec):
             returncode = self.procs[spec.name].poll()
             if returncode is not None:
                 self._reaped(spec)
@@ -208,7 +134,7 @@ class Stack:
 
     def _reaped(self, spec: ServiceSpec) -> None:
         self.ended.add(spec.name)
-        _kill_group(self.procs[spec.name])  # a dead service's own children (verifier pool, ...) go too
+        kill_group(self.procs[spec.name])  # a dead service's own children (verifier pool, ...) go too
 
     def end_line(self) -> None:
         self.terminal.end_line()
@@ -248,7 +174,7 @@ class Stack:
         reconnect or retry meanwhile, so nothing waits for it to be ready here."""
         with spec.log_path.open("a") as log:
             log.write(f"--- sparkrl up: exited with code {returncode}; restarted ---\n")
-        self.procs[spec.name] = _spawn(spec)
+        self.procs[spec.name] = spawn(spec)
         self.ended.discard(spec.name)
 
     def wait(self, poll_s: float = 0.5) -> int:
@@ -352,7 +278,7 @@ class Stack:
         """SIGKILL every service group still unreaped (the atexit and double-Ctrl-C path)."""
         for proc in self.procs.values():
             if proc.returncode is None:
-                _kill_group(proc)
+                kill_group(proc)
 
 
 @contextlib.contextmanager

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import redis
 
-from sparkrl import launcher
+from sparkrl import launcher, processes
 from sparkrl.launcher import (
     Role,
     ServiceSpec,
@@ -438,6 +438,6 @@ def test_services_get_neither_sparkrl_nor_torch_distributed_variables(
     monkeypatch.setenv("RANK", "3")
     monkeypatch.setenv("SPARKRL_BUS__URL", "redis://elsewhere:6379/0")
     monkeypatch.setenv("SPARKRL_LOG_LEVEL", "DEBUG")
-    env = launcher._child_env()
+    env = processes.child_env()
     assert "MASTER_PORT" not in env and "RANK" not in env and "SPARKRL_BUS__URL" not in env
     assert env["SPARKRL_LOG_LEVEL"] == "DEBUG" and env["PYTHONUNBUFFERED"] == "1"
