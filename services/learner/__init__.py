@@ -1,7 +1,5 @@
 """Learner: advantages, losses (Lp-Reg and baselines), DeepSpeed engine, weight broadcast, control API."""
 
-# First, before any module of the learner imports DeepSpeed: it imports DeepSpeed without mlflow (~1 s).
-from sparkrl.services.learner import _deepspeed  # noqa: F401  (isort keeps `_` first)
 from sparkrl.services.learner.advantages import group_advantages, truncated_is_metrics, truncated_is_weights
 from sparkrl.services.learner.losses import POLICY_LOSSES, LossInputs, lp_reg_loss, policy_loss
 from sparkrl.services.learner.proxy import (

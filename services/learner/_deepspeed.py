@@ -2,7 +2,8 @@
 is installed (about a second of the learner's start on a CPU, on the path to the first step) only to log
 autotuning runs, which the learner never starts. While DeepSpeed is imported, `import mlflow` fails for it
 (`has_mlflow` is then False in the autotuner); afterwards mlflow imports as usual (`tracking: [mlflow]`).
-Importing this module does it (the learner package imports it first)."""
+Importing this module does it: the learner service (service.py) imports it before anything that imports
+DeepSpeed; the learner package itself does not, so importing the losses alone stays light."""
 
 from __future__ import annotations
 

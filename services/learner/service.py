@@ -24,6 +24,9 @@ from sparkrl.services.common.roles import LearnerConfig
 from sparkrl.services.common.start_clock import StartClock
 from sparkrl.services.common.telemetry import LEARNER, Telemetry
 from sparkrl.services.common.weight_sync.files import WeightFileServer
+
+# Before any module below imports DeepSpeed: the learner's process imports it without mlflow (~1 s).
+from sparkrl.services.learner import _deepspeed  # noqa: F401  (sorted before them: keep it first)
 from sparkrl.services.learner.checkpoint import latest_checkpoint
 from sparkrl.services.learner.collect import BatchCollector
 from sparkrl.services.learner.control import LearnerControl, hparams_in_force
