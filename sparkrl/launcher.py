@@ -182,9 +182,9 @@ class Stack:
         has_learner = any(s.role == "learner" for s in self.specs)
         try:
             while True:
-                code = self.poll()
-                if has_learner:
+                if has_learner:  # first: the last step's line before a service's end is reported
                     self.show_progress(self.progress())
+                code = self.poll()
                 if code is not None:
                     return code
                 time.sleep(poll_s)
