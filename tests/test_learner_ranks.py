@@ -143,14 +143,18 @@ def test_a_killed_rank_stops_the_run_and_resume_trains_nothing_twice(
     stack = start_stack(stacks, Stack(plan, ready_timeout_s=180))
     proc = stack.procs["learner"]
     wait("step 3", lambda: steps_done(plan.run_dir) >= 3, plan.run_dir, timeout_s=300)
-    os.kill(_rank_pid(psutil.Process(proc.pid), rank=1), signal.SIGKILL)
+    rank_1 = _rank_pid(psutil.Process(proc.pid), rank=1)
+    at_kill = steps_done(plan.run_dir)  # the steps written when rank 1 dies (one may be in flight)
+    os.kill(rank_1, signal.SIGKILL)
     wait("the learner to stop", lambda: proc.poll() is not None, plan.run_dir, timeout_s=120)
     log = (plan.run_dir / "logs" / "learner.log").read_text()
     assert proc.returncode != 0
     assert "failed on the learner's ranks" in log, log[-3000:]
     assert "`--resume` continues from the last one" in log
     killed_at = steps_done(plan.run_dir)
-    assert killed_at < 5, "the run stopped where rank 1 died"
+    # Counted from the kill, not from step 3: a learner that skips A = 0 work takes steps faster than the
+    # wait above looks, and the step in flight (its row not yet written) may still end.
+    assert killed_at <= at_kill + 2, "the run stopped where rank 1 died"
 
     # The same bus and worker; only the learner comes back, with --resume.
     again = plan_stack(plan.settings.model_copy(deep=True), workers=1, private_redis=False, resume=True)
