@@ -90,7 +90,13 @@ def live_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     live = Live(plan, stack, plan.settings.control.url, plan.token_path.read_text().strip())
     try:
         stack.start()
-        live.wait("the first step", lambda: live.step() >= 1, timeout_s=240)
+        # Both workers too: a fast learner steps before the second worker has registered, and a command
+        # sent then would reach one worker only.
+        live.wait(
+            "the first step and both workers live",
+            lambda: live.step() >= 1 and live.get("/api/v1/status")["workers_live"] == 2,
+            timeout_s=240,
+        )
         yield live
     finally:
         stack.shutdown()
