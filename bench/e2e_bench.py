@@ -14,8 +14,10 @@ in its own virtual environment: `make bench-e2e` creates `.venv-peer`):
   TRL's generation_kwargs min_new_tokens via `bench/trl_fixed_length.py`).
 
 On each workload sparkrl also runs without exact work skipping (`learner.skip_zero_advantage=false`: the
-same gradient, every completion run) and, with `--baseline REF`, as commit REF (bench/e2e_baseline.py):
-the before and after of this round's changes, back to back.
+same gradient, every completion run), on the demo's with packed rows (`learner.pack_length=96`: two of
+its 20-46-token rows in one; the long workload's rows are all of one length, nothing to pack) and, with
+`--baseline REF`, as commit REF (bench/e2e_baseline.py): the before and after of this round's changes,
+back to back.
 
 Printed per run: wall time, start-up (until the first step; sparkrl's phases per service from its
 summary.json), steady seconds per step (median of the step intervals after the first 10%), completions/s
@@ -139,6 +141,7 @@ class Variant:
 
 NOW = Variant("sparkrl", "")
 NO_SKIP = Variant("sparkrl no skip", "_noskip", overrides=("learner.skip_zero_advantage=false",))
+PACKED = Variant("sparkrl packed", "_packed", overrides=("learner.pack_length=96",))
 LOCKSTEP = Variant("sparkrl lockstep", "_lockstep", preset="onpolicy")
 # The demo's runs keep a model every 40 steps for the time to quality (TRL's alike: bench/trl_checkpoints.py).
 SAVE_EVERY = 40
@@ -284,7 +287,7 @@ def main() -> None:
     ]
     summary: dict[str, object] = {}
     with tempfile.TemporaryDirectory(prefix="sparkrl-e2e-") as tmp:
-        variants = [NOW, NO_SKIP]
+        variants = [NOW, NO_SKIP, PACKED]
         if args.baseline:
             commit = commit_of(args.baseline)
             variants.append(
@@ -294,7 +297,8 @@ def main() -> None:
         try:
             for work in workloads:
                 if not args.only or work.name == args.only:
-                    summary |= compare(work, variants, args.peer_python, Path(tmp), args.quality_target)
+                    runs = [v for v in variants if v is not PACKED or work.name == "demo"]
+                    summary |= compare(work, runs, args.peer_python, Path(tmp), args.quality_target)
         finally:
             if args.baseline:
                 remove(Path(tmp) / "base")

@@ -4,13 +4,16 @@ threads only the publisher's runs (the heartbeat and /metrics are the service's)
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from conftest import free_port
 
+from sparkrl.proto import TrajectoryGroup
 from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.roles import LearnerConfig
 from sparkrl.services.common.settings import load_settings
@@ -18,6 +21,7 @@ from sparkrl.services.learner.learner import Learner
 from sparkrl.services.learner.ranks import trainer_for
 from sparkrl.services.learner.service import assemble
 from sparkrl.services.learner.trainer import Trainer, load
+from sparkrl.services.learner.update import run_updates
 
 
 def settings(model_dir: Path, run_dir: Path, *overrides: str) -> LearnerConfig:
@@ -47,3 +51,30 @@ def learner_loop(
         yield learner
     finally:
         learner.fleet.close()
+
+
+def gradient_and_stats(trainer: Trainer, groups: list[TrajectoryGroup], **cfg: object) -> tuple[list, dict]:
+    """The gradients `run_updates` hands the optimizer (recorded at each step), and the step's statistics,
+    under the trainer's settings with `cfg` changed. The weights and the optimizer's state are put back
+    afterwards: every call starts from the same ones. One rank (`trainer.engine`)."""
+    engine = trainer.engine
+    weights = [p.detach().clone() for p in engine.module.parameters()]
+    optimizer = copy.deepcopy(engine.optimizer.state_dict())
+    grads: list[torch.Tensor] = []
+    step: Callable[..., object] = engine.step
+
+    def recording_step(*args: object, **kwargs: object) -> object:
+        grads.extend(p.grad.detach().clone() for p in engine.module.parameters())
+        return step(*args, **kwargs)
+
+    engine.step = recording_step  # type: ignore[method-assign]
+    try:
+        settings = trainer.cfg.model_copy(update=cfg)
+        stats, _ = run_updates(engine, groups, settings, trainer.pad_id, 1, trainer.reference)
+    finally:
+        engine.step = step  # type: ignore[method-assign]
+        engine.optimizer.load_state_dict(optimizer)
+        with torch.no_grad():
+            for p, w in zip(engine.module.parameters(), weights, strict=True):
+                p.copy_(w)
+    return grads, stats

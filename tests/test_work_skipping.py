@@ -4,21 +4,24 @@ every loss that allows it, at the micro-batch boundaries that decide Lp-Reg's k.
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from _learner import one_rank, settings
+from _learner import gradient_and_stats, one_rank, settings
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
 
 from sparkrl.proto import TrajectoryGroup
 from sparkrl.proto.testing import random_group
-from sparkrl.services.learner.batch import collate, micro_batches, samples_from_groups, trained_rows
+from sparkrl.services.learner.batch import (
+    collate,
+    micro_batches,
+    partition,
+    samples_from_groups,
+    update_micro_batches,
+)
 from sparkrl.services.learner.losses.registry import SKIPS_ZERO_ADVANTAGE
-from sparkrl.services.learner.trainer import OneRank
 from sparkrl.services.learner.update import run_updates
 
 VOCAB = 260  # the tiny model's byte-level vocabulary
@@ -38,42 +41,22 @@ def _groups(seed: int, count: int = 8) -> list[TrajectoryGroup]:
     return groups
 
 
-def test_trained_rows_are_what_collate_makes_of_the_kept_samples() -> None:
+def test_skipping_keeps_the_micro_batches_and_drops_only_the_zero_advantage_samples() -> None:
     samples = samples_from_groups(_groups(0))
-    (mb,) = micro_batches(samples, token_budget=100_000, pad_id=0)
-    kept = trained_rows(mb)
-    assert kept is not None and 0 < kept.input_ids.shape[0] < mb.input_ids.shape[0]
-    ordered = sorted(samples, key=lambda s: len(s.input_ids))  # micro_batches' row order
-    want = collate([s for s in ordered if s.advantage != 0], pad_id=0)
-    for name in want.__dataclass_fields__:
-        assert torch.equal(getattr(kept, name), getattr(want, name)), name
-    assert trained_rows(collate([s for s in samples if s.advantage == 0], pad_id=0)) is None
-
-
-def _gradient_and_stats(trainer: OneRank, groups: list[TrajectoryGroup], skip: bool) -> tuple[list, dict]:
-    """The gradients `run_updates` hands the optimizer (recorded at each step), and the step's statistics.
-    The weights and the optimizer's state are put back afterwards: every call starts from the same ones."""
-    engine = trainer.engine
-    weights = [p.detach().clone() for p in engine.module.parameters()]
-    optimizer = copy.deepcopy(engine.optimizer.state_dict())
-    grads: list[torch.Tensor] = []
-    step: Callable[..., object] = engine.step
-
-    def recording_step(*args: object, **kwargs: object) -> object:
-        grads.extend(p.grad.detach().clone() for p in engine.module.parameters())
-        return step(*args, **kwargs)
-
-    engine.step = recording_step  # type: ignore[method-assign]
-    try:
-        cfg = trainer.cfg.model_copy(update={"skip_zero_advantage": skip})
-        stats, _ = run_updates(engine, groups, cfg, trainer.pad_id, step=1)
-    finally:
-        engine.step = step  # type: ignore[method-assign]
-        engine.optimizer.load_state_dict(optimizer)
-        with torch.no_grad():
-            for p, w in zip(engine.module.parameters(), weights, strict=True):
-                p.copy_(w)
-    return grads, stats
+    parts = partition(samples, token_budget=160)
+    assert len(parts) > 2
+    skipped = update_micro_batches(parts, pad_id=0, pack_length=None, skip_zero_advantage=True)
+    kept_parts = [[s for s in part if s.advantage != 0 and s.num_tokens > 0] for part in parts]
+    want = [collate(part, pad_id=0) for part in kept_parts if part]
+    assert 0 < len(skipped) == len(want)
+    for got, expected in zip(skipped, want, strict=True):
+        for name in expected.__dataclass_fields__:
+            a, b = getattr(got, name), getattr(expected, name)
+            assert (a is None and b is None) or torch.equal(a, b), name
+    nothing = [[s for s in part if s.advantage == 0] for part in parts]
+    nothing = [part for part in nothing if part]
+    (empty,) = update_micro_batches(nothing, pad_id=0, pack_length=None, skip_zero_advantage=True)
+    assert empty.num_tokens == 0  # one empty pass: the optimizer still steps
 
 
 CASES = {
@@ -100,8 +83,8 @@ def test_skipping_zero_advantage_leaves_the_gradient_unchanged(
     assert trainer.cfg.loss.name in SKIPS_ZERO_ADVANTAGE
     groups = _groups(1)
     assert len(micro_batches(samples_from_groups(groups), 160, pad_id=0)) > 2
-    full_grads, full = _gradient_and_stats(trainer, groups, skip=False)
-    skip_grads, skipped = _gradient_and_stats(trainer, groups, skip=True)
+    full_grads, full = gradient_and_stats(trainer, groups, skip_zero_advantage=False)
+    skip_grads, skipped = gradient_and_stats(trainer, groups, skip_zero_advantage=True)
 
     assert full["skipped_tokens"] == 0 and skipped["skipped_tokens"] > 0.3 * skipped["tokens"]
     assert skipped["tokens"] == full["tokens"]  # the divisor still counts them
@@ -124,7 +107,7 @@ def test_a_step_of_only_equal_groups_still_steps_the_optimizer(
     groups = _groups(2)
     run_updates(trainer.engine, groups, trainer.cfg, trainer.pad_id, step=1)  # momentum from real signal
     equal = [g.model_copy(update={"rewards": [0.0] * 4}) for g in groups]
-    grads, stats = _gradient_and_stats(trainer, equal, skip=True)
+    grads, stats = gradient_and_stats(trainer, equal, skip_zero_advantage=True)
     assert stats["skipped_tokens"] == stats["tokens"] > 0 and stats["updates"] == 1
     assert grads and all(float(g.abs().max()) == 0.0 for g in grads)
 

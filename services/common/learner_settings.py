@@ -75,6 +75,14 @@ class LearnerSettings(Section):
         "then over the tokens trained on. No effect with a KL to the reference or a loss that reaches A = 0 "
         "tokens (entropy bonus, 80/20, KL-Cov, Clip-Cov, GSPO).",
     )
+    pack_length: int | None = Field(
+        None,
+        ge=2,
+        description="Pack each micro-batch's completions into rows of this many positions (at least the "
+        "longest's), first fit, position ids from 0 in each so attention does not cross them: fewer padded "
+        "positions (`loss/padding_share`), a longer attention span per row. None: a row each, right-padded. "
+        "Same gradient; token_mean aggregation only, not with GSPO (both count a row as a sequence).",
+    )
     updates_per_rollout: int = Field(
         1,
         ge=1,
@@ -161,6 +169,20 @@ class LearnerSettings(Section):
         if self.loss_aggregation != "token_mean" and self.loss.name in ("gspo", "eighty_twenty"):
             raise ValueError(
                 f"learner.loss {self.loss.name} aggregates by its own definition: loss_aggregation token_mean"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _packing_needs_token_terms(self) -> LearnerSettings:
+        if self.pack_length is not None and self.loss.name == "gspo":
+            raise ValueError(
+                "learner.pack_length: GSPO averages over each row as one sequence, which packed rows are "
+                "not; unset pack_length or pick another loss"
+            )
+        if self.pack_length is not None and self.loss_aggregation != "token_mean":
+            raise ValueError(
+                f"learner.pack_length: loss_aggregation {self.loss_aggregation} counts each row as one "
+                "sequence, which packed rows are not; use token_mean or unset pack_length"
             )
         return self
 

@@ -1,8 +1,11 @@
-"""From trajectory groups to padded micro-batches of per-token tensors.
+"""From trajectory groups to micro-batches of per-token tensors.
 
 Layout: each row is prompt + completion, right-padded to the micro-batch's longest row, L tokens. The
 model's logits at position j predict token j+1, so every per-token tensor is [B, L-1] and indexed by the
 *predicting* position: `mask[b, j]` is True where input_ids[b, j+1] is a generated token.
+
+Packed (`learner.pack_length`, packing.py): a row holds several samples one after the other, each with
+position ids from 0, so that attention does not cross from one to the next; the same per-token layout.
 """
 
 from __future__ import annotations
@@ -29,6 +32,16 @@ class Sample:
     advantage: float  # GRPO advantage, shared by every token of the completion
     temperature: float  # the sampling temperature; the learner's log-probs are taken at it
 
+    @property
+    def num_tokens(self) -> int:
+        """Generated tokens: the loss's."""
+        return len(self.rollout_logp)
+
+    @property
+    def trained(self) -> bool:
+        """Whether a loss term reaches it when terms vanish at A = 0 (`trained_rows`)."""
+        return self.advantage != 0 and self.num_tokens > 0
+
 
 @dataclass(frozen=True)
 class MicroBatch:
@@ -42,13 +55,22 @@ class MicroBatch:
     topk_logp: Tensor  # [B, L-1, K] float32
     advantages: Tensor  # [B, L-1] float32
     temperature: Tensor  # [B, 1, 1] float32, divides the logits
+    position_ids: Tensor | None = None  # [B, L] long, from 0 in each sample: packed rows; None: padded
 
     @property
     def num_tokens(self) -> int:
         return int(self.mask.sum())
 
     def to(self, device: torch.device | str) -> MicroBatch:
-        return MicroBatch(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
+        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return MicroBatch(**{name: None if t is None else t.to(device) for name, t in fields.items()})
+
+    def model_inputs(self) -> dict[str, Tensor]:
+        """The model's keyword arguments: padded rows mask their padding; packed rows give position ids
+        instead, from which transformers builds a causal mask that does not cross samples."""
+        if self.position_ids is None:
+            return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids}
 
 
 def samples_from_groups(
@@ -77,20 +99,71 @@ def samples_from_groups(
 
 
 def collate(samples: list[Sample], pad_id: int) -> MicroBatch:
-    """Right-pad `samples` into one micro-batch. The per-target tensors are scattered in one indexed copy
-    each (not row by row: a step collates hundreds of rows)."""
-    B, L = len(samples), max(len(s.input_ids) for s in samples)
+    """Right-pad `samples` into one micro-batch, a row each."""
+    rows = torch.arange(len(samples))
+    return _place(samples, rows, torch.zeros_like(rows), max(len(s.input_ids) for s in samples), pad_id)
+
+
+def pack(samples: list[Sample], pad_id: int, row_length: int) -> MicroBatch:
+    """`samples` packed into rows of `row_length` positions (at least the longest sample's), or padded, a
+    row each, where packing would not run fewer positions (B · L). Packed: first fit by decreasing length,
+    a row's samples all of one temperature, each sample's position ids from 0, and so the padding after a
+    row's last sample (a segment of its own)."""
+    row, offset, used = _first_fit(samples, max(row_length, max(len(s.input_ids) for s in samples)))
+    if len(used) * max(used) >= len(samples) * max(len(s.input_ids) for s in samples):
+        return collate(samples, pad_id)
+    return _place(samples, row, offset, max(used), pad_id)
+
+
+def _first_fit(samples: list[Sample], capacity: int) -> tuple[Tensor, Tensor, list[int]]:
+    """First fit by decreasing length into rows of `capacity`, one temperature a row → (each sample's row,
+    its offset in the row, the positions taken in each row)."""
+    order = sorted(range(len(samples)), key=lambda i: -len(samples[i].input_ids))
+    shortest = len(samples[order[-1]].input_ids)
+    used: list[int] = []
+    temperature: list[float] = []
+    open_rows: list[int] = []  # rows with room for the shortest sample still
+    row, offset = torch.zeros(len(samples), dtype=torch.long), torch.zeros(len(samples), dtype=torch.long)
+    for i in order:
+        n, t = len(samples[i].input_ids), samples[i].temperature
+        r = next((r for r in open_rows if temperature[r] == t and used[r] + n <= capacity), None)
+        if r is None:
+            r = len(used)
+            used.append(0)
+            temperature.append(t)
+            open_rows.append(r)
+        row[i], offset[i] = r, used[r]
+        used[r] += n
+        if capacity - used[r] < shortest:
+            open_rows.remove(r)
+    return row, offset, used
+
+
+def _place(samples: list[Sample], row: Tensor, offset: Tensor, L: int, pad_id: int) -> MicroBatch:
+    """The micro-batch holding sample i at row[i] from position offset[i], rows of L positions: position
+    ids restart at 0 per sample where any row holds two. The per-target tensors are scattered in one
+    indexed copy each (not sample by sample: a step collates hundreds)."""
+    B = int(row.max()) + 1
+    lengths = torch.tensor([len(s.input_ids) for s in samples])
+    # Every position of every sample, as (row, column): its input id and its position id.
+    rows_all = torch.repeat_interleave(row, lengths)
+    within = _ranks_within(lengths)
+    cols_all = torch.repeat_interleave(offset, lengths) + within
+    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
+    input_ids[rows_all, cols_all] = torch.cat([s.input_ids for s in samples])
+    attention_mask = torch.zeros(B, L, dtype=torch.long)
+    attention_mask[rows_all, cols_all] = 1
+    position_ids = None
+    if B < len(samples):  # packed: every sample from 0, and the padding after a row's last sample too
+        position_ids = torch.arange(L).repeat(B, 1) - attention_mask.sum(dim=1, keepdim=True)
+        position_ids[rows_all, cols_all] = within
     # Groups may carry different top-k widths (workers configured apart): pad to the widest, the padding
     # far below any real log-prob, so it is never in a kept set.
     K = max(s.topk_ids.shape[-1] for s in samples)
-    lengths = torch.tensor([len(s.input_ids) for s in samples])
-    input_ids = torch.full((B, L), pad_id, dtype=torch.long)
-    input_ids[torch.arange(L) < lengths[:, None]] = torch.cat([s.input_ids for s in samples])
-    attention_mask = (torch.arange(L) < lengths[:, None]).long()
-    # Generated token i of a row sits at position P+i and is predicted from position P+i-1.
-    counts = torch.tensor([len(s.rollout_logp) for s in samples])
-    rows = torch.repeat_interleave(torch.arange(B), counts)
-    starts = torch.tensor([s.prompt_len - 1 for s in samples])
+    # Generated token i of a sample sits at position P+i and is predicted from position P+i-1.
+    counts = torch.tensor([s.num_tokens for s in samples])
+    rows = torch.repeat_interleave(row, counts)
+    starts = offset + torch.tensor([s.prompt_len - 1 for s in samples])
     cols = torch.repeat_interleave(starts, counts) + _ranks_within(counts)
     mask = torch.zeros(B, L - 1, dtype=torch.bool)
     mask[rows, cols] = True
@@ -102,17 +175,26 @@ def collate(samples: list[Sample], pad_id: int) -> MicroBatch:
     if widths == {K}:
         topk_ids[rows, cols] = torch.cat([s.topk_ids for s in samples])
         topk_logp[rows, cols] = torch.cat([s.topk_logp for s in samples])
-    else:  # mixed widths: each width's rows in turn
+    else:  # mixed widths: each width's samples in turn
         for k in widths:
             chosen = [i for i, s in enumerate(samples) if s.topk_ids.shape[-1] == k]
-            at = torch.isin(rows, torch.tensor(chosen))
+            at = torch.isin(torch.repeat_interleave(torch.arange(len(samples)), counts), torch.tensor(chosen))
             topk_ids[rows[at], cols[at], :k] = torch.cat([samples[i].topk_ids for i in chosen])
             topk_logp[rows[at], cols[at], :k] = torch.cat([samples[i].topk_logp for i in chosen])
     advantages = torch.zeros(B, L - 1)
     advantages[rows, cols] = torch.repeat_interleave(torch.tensor([s.advantage for s in samples]), counts)
-    temperature = torch.tensor([s.temperature for s in samples]).view(B, 1, 1)
+    temperature = torch.zeros(B)
+    temperature[row] = torch.tensor([s.temperature for s in samples])  # one per row (`pack`)
     return MicroBatch(
-        input_ids, attention_mask, mask, rollout_logp, topk_ids, topk_logp, advantages, temperature
+        input_ids,
+        attention_mask,
+        mask,
+        rollout_logp,
+        topk_ids,
+        topk_logp,
+        advantages,
+        temperature.view(B, 1, 1),
+        position_ids,
     )
 
 
@@ -122,28 +204,34 @@ def _ranks_within(counts: torch.Tensor) -> torch.Tensor:
     return torch.arange(int(counts.sum())) - torch.repeat_interleave(offsets, counts)
 
 
-def micro_batches(samples: list[Sample], token_budget: int, pad_id: int) -> list[MicroBatch]:
-    """Greedy packing: rows sorted by length, a micro-batch grows while B · L stays within the budget.
-
-    A single row longer than the budget still gets a micro-batch of its own.
-    """
+def partition(samples: list[Sample], token_budget: int) -> list[list[Sample]]:
+    """The samples of each micro-batch: sorted by length, a micro-batch grows while B · L (its padded
+    rows) stays within the budget. A single sample longer than the budget still gets one of its own.
+    Packed or not, these are the micro-batches (Lp-Reg counts its k in each)."""
     ordered = sorted(samples, key=lambda s: len(s.input_ids))
-    batches, current = [], []
+    parts: list[list[Sample]] = []
+    current: list[Sample] = []
     for sample in ordered:
         longest = len(sample.input_ids)  # sorted ascending: the newcomer is the longest row
         if current and (len(current) + 1) * longest > token_budget:
-            batches.append(collate(current, pad_id))
+            parts.append(current)
             current = []
         current.append(sample)
     if current:
-        batches.append(collate(current, pad_id))
-    return batches
+        parts.append(current)
+    return parts
+
+
+def micro_batches(samples: list[Sample], token_budget: int, pad_id: int) -> list[MicroBatch]:
+    """`partition`'s micro-batches, padded."""
+    return [collate(part, pad_id) for part in partition(samples, token_budget)]
 
 
 def empty_like(mb: MicroBatch) -> MicroBatch:
     """A padding micro-batch: the first row's first two tokens and no target — a forward, and a backward
     of zero, that every collective of the pass still sees."""
     return MicroBatch(
+        position_ids=None if mb.position_ids is None else mb.position_ids[:1, :2],
         input_ids=mb.input_ids[:1, :2],
         attention_mask=mb.attention_mask[:1, :2],
         mask=torch.zeros_like(mb.mask[:1, :1]),
@@ -152,32 +240,6 @@ def empty_like(mb: MicroBatch) -> MicroBatch:
         topk_logp=mb.topk_logp[:1, :1],
         advantages=torch.zeros_like(mb.advantages[:1, :1]),
         temperature=mb.temperature[:1],
-    )
-
-
-def trained_rows(mb: MicroBatch) -> MicroBatch | None:
-    """`mb` without the rows no loss term reaches: a completion whose advantage is 0 (every answer of its
-    group scored alike) or that has no token. The rest keep their order and their right padding, cut to
-    the longest row kept: the same tensors `collate` makes of them. None when no row is left.
-
-    Only for a loss that is a token mean of terms that vanish where A = 0 and that picks its tokens among
-    A ≠ 0 only (losses/registry.py, `skips_zero_advantage`): its gradient is then unchanged, provided the
-    caller still divides by every token of the micro-batch, these included (update.py)."""
-    keep = ((mb.advantages != 0) & mb.mask).any(dim=-1)
-    if bool(keep.all()):
-        return mb
-    if not bool(keep.any()):
-        return None
-    length = int(mb.attention_mask[keep].sum(dim=-1).max())
-    return MicroBatch(
-        input_ids=mb.input_ids[keep, :length],
-        attention_mask=mb.attention_mask[keep, :length],
-        mask=mb.mask[keep, : length - 1],
-        rollout_logp=mb.rollout_logp[keep, : length - 1],
-        topk_ids=mb.topk_ids[keep, : length - 1],
-        topk_logp=mb.topk_logp[keep, : length - 1],
-        advantages=mb.advantages[keep, : length - 1],
-        temperature=mb.temperature[keep],
     )
 
 
@@ -196,12 +258,21 @@ class Totals(NamedTuple):
     trained: int | None = None
 
 
-def trained(micro: list[MicroBatch]) -> list[MicroBatch]:
-    """An update's micro-batches without their A = 0 rows (`trained_rows`), each micro-batch's remaining
-    rows kept together (Lp-Reg's k is counted per micro-batch); one empty pass when nothing is left, so
-    the optimizer still steps (Adam moves on a zero gradient too) as it would have."""
-    left = [mb for mb in map(trained_rows, micro) if mb is not None]
-    return left or [empty_like(micro[0])]
+def update_micro_batches(
+    parts: list[list[Sample]], pad_id: int, pack_length: int | None, skip_zero_advantage: bool
+) -> list[MicroBatch]:
+    """An update's micro-batches from `partition`'s parts: padded, or packed into rows of `pack_length`.
+    `skip_zero_advantage`: without the samples no loss term reaches (A = 0, or no token; losses/registry.py,
+    `skips_zero_advantage`), each part's other samples kept together (Lp-Reg counts its k per
+    micro-batch), and one empty pass when nothing is left, so the optimizer still steps (Adam moves on a
+    zero gradient too) as it would have. The gradient is the same provided the caller still divides by
+    every token of the update, the skipped included (update.py)."""
+    made = []
+    for part in parts:
+        run = [s for s in part if s.trained] if skip_zero_advantage else part
+        if run:
+            made.append(pack(run, pad_id, pack_length) if pack_length else collate(run, pad_id))
+    return made or [empty_like(collate(parts[0][:1], pad_id))]
 
 
 def work_done(every: list[list[MicroBatch]], totals: list[Totals]) -> dict[str, float]:

@@ -115,9 +115,7 @@ def final_hidden(model: torch.nn.Module, mb: MicroBatch) -> FinalHidden:
 
     handle = module.get_decoder().register_forward_hook(keep)
     try:
-        out = model(
-            input_ids=mb.input_ids, attention_mask=mb.attention_mask, logits_to_keep=1, use_cache=False
-        )
+        out = model(**mb.model_inputs(), logits_to_keep=1, use_cache=False)
     finally:
         handle.remove()
     B, L = mb.input_ids.shape
@@ -195,7 +193,7 @@ def full_logits_reference(
     """
     first = _first_target(mb) if _keeps_logits(model) else 0
     extra = {"logits_to_keep": mb.input_ids.shape[1] - first} if first else {}
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, **extra).logits[:, :-1]
+    logits = model(**mb.model_inputs(), **extra).logits[:, :-1]
     logits = logits.float() / mb.temperature  # [B, L-1-first, V]
     logp, entropy = _logp_entropy(logits, mb.input_ids[:, first + 1 :], entropy_grad)
     if first:

@@ -47,8 +47,9 @@ from sparkrl.services.learner.batch import (
     Sample,
     Totals,
     micro_batches,
+    partition,
     samples_from_groups,
-    trained,
+    update_micro_batches,
     work_done,
 )
 from sparkrl.services.learner.control import set_lr
@@ -112,13 +113,13 @@ def run_updates(
     extra = {"equal_groups_dropped": float(len(groups) - len(kept))}
     # Advantages over the whole step (a batch-level std is the step's), then cut at group boundaries.
     samples = samples_from_groups(kept, std_normalize=adv.std_normalize, level=adv.level)
-    every = [micro_batches(m, cfg.micro_batch_tokens, pad_id) for m in mini_batches(samples, kept, cfg) if m]
-    # The divisors count every token, those of completions left unrun for A = 0 included (`trained`).
-    totals = [
-        Totals(sum(mb.num_tokens for mb in mbs), sum(sequences(mb.mask) for mb in mbs)) for mbs in every
-    ]
-    if skips_zero_advantage(cfg.loss.name) and cfg.skip_zero_advantage and reference is None:
-        every = [trained(mbs) for mbs in every]
+    updates = [partition(m, cfg.micro_batch_tokens) for m in mini_batches(samples, kept, cfg) if m]
+    # The divisors count every token, those of completions left unrun for A = 0 included.
+    flat = [[s for part in u for s in part] for u in updates]
+    totals = [Totals(sum(s.num_tokens for s in u), sum(s.num_tokens > 0 for s in u)) for u in flat]
+    skip = skips_zero_advantage(cfg.loss.name) and cfg.skip_zero_advantage and reference is None
+    every = [update_micro_batches(u, pad_id, cfg.pack_length, skip) for u in updates]
+    if skip:
         runs = [sum(mb.num_tokens for mb in mbs) for mbs in every]
         totals = [t._replace(trained=run) for t, run in zip(totals, runs, strict=True)]
     extra |= work_done(every, totals)
