@@ -163,7 +163,8 @@ def _facts(run_dir: Path) -> dict[str, Any]:
         "reward_mean_last_20pct": late,
         "final_entropy": last_present(steps.series("loss/entropy")),
         "policy_version": rows[-1].policy_version if rows else None,
-        "worker_versions": rows[-1].worker_versions if rows else {},
+        # The last row that has them: after Ctrl-C the workers stop first, and the last row often has none.
+        "worker_versions": next((r.worker_versions for r in reversed(rows) if r.worker_versions), {}),
         "checkpoints_dir": str(checkpoints),
         "checkpoints": sorted(p.name for p in checkpoints.iterdir()) if checkpoints.is_dir() else [],
         "groups_dropped_stale": int(rows[-1].value("rollout/dropped_stale_total") or 0) if rows else 0,

@@ -112,6 +112,7 @@ def test_packing_leaves_the_gradient_unchanged(
 
     assert packed["padding_share"] < padded["padding_share"]  # it packed
     assert packed["tokens"] == padded["tokens"] and packed["skipped_tokens"] == padded["skipped_tokens"]
+    assert packed["micro_batches"] == padded["micro_batches"]  # the same micro-batches, packed
     assert len(packed_grads) == len(padded_grads) > 0
     for got, want in zip(packed_grads, padded_grads, strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)

@@ -230,3 +230,18 @@ def test_the_summary_and_the_report_tell_one_story_of_a_resumed_run(tmp_path: Pa
     report = write_report(run).read_text()
     assert "| reward mean | first 2 steps 0.150 → last 2 steps 0.650 |" in report
     assert f"| final entropy | {MISSING} |" in report
+
+
+def test_the_summary_names_the_workers_versions_from_the_last_row_that_has_them(tmp_path: Path) -> None:
+    """After Ctrl-C the workers stop before the learner's last row: it has no worker versions, the row
+    before does ('workers none reported' said nothing useful)."""
+    from sparkrl.run_report import summarize
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [_row(s, 0.5, t=T0 + s) for s in range(1, 6)]
+    rows[-1]["worker_versions"] = {}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    summarize(run)
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["worker_versions"] == {"worker-0": 3, "worker-1": 2}

@@ -276,8 +276,14 @@ def update_micro_batches(
 
 
 def work_done(every: list[list[MicroBatch]], totals: list[Totals]) -> dict[str, float]:
-    """The step's `skipped_tokens` (A = 0 tokens not run) and `padding_share` (of the positions run)."""
+    """The step's `skipped_tokens` (A = 0 tokens not run), `padding_share` (of the positions run) and
+    `micro_batches` (the forward/backward passes that ran tokens)."""
     tokens = sum(t.tokens for t in totals)
     run = sum(mb.num_tokens for mbs in every for mb in mbs)
     positions, padding = map(sum, zip(*(padded_positions(mb) for mbs in every for mb in mbs), strict=True))
-    return {"skipped_tokens": float(tokens - run), "padding_share": padding / max(positions, 1)}
+    passes = sum(1 for mbs in every for mb in mbs if mb.num_tokens)
+    return {
+        "skipped_tokens": float(tokens - run),
+        "padding_share": padding / max(positions, 1),
+        "micro_batches": float(passes),
+    }
