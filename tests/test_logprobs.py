@@ -21,6 +21,7 @@ from sparkrl.services.common.settings import load_settings
 from sparkrl.services.learner.batch import MicroBatch, micro_batches, samples_from_groups
 from sparkrl.services.learner.logprobs import (
     chunk_tokens,
+    final_hidden,
     full_logits_reference,
     old_logp_and_proxy,
     supports_chunking,
@@ -63,9 +64,9 @@ def test_chunked_logp_and_entropy_and_their_gradients_match_the_full_logits_pass
 ) -> None:
     model = load_model(tiny_model_dir)
     (mb,) = _micro_batch()
-    first = int(mb.mask.any(0).nonzero()[0])
-    rows = mb.mask.shape[0] * (mb.mask.shape[1] - first)
-    assert first > 0 and rows % 7, "the prompt should leave positions to skip, and 7 split the rows unevenly"
+    rows = mb.num_tokens  # only the positions that predict a generated token go through the head
+    assert final_hidden(model, mb).states.shape[0] == rows < mb.mask.numel() // 2
+    assert rows % 7, "7 should split the rows unevenly"
     want_logp, want_entropy, _ = full_logits_reference(model, mb, entropy_grad=True)
     _loss(want_logp, want_entropy, mb.mask).backward()
     want_grads = _grads(model)
@@ -74,7 +75,7 @@ def test_chunked_logp_and_entropy_and_their_gradients_match_the_full_logits_pass
     assert logp.shape == entropy.shape == mb.mask.shape
     assert_close(logp[mb.mask], want_logp[mb.mask], **TOL)
     assert_close(entropy[mb.mask], want_entropy[mb.mask], **TOL)
-    assert not logp[:, :first].any() and not entropy[:, :first].any()  # zeros before the first target
+    assert not logp[~mb.mask].any() and not entropy[~mb.mask].any()  # zeros elsewhere
     _loss(logp, entropy, mb.mask).backward()
     assert_close(_grads(model), want_grads, **TOL)
 

@@ -3,10 +3,10 @@
 The model runs once through its own forward (a DeepSpeed engine's included), asked for the logits of one
 position only (`logits_to_keep=1`); a forward hook on its decoder keeps the final hidden states [B, L, H]
 (after the final norm) on the way. The output projection, the division by the temperature and everything
-over the vocabulary then run `chunk` rows at a time, over the predicting positions from the first
-generated-token target on: the full-vocabulary temporaries are a few float32 [chunk, V] buffers, whatever
-B·L is (`chunk_tokens`: ≈ 256 MiB each). Under grad each chunk is checkpointed, so the backward recomputes
-its logits instead of keeping them.
+over the vocabulary then run `chunk` rows at a time, over the positions that predict a generated token
+only (not the prompts, not the padding, not a packed row's later prompts): the full-vocabulary
+temporaries are a few float32 [chunk, V] buffers, whatever B·L is (`chunk_tokens`: ≈ 256 MiB each).
+Under grad each chunk is checkpointed, so the backward recomputes its logits instead of keeping them.
 
 A model whose logits are more than `get_output_embeddings()(last_hidden_state)` (softcapping, logit
 scales; `POST_HEAD_FIELDS`), or that lacks the accessors or `logits_to_keep`, takes
@@ -79,25 +79,23 @@ def supports_chunking(model: torch.nn.Module) -> bool:
 
 @dataclass(frozen=True)
 class FinalHidden:
-    """The decoder's output at the predicting positions `first`..L-2 of every row, flattened to rows."""
+    """The decoder's output at the positions that predict a generated token (`mask`), flattened to rows."""
 
-    states: Tensor  # [N, H], N = B·(L-1-first); row b·(L-1-first) + j is position first + j of row b
+    states: Tensor  # [N, H], N = mask.sum(); the rows in the order of mask.nonzero()
     targets: Tensor  # [N] long: the token each row predicts
     temperature: Tensor  # [N, 1]
     head: torch.nn.Module  # the output embedding
     model_logits: Tensor  # [B, 1, V]: the model's own output (see `_AfterModelOutput`)
-    shape: tuple[int, int]  # (B, L-1)
-    first: int
+    mask: Tensor  # [B, L-1] bool: where the rows go back to
 
     def chunks(self, chunk: int | None) -> Iterator[slice]:
         size = chunk or chunk_tokens(self.model_logits.shape[-1])
         return (slice(start, start + size) for start in range(0, len(self.targets), size))
 
     def to_positions(self, rows: list[Tensor]) -> Tensor:
-        """Per-row values [N] (in chunks) → [B, L-1], zeros before `first`."""
-        B, positions = self.shape
-        values = torch.cat(rows) if rows else self.states.new_zeros(0)
-        return F.pad(values.view(B, positions - self.first), (self.first, 0))
+        """Per-row values [N] (in chunks) → [B, L-1], zeros where `mask` is False."""
+        values = torch.cat(rows) if rows else self.states.new_zeros(0, dtype=torch.float32)
+        return values.new_zeros(self.mask.shape).masked_scatter(self.mask, values)
 
 
 def final_hidden(model: torch.nn.Module, mb: MicroBatch) -> FinalHidden:
@@ -119,25 +117,22 @@ def final_hidden(model: torch.nn.Module, mb: MicroBatch) -> FinalHidden:
     finally:
         handle.remove()
     B, L = mb.input_ids.shape
-    first = _first_target(mb)
-    H = captured[-1].shape[-1]
     return FinalHidden(
-        states=captured[-1][:, first:-1].reshape(-1, H),  # [B·(L-1-first), H]
-        targets=mb.input_ids[:, first + 1 :].reshape(-1),
-        temperature=mb.temperature.expand(B, L - 1 - first, 1).reshape(-1, 1),
+        states=captured[-1][:, :-1][mb.mask],  # [N, H]
+        targets=mb.input_ids[:, 1:][mb.mask],
+        temperature=mb.temperature.expand(B, L - 1, 1)[mb.mask],
         head=module.get_output_embeddings(),
         model_logits=out.logits,
-        shape=(B, L - 1),
-        first=first,
+        mask=mb.mask,
     )
 
 
 def token_logp_and_entropy(
     model: torch.nn.Module, mb: MicroBatch, entropy_grad: bool = True, *, chunk: int | None = None
 ) -> tuple[Tensor, Tensor]:
-    """Forward at the sampling temperature → (logp [B, L-1], entropy [B, L-1]), zeros before the first
-    target. `entropy_grad=False`: the entropy is a measurement only (no gradient kept for it). `chunk`:
-    rows per chunk (default `chunk_tokens(V)`)."""
+    """Forward at the sampling temperature → (logp [B, L-1], entropy [B, L-1]), meaningful at the
+    generated-token targets (`mb.mask`) only: zeros elsewhere. `entropy_grad=False`: the entropy is a
+    measurement only (no gradient kept for it). `chunk`: rows per chunk (default `chunk_tokens(V)`)."""
     if not supports_chunking(model):
         logp, entropy, _ = full_logits_reference(model, mb, entropy_grad)
         return logp, entropy
@@ -164,9 +159,9 @@ def old_logp_and_proxy(
     model: torch.nn.Module, mb: MicroBatch, kappa: float | None, *, chunk: int | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """π_old's logp [B, L-1] and, with `kappa`, the Lp-Reg proxy log-prob [B, L-1] from its logits
-    (`proxy_logp_from_logits`: min-p at the sampling temperature), both from one pass; zeros before the
-    first target. The log-probs are computed as `token_logp_and_entropy` does, chunk for chunk, so an
-    on-policy ratio is exactly 1."""
+    (`proxy_logp_from_logits`: min-p at the sampling temperature), both from one pass; meaningful at the
+    targets (`mb.mask`) only. The log-probs are computed as `token_logp_and_entropy` does, chunk for
+    chunk, so an on-policy ratio is exactly 1."""
     if not supports_chunking(model):
         logp, _, logits = full_logits_reference(model, mb, entropy_grad=False)
         proxy = None if kappa is None else proxy_logp_from_logits(logits, mb.input_ids[:, 1:], kappa=kappa)
