@@ -51,6 +51,8 @@ lint: install
 
 bench: install
 	$(PY) bench/loss_bench.py
+	$(VENV)/bin/sparkrl build-tiny-model --out .cache
+	$(PY) bench/update_bench.py
 
 # sparkrl against TRL's GRPOTrainer on the demo's work, one after the other (bench/e2e_bench.py); TRL runs
 # in its own environment, with sparkrl's core for the shared countdown task.
