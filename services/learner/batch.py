@@ -4,7 +4,7 @@ Layout: each row is prompt + completion, right-padded to the micro-batch's longe
 model's logits at position j predict token j+1, so every per-token tensor is [B, L-1] and indexed by the
 *predicting* position: `mask[b, j]` is True where input_ids[b, j+1] is a generated token.
 
-Packed (`learner.pack_length`, packing.py): a row holds several samples one after the other, each with
+Packed (`learner.pack_length`, `pack`): a row holds several samples one after the other, each with
 position ids from 0, so that attention does not cross from one to the next; the same per-token layout.
 """
 
@@ -39,7 +39,7 @@ class Sample:
 
     @property
     def trained(self) -> bool:
-        """Whether a loss term reaches it when terms vanish at A = 0 (`trained_rows`)."""
+        """Whether a loss term reaches it when terms vanish at A = 0 (`update_micro_batches`)."""
         return self.advantage != 0 and self.num_tokens > 0
 
 
@@ -109,8 +109,9 @@ def pack(samples: list[Sample], pad_id: int, row_length: int) -> MicroBatch:
     row each, where packing would not run fewer positions (B · L). Packed: first fit by decreasing length,
     a row's samples all of one temperature, each sample's position ids from 0, and so the padding after a
     row's last sample (a segment of its own)."""
-    row, offset, used = _first_fit(samples, max(row_length, max(len(s.input_ids) for s in samples)))
-    if len(used) * max(used) >= len(samples) * max(len(s.input_ids) for s in samples):
+    longest = max(len(s.input_ids) for s in samples)
+    row, offset, used = _first_fit(samples, max(row_length, longest))
+    if len(used) * max(used) >= len(samples) * longest:
         return collate(samples, pad_id)
     return _place(samples, row, offset, max(used), pad_id)
 
