@@ -113,10 +113,10 @@ def run_updates(
     extra = {"equal_groups_dropped": float(len(groups) - len(kept))}
     # Advantages over the whole step (a batch-level std is the step's), then cut at group boundaries.
     samples = samples_from_groups(kept, std_normalize=adv.std_normalize, level=adv.level)
-    updates = [partition(m, cfg.micro_batch_tokens) for m in mini_batches(samples, kept, cfg) if m]
+    per_update = [m for m in mini_batches(samples, kept, cfg) if m]
     # The divisors count every token, those of completions left unrun for A = 0 included.
-    flat = [[s for part in u for s in part] for u in updates]
-    totals = [Totals(sum(s.num_tokens for s in u), sum(s.num_tokens > 0 for s in u)) for u in flat]
+    totals = [Totals(sum(s.num_tokens for s in m), sum(s.num_tokens > 0 for s in m)) for m in per_update]
+    updates = [partition(m, cfg.micro_batch_tokens) for m in per_update]
     skip = skips_zero_advantage(cfg.loss.name) and cfg.skip_zero_advantage and reference is None
     every = [update_micro_batches(u, pad_id, cfg.pack_length, skip) for u in updates]
     if skip:
