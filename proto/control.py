@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from sparkrl.proto.base import WireModel
+from sparkrl.proto.names import CheckpointTag
 
 CONTROL_SCHEMA_VERSION = 1
 
@@ -50,12 +51,10 @@ class CheckpointCommand(WireModel):
     """Write a checkpoint after the current step."""
 
     command: Literal["checkpoint"] = Field(description="Discriminator. Writer: control API. Reader: learner.")
-    tag: str | None = Field(
+    tag: CheckpointTag | None = Field(
         default=None,
-        min_length=1,
-        max_length=128,
-        pattern=r"^[A-Za-z0-9._-]+$",
-        description="Name of the checkpoint directory. Writer: control API. Reader: learner. None: the "
+        description="Name of the checkpoint directory: one plain name (proto/names.py), never `latest` or "
+        "`step-*`. Writer: control API. Reader: learner, which checks it again before it writes. None: the "
         "learner names it after its step.",
     )
 

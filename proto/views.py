@@ -10,6 +10,7 @@ from pydantic import Field
 
 from sparkrl.proto.base import WireModel
 from sparkrl.proto.control import HparamValue
+from sparkrl.proto.names import CheckpointTag
 from sparkrl.proto.status import LearnerStatus
 from sparkrl.proto.telemetry import CommandResult, EvalRecord, StepMetrics, SyncEvent
 
@@ -142,12 +143,10 @@ class StopRequest(WireModel):
 class CheckpointRequest(WireModel):
     """Body of `POST /api/v1/checkpoint` (optional)."""
 
-    tag: str | None = Field(
+    tag: CheckpointTag | None = Field(
         default=None,
-        min_length=1,
-        max_length=128,
-        pattern=r"^[A-Za-z0-9._-]+$",
-        description="Name of the checkpoint folder; None: named after the step (`step-000040`).",
+        description="Name of the checkpoint folder: 1 to 128 of `A-Z a-z 0-9 . _ -`, starting with a letter "
+        "or a digit, not `latest` or `step-*`; None: named after the step (`step-000040`).",
     )
 
 
