@@ -6,9 +6,10 @@ checkpoint and set_hparams on the learner). The body is a union discriminated by
 unknown command fails validation with the list of known ones.
 """
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import BeforeValidator, Field, Strict, model_validator
+from pydantic_core import PydanticCustomError
 
 from sparkrl.proto.base import WireModel
 from sparkrl.proto.names import CheckpointTag
@@ -16,6 +17,21 @@ from sparkrl.proto.names import CheckpointTag
 CONTROL_SCHEMA_VERSION = 1
 
 HparamValue = bool | int | float | str
+
+
+def _not_a_string_or_bool(value: Any) -> Any:
+    """Lax pydantic takes `"0.001"` as a number and `true` as 1.0 (which then failed a bound, with a message
+    about the bound); a live value is a JSON number, and the message says what was sent instead."""
+    if isinstance(value, bool):
+        raise PydanticCustomError("number_type", "Input should be a number, not true or false")
+    if isinstance(value, str):
+        raise PydanticCustomError("number_type", "Input should be a number, not a string: send it unquoted")
+    return value
+
+
+# A live value as an operator sends it: a JSON number (an integer is a fine float), never coerced.
+LiveFloat = Annotated[float, BeforeValidator(_not_a_string_or_bool), Strict()]
+LiveInt = Annotated[int, BeforeValidator(_not_a_string_or_bool), Strict()]
 
 
 class PauseCommand(WireModel):
@@ -85,31 +101,31 @@ class HyperparameterPatch(WireModel):
     Writer: an operator (REST, `sparkrl set`). Reader: control service, which checks each value against the
     settings models' bounds (422 naming the field and the bound) and sends the set to the learner (its keys)
     and the rollout workers (`temperature`, `top_p`) as one `set_hparams` command. A loss parameter must
-    belong to the loss the learner runs.
+    belong to the loss the learner runs. Values are strict JSON numbers: `"0.001"` and `true` are refused.
     """
 
-    lr: float | None = Field(default=None, description="Learning rate (learner.lr).")
-    max_staleness: int | None = Field(
+    lr: LiveFloat | None = Field(default=None, description="Learning rate (learner.lr).")
+    max_staleness: LiveInt | None = Field(
         default=None,
         description="Versions a group may lag before it is made again (learner.max_staleness).",
     )
-    kappa: float | None = Field(
+    kappa: LiveFloat | None = Field(
         default=None, description="Min-p κ of the Lp-Reg proxy (learner.proxy_kappa)."
     )
-    beta: float | None = Field(default=None, description="Lp-Reg: weight of the pull toward the proxy.")
-    rho: float | None = Field(default=None, description="Lp-Reg: fraction of A<0 tokens considered.")
-    rho_pos: float | None = Field(default=None, description="Lp-Reg: fraction of A>0 tokens considered.")
-    clip_low: float | None = Field(default=None, description="ε_low of the active clipped loss.")
-    clip_high: float | None = Field(default=None, description="ε_high of the active clipped loss.")
-    entropy_coef: float | None = Field(default=None, description="entropy_bonus: weight of −entropy.")
-    top_frac: float | None = Field(default=None, description="eighty_twenty: fraction of tokens trained.")
-    kl_cov_ratio: float | None = Field(default=None, description="kl_cov: fraction of tokens penalized.")
-    ppo_kl_coef: float | None = Field(default=None, description="kl_cov: weight of the penalty.")
-    clip_cov_ratio: float | None = Field(default=None, description="clip_cov: fraction detached.")
-    clip_cov_lb: float | None = Field(default=None, description="clip_cov: lower covariance bound.")
-    clip_cov_ub: float | None = Field(default=None, description="clip_cov: upper covariance bound.")
-    temperature: float | None = Field(default=None, description="Rollout sampling temperature (workers).")
-    top_p: float | None = Field(default=None, description="Rollout nucleus mass (workers).")
+    beta: LiveFloat | None = Field(default=None, description="Lp-Reg: weight of the pull toward the proxy.")
+    rho: LiveFloat | None = Field(default=None, description="Lp-Reg: fraction of A<0 tokens considered.")
+    rho_pos: LiveFloat | None = Field(default=None, description="Lp-Reg: fraction of A>0 tokens considered.")
+    clip_low: LiveFloat | None = Field(default=None, description="ε_low of the active clipped loss.")
+    clip_high: LiveFloat | None = Field(default=None, description="ε_high of the active clipped loss.")
+    entropy_coef: LiveFloat | None = Field(default=None, description="entropy_bonus: weight of −entropy.")
+    top_frac: LiveFloat | None = Field(default=None, description="eighty_twenty: fraction of tokens trained.")
+    kl_cov_ratio: LiveFloat | None = Field(default=None, description="kl_cov: fraction of tokens penalized.")
+    ppo_kl_coef: LiveFloat | None = Field(default=None, description="kl_cov: weight of the penalty.")
+    clip_cov_ratio: LiveFloat | None = Field(default=None, description="clip_cov: fraction detached.")
+    clip_cov_lb: LiveFloat | None = Field(default=None, description="clip_cov: lower covariance bound.")
+    clip_cov_ub: LiveFloat | None = Field(default=None, description="clip_cov: upper covariance bound.")
+    temperature: LiveFloat | None = Field(default=None, description="Rollout sampling temperature (workers).")
+    top_p: LiveFloat | None = Field(default=None, description="Rollout nucleus mass (workers).")
 
     @model_validator(mode="after")
     def _not_empty(self) -> "HyperparameterPatch":

@@ -7,6 +7,7 @@ Where to call and with which token, highest priority first: `--url` / `--token`;
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,15 +80,30 @@ def _detail(answer: Any) -> str:
     return str(detail)
 
 
-def parse_assignments(pairs: list[str]) -> dict[str, Any]:
-    """`lr=2e-6 beta=0.5` → {"lr": 2e-06, "beta": 0.5}; values parsed as YAML (numbers stay numbers)."""
-    values = {}
+def parse_assignments(pairs: list[str]) -> dict[str, int | float]:
+    """`lr=2e-6 max_staleness=3` → {"lr": 2e-06, "max_staleness": 3}. Every live value is a number and the
+    API takes JSON numbers only, so each is converted here (YAML would leave `2e-6` a string)."""
+    values: dict[str, int | float] = {}
     for pair in pairs:
         name, sep, raw = pair.partition("=")
         if not sep or not name.strip():
             raise ClientError(f"{pair!r} is not name=value (e.g. lr=2e-6)")
-        values[name.strip()] = yaml.safe_load(raw)
+        values[name.strip()] = _number(name.strip(), raw.strip())
     return values
+
+
+def _number(name: str, raw: str) -> int | float:
+    try:
+        return int(raw)
+    except ValueError:
+        pass
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ClientError(f"{name}={raw!r}: not a number (e.g. {name}=2e-6)") from None
+    if not math.isfinite(value):
+        raise ClientError(f"{name}={raw!r}: a value must be finite")
+    return value
 
 
 def format_command(answer: dict[str, Any]) -> str:

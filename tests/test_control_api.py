@@ -162,10 +162,9 @@ def test_bad_values_are_a_422_naming_the_field_and_the_bound(service: tuple[Serv
     patch = httpx.patch(server.url + "/api/v1/hyperparameters", json={"beta": -1, "lr": 0}, headers=_auth())
     assert patch.status_code == 422
     errors = {tuple(e["loc"]): e["msg"] for e in patch.json()["detail"]}
-    assert errors == {
-        ("body", "beta"): "beta must be ≥ 0: a negative weight would reward what the term penalizes",
-        ("body", "lr"): "lr must be > 0: a step must move the weights",
-    }
+    assert errors.keys() == {("body", "beta"), ("body", "lr")}
+    assert errors["body", "beta"].startswith("beta must be ≥ 0: a negative weight would reward what the")
+    assert errors["body", "lr"].startswith("lr must be ≥ 1e-10: Adam moves each weight by about lr per step")
     huge = httpx.patch(server.url + "/api/v1/hyperparameters", json={"lr": 1e9}, headers=_auth())
     assert huge.status_code == 422
     [error] = huge.json()["detail"]

@@ -41,7 +41,7 @@ def test_in_force_lists_the_active_loss_and_its_parameters() -> None:
 
 def test_bounds_come_from_the_settings_models_with_their_reasons() -> None:
     problems = {p.name: p for p in check({"lr": 0, "beta": -1, "rho": 2, "max_staleness": 1.5}, "lp_reg")}
-    assert problems["lr"].msg == "lr must be > 0: a step must move the weights"
+    assert problems["lr"].msg.startswith("lr must be ≥ 1e-10: Adam moves each weight by about lr per step")
     assert problems["beta"].msg == "beta must be ≥ 0: a negative weight would reward what the term penalizes"
     assert problems["rho"].msg == "rho must be ≤ 1: it is a fraction of the tokens"
     assert problems["max_staleness"].type == "int_from_float"  # not a bound: pydantic's own message

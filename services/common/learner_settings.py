@@ -46,12 +46,13 @@ class LearnerSettings(Section):
     tis_cap: float | None = Field(2.0, gt=0, description="Cap of truncated IS weights; None: no correction.")
     lr: float = Field(
         1e-6,
-        gt=0,
+        ge=1e-10,
         le=0.1,
         description="Learning rate (the base of `schedule`).",
         json_schema_extra={
             "why": {
-                "gt": "a step must move the weights",
+                "ge": "Adam moves each weight by about lr per step, and a smaller step is under half the "
+                "fp32 spacing of every weight above 0.002 in size: it rounds away and nothing trains",
                 "le": "Adam moves every weight by about lr per step, whatever the gradient's scale: a larger "
                 "step wrecks a pretrained policy at once (tiny models train at 1e-3, LLMs at 1e-6)",
             }

@@ -71,3 +71,11 @@ class ControlSettings(Section):
     heartbeat_s: float = Field(
         1.0, gt=0, le=60, description="How often the server-sent event stream polls Redis, seconds."
     )
+    max_body_bytes: int = Field(
+        65536,
+        ge=1024,
+        le=1 << 20,
+        description="Larger request bodies get 413 before anything reads or parses them (from "
+        "Content-Length, or counted as a chunked upload arrives). A command's body is a few hundred bytes; "
+        "at most 1 MiB, so parsing any body accepted stays short on the event loop every request shares.",
+    )

@@ -3,7 +3,8 @@
 Stateless: everything it shows it reads from the telemetry channel in Redis, and every command it
 writes to the control stream, so it keeps working while the learner restarts and runs as its own
 container. Mutating routes need the bearer token; reads too with `control.protect_reads`, or the read-only
-`control.read_token` (either token then reads).
+`control.read_token` (either token then reads). A body over `control.max_body_bytes` is refused (413), and a
+command without the token (401/403), before any of its body is read.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.staticfiles import StaticFiles
 
 from sparkrl.services.common.bus import BusError, RedisBus
-from sparkrl.services.common.http import AsciiJSON, install_validation_handler
+from sparkrl.services.common.http import AsciiJSON, BodyLimit, install_validation_handler
 from sparkrl.services.common.roles import ControlConfig
 from sparkrl.services.common.settings import BusSettings, ControlSettings
 from sparkrl.services.common.telemetry import Telemetry
-from sparkrl.services.control.auth import TokenCheck, resolve_token
+from sparkrl.services.control.auth import TokenCheck, resolve_token, write_gate
 from sparkrl.services.control.commands import Commander
 from sparkrl.services.control.fleet import fleet_registry
 from sparkrl.services.control.routes import (
@@ -49,7 +50,8 @@ def create_app(cfg: ControlSettings, bus_cfg: BusSettings) -> FastAPI:
     readers = (token, read_token) if read_token else (token,)
     protected = cfg.protect_reads or bool(read_token)
     read = [Depends(TokenCheck(*readers, required=protected))]
-    write = [Depends(TokenCheck(token))]
+    write_check = TokenCheck(token)
+    write = [Depends(write_check)]
     app = FastAPI(
         title="sparkrl control",
         version="1",
@@ -58,6 +60,8 @@ def create_app(cfg: ControlSettings, bus_cfg: BusSettings) -> FastAPI:
         default_response_class=AsciiJSON,
         **({"docs_url": None, "redoc_url": None, "openapi_url": None} if protected else {}),
     )
+    gate = write_gate(write_check)
+    app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes, setting="control.max_body_bytes", gate=gate)
     _errors(app)
     if protected:
         _schema_behind_the_token(app, read)

@@ -33,7 +33,7 @@ from sparkrl.proto import (
     WorkersView,
 )
 from sparkrl.services.common.bus import RedisBus
-from sparkrl.services.common.http import AsciiJSON
+from sparkrl.services.common.http import AsciiJSON, error_entries
 from sparkrl.services.common.settings import ControlSettings
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.control.commands import Commander, NoTarget, Rejected, ShuttingDown, TimedOut
@@ -190,7 +190,8 @@ def _issuer(commander: Commander, counter: Counter) -> Callable[[ControlBody], C
         except NoTarget as exc:
             response, code = AsciiJSON({"detail": str(exc)}, status_code=409), 409
         except Rejected as exc:
-            response, code = AsciiJSON({"detail": [p.as_error() for p in exc.problems]}, status_code=422), 422
+            detail = error_entries([p.as_error() for p in exc.problems])
+            response, code = AsciiJSON({"detail": detail}, status_code=422), 422
         except ShuttingDown as exc:
             response, code = AsciiJSON({"detail": str(exc)}, status_code=503), 503
         except TimedOut as exc:

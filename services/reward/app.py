@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict
 from typing import Any
@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sparkrl.proto.reward import RewardRequest, RewardResponse, RewardResult
-from sparkrl.services.common.http import AsciiJSON, install_validation_handler
+from sparkrl.services.common.http import AsciiJSON, BodyLimit, install_validation_handler
 from sparkrl.services.common.settings import RewardSettings
 from sparkrl.services.reward.metrics import RewardMetrics
 from sparkrl.services.reward.pool import VerifierPool
@@ -32,67 +32,9 @@ from sparkrl.services.reward.verifiers import load_custom_verifiers, registry
 
 log = logging.getLogger("sparkrl.reward")
 
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[MutableMapping[str, Any], Receive, Send], Awaitable[None]]
-
 # In-flight requests get this long after SIGTERM before uvicorn cancels them and the pool is closed.
 _GRACEFUL_SHUTDOWN_S = 5
 _DISCONNECT_POLL_S = 0.25  # how soon a client that went away stops its request's work
-
-
-class BodyLimit:
-    """Answer 413 to a body over `max_bytes`, before anything parses it (declared or chunked length).
-
-    The body is buffered here (at most `max_bytes`) and replayed to the app, so the limit also holds for
-    chunked uploads that declare no Content-Length.
-    """
-
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
-
-    async def __call__(self, scope: MutableMapping[str, Any], receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
-            await self._reject(send, f"{int(declared)} bytes")
-            return
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                break  # the client went away; the app sees an empty body and the disconnect after it
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_bytes:
-                await self._reject(send, f"over {self.max_bytes} bytes")
-                return
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if replayed:
-                return await receive()
-            replayed = True
-            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-
-        await self.app(scope, replay, send)
-
-    async def _reject(self, send: Send, size: str) -> None:
-        limit = f"the limit is {self.max_bytes} bytes (reward.max_request_bytes)"
-        response = AsciiJSON({"detail": f"request body is {size}; {limit}"}, status_code=413)
-        await response({"type": "http"}, _no_body, send)
-
-
-async def _no_body() -> Message:
-    return {"type": "http.disconnect"}
 
 
 def _unknown_tasks(request: RewardRequest, known: list[str]) -> list[dict[str, Any]]:
@@ -130,7 +72,7 @@ def create_app(settings: RewardSettings) -> FastAPI:
             log.info("reward service stopped: verifier pool closed")
 
     app = FastAPI(title="sparkrl reward service", lifespan=lifespan, default_response_class=AsciiJSON)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, setting="reward.max_request_bytes")
     install_validation_handler(app)
 
     @app.post("/score", response_model=RewardResponse)
