@@ -36,7 +36,8 @@ def checkpoint_tag(value: str) -> str:
     lowered = value.lower()
     if lowered in RESERVED_CHECKPOINT_NAMES or lowered.startswith(RESERVED_CHECKPOINT_PREFIX):
         raise ValueError(
-            f"{value!r} is a name the learner gives its own checkpoints ('latest', 'step-*'): pick another tag"
+            f"{value!r} is a name the learner gives its own checkpoints ('latest', 'step-*'): "
+            "pick another tag"
         )
     return value
 

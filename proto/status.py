@@ -215,6 +215,13 @@ class LearnerStatus(WireModel):
         description="Path of the newest checkpoint written. Writer: learner. Reader: controller. None "
         "before the first.",
     )
+    checkpoint_failure: str | None = Field(
+        default=None,
+        max_length=2000,
+        description="Why the last checkpoint could not be written (path, error, free space); training goes "
+        "on journaling. Writer: learner. Readers: controller, page. None: the last one was written (or none "
+        "was tried).",
+    )
     hyperparameters: dict[str, HparamValue] = Field(
         default_factory=dict,
         description="Hyperparameters in force (`lr`, `max_staleness`, `kappa`, `loss` and the loss's own, "

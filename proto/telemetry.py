@@ -16,7 +16,7 @@ from sparkrl.proto.control import HparamValue
 
 TELEMETRY_SCHEMA_VERSION = 1
 
-METRIC_NAMESPACES = ("loss", "rollout", "sync", "bus", "time", "explore")
+METRIC_NAMESPACES = ("loss", "rollout", "sync", "bus", "time", "explore", "checkpoint")
 _METRIC_NAME = re.compile(rf"^({'|'.join(METRIC_NAMESPACES)})/[a-z0-9_]+$")
 
 

@@ -50,6 +50,9 @@ class StatusView(WireModel):
         description="Rollout sampling values in force (`temperature`, `top_p`), from the workers' reports.",
     )
     last_checkpoint: str | None = Field(default=None, description="Newest checkpoint's path.")
+    checkpoint_failure: str | None = Field(
+        default=None, description="Why the last checkpoint could not be written; None once one was."
+    )
     learner: LearnerStatus | None = Field(
         default=None, description="The learner's raw heartbeat; None without a live one."
     )

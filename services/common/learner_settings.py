@@ -155,7 +155,19 @@ class LearnerSettings(Section):
     )
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     checkpoint_every: int = Field(50, ge=1, description="Checkpoint every N steps (and on stop).")
-    keep_checkpoints: int = Field(2, ge=1, description="Older checkpoints are deleted.")
+    keep_checkpoints: int = Field(
+        2,
+        ge=1,
+        description="Periodic checkpoints (`step-*`) kept; older ones are deleted. Two or more let "
+        "`--resume` fall back to the one before when the newest does not load, with no step lost (the "
+        "journal keeps the steps since the one before the newest).",
+    )
+    keep_tagged_checkpoints: int = Field(
+        4,
+        ge=1,
+        description="Tagged checkpoints (a checkpoint command's `tag`) kept, newest step first; older tagged "
+        "ones are deleted (the one `latest` names never is).",
+    )
     seed: int = Field(0, description="Seed of the learner's randomness (Clip-Cov's choice).")
     tracking: TrackingSettings = Field(
         default_factory=TrackingSettings, description="TensorBoard/wandb/MLflow."

@@ -55,6 +55,7 @@ def _with_learner(base: StatusView, learner: LearnerStatus, alive: bool) -> Stat
             "groups_dropped_stale": learner.groups_dropped_stale,
             "hyperparameters": learner.hyperparameters,
             "last_checkpoint": learner.last_checkpoint,
+            "checkpoint_failure": learner.checkpoint_failure,
             "learner": learner,
         }
     )

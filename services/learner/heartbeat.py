@@ -26,6 +26,7 @@ class LearnerReport:
     row: StepMetrics | None = None
     hparams: dict[str, HparamValue] = field(default_factory=dict)
     last_checkpoint: str | None = None
+    checkpoint_failure: str | None = None  # why the last checkpoint could not be written; None once one is
     startup_s: dict[str, float] = field(default_factory=dict)  # start_clock.py
 
 
@@ -66,6 +67,7 @@ class StatusSource:
             startup_s=dict(report.startup_s),
             max_steps=self.limit(state),
             last_checkpoint=report.last_checkpoint,
+            checkpoint_failure=report.checkpoint_failure,
             hyperparameters=report.hparams,
             max_staleness=self.cfg.max_staleness,
             heartbeat_at=time.time(),

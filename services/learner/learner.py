@@ -228,9 +228,13 @@ class Learner:
     def checkpoint(self, tag: str | None) -> Path:
         """Write a checkpoint, then let the ledger trim the journal up to it. Raises CheckpointError,
         trimming nothing: the journal must keep every step since the last checkpoint that was written."""
-        with self.reports.checkpointing():
+        with self.reports.checkpointing():  # a failure goes on the page and into the next step's row
             self.state.hparam_overrides = dict(self.control.overrides)
-            path = self.trainer.save(self.state, tag)
+            try:
+                path = self.trainer.save(self.state, tag)
+            except CheckpointError:
+                self.state.checkpoint_failures += 1
+                raise
         self.ledger.checkpointed(self.state.step)
         self.reports.checkpointed(path)
         return path

@@ -10,9 +10,11 @@ next checkpoint. So `commit` does, in this order:
    acknowledged instead of trained again (`trained`, which the collector asks before taking a group);
 3. **ack**: the entries are acknowledged (and deleted) in the trajectory stream;
 
-and a checkpoint at step C (`checkpointed`) then **trims** the journal up to C. A resume from C replays
-the journal's steps after C, in order, as the same steps (`replay`). Nothing is acknowledged that is
-neither in a checkpoint nor in the journal; the journal holds at most `learner.checkpoint_every` steps.
+and a checkpoint at step C (`checkpointed`) then **trims** the journal up to the checkpoint before C,
+B: a resume from C replays the journal's steps after C, in order, as the same steps (`replay`), and
+when C does not load, a resume from B replays those after B (checkpoint.restore falls back). Nothing is
+acknowledged that is neither in a checkpoint nor in the journal; the journal holds at most two
+`learner.checkpoint_every` of steps.
 
 Two more ways the bus and the run can come to disagree, settled here too:
 
@@ -172,8 +174,11 @@ class Ledger:
         return acked
 
     def checkpointed(self, step: int) -> None:
-        """A checkpoint of step `step` was written: it holds those steps now, the journal need not."""
-        self.journal.trim(step)
+        """A checkpoint of step `step` was written: it holds those steps now; the journal keeps the steps
+        since the checkpoint before it, so that a resume can fall back to that one if this one does not
+        load (a full disk, a corrupt file), and trims what is older."""
+        if step > self.saved_step:
+            self.journal.trim(self.saved_step)
         self.saved_step = step
 
     def rebuild_if_wiped(self) -> bool:

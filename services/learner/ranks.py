@@ -170,6 +170,7 @@ class ManyRanks:
                 local.cfg.keep_checkpoints,
                 tag,
                 before_save=lambda path: self.ranks.send(RankOrder(kind="save", path=str(path))),
+                keep_tagged=local.cfg.keep_tagged_checkpoints,
             )
 
         path = self._collective("the checkpoint", save)

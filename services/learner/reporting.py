@@ -101,6 +101,7 @@ def step_row(
     }
     metrics["rollout/dropped_stale_total"] = float(state.groups_dropped_stale)
     metrics["loss/nonfinite_skipped_total"] = float(state.nonfinite_skipped)  # updates not applied
+    metrics["checkpoint/failures_total"] = float(state.checkpoint_failures)  # writes that failed, run goes on
     metrics |= status_counts(batch.groups)
     metrics |= {f"time/{part}_s": value for part, value in (timings or {}).items()}
     metrics |= exploration or {}
@@ -266,8 +267,9 @@ class Reports:
         self.heartbeat.update(phase="checkpointing")
         try:
             yield
-        except CheckpointError:
+        except CheckpointError as exc:
             self.metrics.checkpoint_failures.inc()
+            self.heartbeat.update(checkpoint_failure=str(exc)[:1000])  # on the page until one is written
             raise
         finally:
             self.heartbeat.update(phase=previous)
@@ -278,7 +280,7 @@ class Reports:
 
     def checkpointed(self, path: Path) -> None:
         self.metrics.checkpoints.inc()
-        self.heartbeat.update(last_checkpoint=str(path))
+        self.heartbeat.update(last_checkpoint=str(path), checkpoint_failure=None)
 
     def close(self) -> None:
         """The last beat (`stopped`), then the files and the trackers."""

@@ -39,7 +39,7 @@ from sparkrl.services.learner.ledger import Journal, Ledger
 from sparkrl.services.learner.metrics import LearnerMetrics
 from sparkrl.services.learner.publisher import SNAPSHOT_NAME, WeightPublisher
 from sparkrl.services.learner.ranks import follow, trainer_for, world
-from sparkrl.services.learner.reporting import Reports, RunLog
+from sparkrl.services.learner.reporting import ENDED_FILE, Reports, RunLog, write_ended
 from sparkrl.services.learner.startup import clear_stale_locks, watchdog
 from sparkrl.services.learner.tracking import Tracker, tracked_config
 from sparkrl.services.learner.trainer import Loaded, Trainer, load
@@ -186,7 +186,15 @@ def main(
     if world()[0] != 0:
         follow(cfg, resume)
         return
-    service = build(cfg, resume, stop or threading.Event(), engine_built)
+    run_dir = Path(cfg.run_dir)
+    (run_dir / ENDED_FILE).unlink(missing_ok=True)  # an earlier run's reason must not pass for this one's
+    try:
+        service = build(cfg, resume, stop or threading.Event(), engine_built)
+    except BaseException as exc:
+        if not (run_dir / ENDED_FILE).exists():  # a start that failed before the loop existed (the load)
+            why = "stopped (signal) while starting" if isinstance(exc, KeyboardInterrupt) else None
+            write_ended(run_dir, why or f"the learner failed to start: {type(exc).__name__}: {exc}"[:2000], 0)
+        raise
     ending = Ending()  # a signal (KeyboardInterrupt) ends it so
     try:
         ending = service.loop.run()

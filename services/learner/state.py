@@ -23,3 +23,4 @@ class TrainState:
     # sampled by one of them is refused (its weights no longer exist).
     void_versions: list[list[int]] = field(default_factory=list)
     nonfinite_skipped: int = 0  # optimizer updates not applied: their loss or gradient norm was not finite
+    checkpoint_failures: int = 0  # checkpoints that could not be written (the run went on journaling)

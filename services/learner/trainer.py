@@ -29,12 +29,7 @@ from sparkrl.services.common.roles import LearnerConfig
 from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.common.start_clock import StartClock
 from sparkrl.services.learner.batch import micro_batches, samples_from_groups
-from sparkrl.services.learner.checkpoint import (
-    cpu_weights,
-    latest_checkpoint,
-    load_checkpoint,
-    save_checkpoint,
-)
+from sparkrl.services.learner.checkpoint import cpu_weights, restore, save_checkpoint
 from sparkrl.services.learner.ledger import Batch
 from sparkrl.services.learner.logprobs import token_logp_and_entropy
 from sparkrl.services.learner.reference import frozen_copy
@@ -104,8 +99,15 @@ class OneRank:
         return cpu_weights(self.engine)
 
     def save(self, state: TrainState, tag: str | None) -> Path:
+        cfg = self.cfg
         return save_checkpoint(
-            self.engine, self.tokenizer, self.run_dir, state, self.cfg.keep_checkpoints, tag
+            self.engine,
+            self.tokenizer,
+            self.run_dir,
+            state,
+            cfg.keep_checkpoints,
+            tag,
+            keep_tagged=cfg.keep_tagged_checkpoints,
         )
 
     @torch.no_grad()
@@ -152,13 +154,15 @@ def load(cfg: LearnerConfig, resume: bool, clock: StartClock | None = None) -> L
     # and before DeepSpeed, whose ZeRO-3 would leave a copy of the engine's module only its partitions.
     reference = frozen_copy(model) if lc.kl.coef > 0 else None
     clock.mark("model")
-    engine = build_engine(model, lc)
-    checkpoint = latest_checkpoint(Path(cfg.run_dir)) if resume else None
-    if resume and checkpoint is None:
-        log.warning("--resume: no checkpoint under %s; starting fresh", cfg.run_dir)
-    state = TrainState(started_at=time.time()) if checkpoint is None else load_checkpoint(engine, checkpoint)
+    engine, state = build_engine(model, lc), None
+    if resume:
+        rebuild = lambda: build_engine(load_model(cfg.model, lc.dtype, _device(lc), lc.attention), lc)  # noqa: E731
+        engine, state, checkpoint = restore(engine, Path(cfg.run_dir), rebuild)
+        if checkpoint is None:
+            log.warning("--resume: no checkpoint under %s loads; starting from %s", cfg.run_dir, cfg.model)
     clock.mark("engine")
-    return Loaded(engine, tokenizer, state, checkpoint is not None, reference)
+    resumed = state is not None
+    return Loaded(engine, tokenizer, state or TrainState(started_at=time.time()), resumed, reference)
 
 
 def _device(lc: LearnerSettings) -> str:

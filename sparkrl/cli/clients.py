@@ -102,11 +102,21 @@ def checkpoint(
     url: Url = None,
     token: Token = None,
     run_dir: RunDir = None,
-    tag: Annotated[str | None, typer.Option(help="Folder name (default: step-NNNNNN).")] = None,
+    tag: Annotated[
+        str | None,
+        typer.Option(help="Folder name: letters, digits, . _ - (default: step-NNNNNN).", show_default=False),
+    ] = None,
     as_json: Json = False,
 ) -> None:
     """Write a checkpoint at the next step boundary."""
-    _command(url, token, run_dir, "/api/v1/checkpoint", {"tag": tag} if tag else None, as_json)
+    from sparkrl.proto.names import checkpoint_tag
+
+    if tag is not None:
+        try:
+            checkpoint_tag(tag)  # the service refuses it too (422); said here before anything is sent
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc), param_hint="--tag") from exc
+    _command(url, token, run_dir, "/api/v1/checkpoint", {"tag": tag} if tag is not None else None, as_json)
 
 
 @commands.command("set")

@@ -149,6 +149,9 @@ function renderStatus(s) {
   $("gen-tps").textContent = fmtNum(s.generation_tokens_per_s);
   $("workers-live").textContent = String(s.workers_live);
   $("last-checkpoint").textContent = s.last_checkpoint || "–";
+  const failure = $("checkpoint-failure");
+  failure.hidden = !s.checkpoint_failure;
+  failure.textContent = s.checkpoint_failure ? `Checkpoint failed (training goes on): ${s.checkpoint_failure}` : "";
   renderHyperparameterNames(s);
 }
 
