@@ -31,11 +31,14 @@ class WorkerStatus(WireModel):
         description="Generation engine: `vllm` on GPU, `torch` on CPU. Writer: rollout worker. Reader: "
         "controller."
     )
-    state: Literal["starting", "generating", "syncing", "paused", "held", "unhealthy", "stopping"] = Field(
-        description="`syncing`: receiving weights; `held`: takes no prompts because the feed is held (a "
-        "burst of dead letters); `unhealthy`: takes no prompts because its model or engine fails to "
-        "generate (its prompts go back to the fleet). Writer: rollout worker. Readers: controller, "
-        "`sparkrl status`."
+    state: Literal[
+        "starting", "generating", "syncing", "stream_full", "paused", "held", "unhealthy", "stopping"
+    ] = Field(
+        description="`syncing`: receiving weights; `stream_full`: groups it made wait for room in the full "
+        "trajectory stream (backpressure: the learner sets the pace, or is paused); `held`: takes no "
+        "prompts because the feed is held (a burst of dead letters); `unhealthy`: takes no prompts because "
+        "its model or engine fails to generate (its prompts go back to the fleet). Writer: rollout worker. "
+        "Readers: controller, `sparkrl status`."
     )
     state_reason: str | None = Field(
         default=None,

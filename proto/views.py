@@ -63,7 +63,11 @@ class WorkerView(WireModel):
 
     worker_id: str = Field(description="The worker's id.")
     engine: Literal["torch", "vllm"] = Field(description="Its generation engine.")
-    state: str = Field(description="`starting`, `generating`, `syncing`, `paused` or `stopping`.")
+    state: str = Field(
+        description="Its `WorkerStatus.state`: `starting`, `generating`, `syncing`, "
+        "`stream_full` (its groups wait for room in the full trajectory stream), `paused`, `held`, "
+        "`unhealthy` or `stopping`."
+    )
     policy_version: int | None = Field(
         default=None, description="Version of the weights it holds; None: initial weights."
     )

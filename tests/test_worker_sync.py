@@ -4,12 +4,14 @@ announcement and the broadcast group.
 The snapshot file is written before its announcement, so a worker catching up can load a version newer
 than the announcement it read; when the next announcement names it as a member of that very version's
 epoch, it must still join (the learner waits for every member). And an epoch a worker failed in is dead:
-it catches up from the snapshot instead of knocking on it again.
+it catches up from the snapshot instead of knocking on it again. An epoch that is over (read late, or
+written back: a replay) fails at once, before joining, and the worker catches up from the snapshot.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from _tiny import tiny_model_dir  # noqa: F401  (fixture)
 from sparkrl.proto import WeightAnnouncement
 from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.settings import BusSettings, TorchEngineSettings
-from sparkrl.services.common.weight_sync import SyncFailed, WeightReceiver, WeightSender
+from sparkrl.services.common.weight_sync import EpochOver, SyncFailed, WeightReceiver, WeightSender
 from sparkrl.services.learner.publisher import ANNOUNCEMENT_KEY, write_snapshot
 from sparkrl.services.rollout.announcements import AnnouncementGate
 from sparkrl.services.rollout.heartbeat import WorkerState
@@ -60,6 +62,7 @@ class _Learner:
             tensors, version=version, epoch=epoch, members=members, snapshot_path=str(snapshot)
         )
         self.bus.set_value(ANNOUNCEMENT_KEY, announcement.model_dump_json())
+        self.sender.published(announcement)
         return announcement
 
     def broadcast_in_background(
@@ -116,5 +119,47 @@ def test_a_member_that_caught_up_from_a_newer_snapshot_still_joins_and_a_dead_ep
         assert state.weights_checksum == announcement.checksum
     finally:
         receiver.close()
+        learner.sender.close()
+        bus.close()
+
+
+def test_an_epoch_that_is_over_fails_at_once_and_the_worker_catches_up_from_the_snapshot(
+    engine: TorchEngine, bus_settings: BusSettings, tmp_path: Path
+) -> None:
+    """A worker read epoch 1's announcement while it was current; epoch 2 went on since, and epoch 1's
+    announcement is written back into Redis (a replay it cannot tell from the one it saw). Its join fails
+    at once — not after `sync.timeout_s` — and it loads the snapshot, as a late joiner does. A process that
+    restarted under the id of a member of the running epoch cannot join it either, and learns so at once."""
+    bus = RedisBus(bus_settings)
+    learner = _Learner(bus, tmp_path / "snapshots")
+    gate = AnnouncementGate(bus, None, tmp_path)
+    before = WeightReceiver(WORKER, timeout_s=TIMEOUT_S)  # the process this one restarted from
+    receiver = WeightReceiver(WORKER, timeout_s=TIMEOUT_S)
+    state, metrics = WorkerState(WORKER, "torch"), WorkerMetrics(WORKER)
+    try:
+        v1, v2 = _weights(engine, 1), _weights(engine, 2)
+        first = learner.announce(v1, version=1, epoch=1, members=[WORKER])
+        assert gate.latest() == first  # read while current; the worker generates before it syncs
+        broadcast = learner.broadcast_in_background(v1, first)
+        assert before.receive(first) is not None  # the process before this one, same id, joined epoch 1
+        broadcast.join(TIMEOUT_S * 3)
+        started = time.monotonic()
+        with pytest.raises(EpochOver, match="epoch 1 started without this process"):
+            receiver.receive(first)  # same id, another process: epoch 1 formed its link without it
+        assert time.monotonic() - started < 1.0
+        before.close()
+
+        learner.announce(v2, version=2, epoch=2, members=[])  # epoch 2 (version 2's snapshot on disk)
+        bus.set_value(ANNOUNCEMENT_KEY, first.model_dump_json())  # epoch 1's, written back
+        receiver = WeightReceiver(WORKER, timeout_s=TIMEOUT_S)
+        started = time.monotonic()
+        assert sync_weights(gate, receiver, engine, state, metrics, None)
+        assert time.monotonic() - started < TIMEOUT_S / 2
+        assert engine.policy_version == 2  # the snapshot, not epoch 1's broadcast
+        assert receiver.failed_epoch == 1 and state.sync_failures == 0
+        assert not sync_weights(gate, receiver, engine, state, metrics, None)  # and it does not knock again
+    finally:
+        receiver.close()
+        before.close()
         learner.sender.close()
         bus.close()

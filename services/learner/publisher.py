@@ -92,6 +92,7 @@ class WeightPublisher(threading.Thread):
         self.excluded: dict[str, tuple[float, str]] = {}  # worker → (until when, monotonic; why) left out
         self._excluded_incarnation: dict[str, float | None] = {}  # worker → its started_at when left out
         self._seen_incarnation: dict[str, float | None] = {}  # worker → the started_at it last reported
+        self._epoch_incarnation: dict[str, float | None] = {}  # member → its started_at when the epoch formed
         self.last_sync: SyncEvent | None = None  # the newest broadcast every member acknowledged
         self._pending: tuple[int, dict[str, torch.Tensor], bool] | None = None
         self._wake = threading.Condition()
@@ -154,6 +155,7 @@ class WeightPublisher(threading.Thread):
         self.excluded = {w: (until, why) for w, (until, why) in self.excluded.items() if until > now}
         fleet = self.telemetry.workers()
         self._seen_incarnation |= {w: s.started_at for w, s in fleet.items()}
+        self._new_epoch_for_restarted(fleet)
         for worker in list(self.excluded):
             started, left_out = self._seen_incarnation.get(worker), self._excluded_incarnation.get(worker)
             if started is not None and left_out is not None and started != left_out:
@@ -182,6 +184,16 @@ class WeightPublisher(threading.Thread):
                 dropped[worker] = "heartbeat expired"
         return members, dropped
 
+    def _new_epoch_for_restarted(self, fleet: dict[str, WorkerStatus]) -> None:
+        """A member restarted under the same id (a new process since the epoch formed) cannot take part in
+        the epoch's link, which its old process held: the next broadcast forms a new epoch, instead of
+        sending over that link and waiting out `sync.timeout_s` for both the new and the healthy members."""
+        for worker, formed_with in self._epoch_incarnation.items():
+            started = fleet[worker].started_at if worker in fleet else formed_with
+            if started is not None and formed_with is not None and started != formed_with:
+                log.info("%s restarted (a new process under the same id): a new epoch takes it in", worker)
+                self.needs_new_epoch = True
+
     def publish(self, version: int, tensors: dict[str, torch.Tensor], broadcast: bool = True) -> None:
         snapshot = None
         if version % self.cfg.snapshot_every == 0 or not broadcast:
@@ -190,6 +202,7 @@ class WeightPublisher(threading.Thread):
         if members != self.members or self.needs_new_epoch:
             self.epoch += 1
             self.members, self.needs_new_epoch = members, False
+            self._epoch_incarnation = {w: self._seen_incarnation.get(w) for w in members}
         announcement = self.sender.announce(
             tensors, version=version, epoch=self.epoch, members=list(members), snapshot_path=snapshot
         )
@@ -200,6 +213,7 @@ class WeightPublisher(threading.Thread):
             announcement = sign_announcement(announcement, self.cfg.secret)
         # Announce first: workers learn of the version (and of the snapshot) before the collective starts.
         self.bus.set_value(ANNOUNCEMENT_KEY, announcement.model_dump_json())
+        self.sender.published(announcement)  # what a worker checks a replay in Redis against
         if not broadcast:
             return
         if not members:

@@ -25,7 +25,13 @@ from sparkrl.services.common.metrics_server import MetricsServer
 from sparkrl.services.common.reward_client import RewardClient, RewardServiceError
 from sparkrl.services.common.settings import RolloutSettings
 from sparkrl.services.common.telemetry import Telemetry
-from sparkrl.services.common.weight_sync import NotAMember, Received, SyncFailed, WeightReceiver
+from sparkrl.services.common.weight_sync import (
+    EpochOver,
+    NotAMember,
+    Received,
+    SyncFailed,
+    WeightReceiver,
+)
 from sparkrl.services.rollout.announcements import AnnouncementGate
 from sparkrl.services.rollout.batch import (
     PromptBatch,
@@ -132,7 +138,7 @@ def sync_weights(
     state.state = "syncing"
     try:
         nbytes = (
-            _receive(receiver, engine, announcement)
+            _take(receiver, engine, announcement, gate, secret)
             if awaited
             else catch_up(engine, announcement, gate, secret)
         )
@@ -154,10 +160,21 @@ def sync_weights(
     return True
 
 
-def _receive(receiver: WeightReceiver, engine: Engine, announcement: WeightAnnouncement) -> int:
+def _take(
+    receiver: WeightReceiver,
+    engine: Engine,
+    announcement: WeightAnnouncement,
+    gate: AnnouncementGate,
+    secret: str | None,
+) -> int | None:
     """As a member of the announced epoch: the version, loaded unless the engine took it in place; its
-    bytes."""
-    delivery = receiver.receive(announcement)
+    bytes. When that epoch is over already (a late or replayed announcement: it fails at once), the
+    snapshot instead, as a late joiner loads it; the learner's next epoch takes this worker in again."""
+    try:
+        delivery = receiver.receive(announcement)
+    except EpochOver as exc:
+        log.warning("%s; catching up from the snapshot instead", exc)
+        return catch_up(engine, announcement, gate, secret)
     if isinstance(delivery, Received):
         engine.load_weights(delivery.tensors.items(), announcement.version)
     return announcement.total_bytes
@@ -256,6 +273,8 @@ class Worker:
                     self.bus, groups, batch.entries, self.stop, self.waiting, doomed
                 )
         finally:
+            if state.state == "stream_full":
+                state.state = "generating"
             made_with = state.in_hand_version
             moved_on, state.in_hand_version = made_with != state.policy_version, None
             if moved_on:  # it followed newer weights while these waited: the learner may be waiting on them
@@ -302,7 +321,9 @@ class Worker:
 
     def waiting(self, in_hand: int) -> None:
         """Between tries to publish into a full stream: alive, answering control commands, and following
-        the weights (a learner waiting for this worker to catch up must not wait on its own full stream)."""
+        the weights (a learner waiting for this worker to catch up must not wait on its own full stream).
+        Its status says so: made groups wait on the learner's pace, not on generation."""
+        self.state.state = "stream_full"
         self.state.progress_at = time.time()
         self.control.boundary(in_hand)
         self.sync()

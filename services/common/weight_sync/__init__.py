@@ -13,9 +13,12 @@ the `WeightAnnouncement` through the bus (`rendezvous.ANNOUNCEMENT_KEY`).
 Protocol for one version (rank 0 = learner, rank i + 1 = members[i]):
 
 1. Learner: `announcement = sender.announce(state_dict, version=, epoch=, members=)` (manifest, checksum,
-   store address), publishes it in Redis, then calls `sender.broadcast(state_dict, announcement)`.
+   store address), publishes it in Redis, records it as current in its store (`sender.published`), then
+   calls `sender.broadcast(state_dict, announcement)`.
 2. Worker, on reading it between generation steps: `receiver.receive(announcement)`. A worker not in
-   `members` raises NotAMember and touches nothing.
+   `members` raises NotAMember and touches nothing. One whose epoch is over (the store's current record
+   is of a later epoch or another learner, or the epoch started without it: a replayed or late
+   announcement) raises EpochOver at once, before joining.
 3. New epoch only: each member writes `epoch/{E}/joined/{member}` (its transport's offer), then waits for
    `epoch/{E}/start`. The learner waits up to the timeout for every joined key; if some never appear it
    writes `start=abort` and raises SyncFailed(phase="join", missing=[those]); else its transport plans the
@@ -31,7 +34,12 @@ run in this interpreter raises BackendUnavailable, naming the fix, when the send
 """
 
 from sparkrl.services.common.weight_sync.backends import make_transport
-from sparkrl.services.common.weight_sync.errors import BackendUnavailable, NotAMember, SyncFailed
+from sparkrl.services.common.weight_sync.errors import (
+    BackendUnavailable,
+    EpochOver,
+    NotAMember,
+    SyncFailed,
+)
 from sparkrl.services.common.weight_sync.manifest import (
     ALIGN,
     bucket_sizes,
@@ -57,6 +65,7 @@ __all__ = [
     "Backend",
     "BackendUnavailable",
     "Delivery",
+    "EpochOver",
     "LoadedInPlace",
     "NotAMember",
     "Received",

@@ -42,3 +42,9 @@ class SyncFailed(RuntimeError):
 
 class NotAMember(SyncFailed):
     """This worker is not in the epoch's member list: it must not join (it waits for a later epoch)."""
+
+
+class EpochOver(SyncFailed):
+    """The announced epoch can no longer be joined: the learner moved on to a newer one, another learner
+    holds its store now, or it started without this process. Raised at once, before joining; the worker
+    catches up from the snapshot instead, as a late joiner does."""

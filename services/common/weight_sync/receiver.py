@@ -9,12 +9,13 @@ from torch import Tensor
 
 from sparkrl.proto import WeightAnnouncement
 from sparkrl.services.common.weight_sync.backends import make_transport
-from sparkrl.services.common.weight_sync.errors import NotAMember, SyncFailed
+from sparkrl.services.common.weight_sync.errors import EpochOver, NotAMember, SyncFailed
 from sparkrl.services.common.weight_sync.rendezvous import (
     ACK_OK,
     START_GO,
     ack_key,
     connect_store,
+    epoch_over,
     joined_key,
     learner_still_there,
     start_key,
@@ -89,7 +90,8 @@ class WeightReceiver:
         engine holds it already: vLLM's own transfer, or `install`).
 
         `announcement.members` lists the epoch in rank order (rank i + 1 = members[i]). Raises NotAMember
-        (joining nothing) when this worker is not listed, SyncFailed on any failure.
+        (joining nothing) when this worker is not listed, EpochOver (at once) when the epoch can no longer
+        be joined, SyncFailed on any failure.
         """
         epoch, members = announcement.group_epoch, announcement.members
         if self.worker_id not in members:
@@ -178,6 +180,9 @@ class WeightReceiver:
         except RuntimeError as exc:
             raise SyncFailed(f"cannot reach the learner's store: {exc}", epoch=epoch, phase="join") from exc
         self._store, self._address = store, address
+        over = epoch_over(store, announcement.incarnation, epoch)
+        if over is not None:  # waiting for it would cost the whole timeout, and hold the learner's next epoch
+            raise EpochOver(over, epoch=epoch, phase="join")
         rank = members.index(self.worker_id) + 1
         rendezvous = Rendezvous(store, epoch, rank, members, *address, self.timeout, held)
         # Joined key last: the learner reads these keys to name the members that never showed up, and

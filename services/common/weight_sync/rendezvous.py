@@ -7,11 +7,13 @@ membership, and any failure, moves to a new epoch.
 """
 
 import socket
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
 ANNOUNCEMENT_KEY = "weights"  # bus value: the latest WeightAnnouncement (JSON). Learner writes, workers read
+CURRENT_KEY = "current"  # store value: the learner's newest published announcement (`Current.encode`)
 
 START_GO = b"go"
 START_ABORT = b"abort"
@@ -37,6 +39,54 @@ def ack_key(epoch: int, version: int, member: str) -> str:
 def group_prefix(epoch: int) -> str:
     """The keys a transport's own rendezvous writes for `epoch` live under this prefix."""
     return f"epoch/{epoch}/group/"
+
+
+@dataclass(frozen=True)
+class Current:
+    """What the learner's store says its newest published announcement is. Written by the learner once the
+    announcement is in Redis; read by a worker, which cannot trust Redis to be fresh (anyone who can write
+    there can write back a genuine old announcement), while the store is the learner's own process."""
+
+    incarnation: int
+    sequence: int
+    epoch: int
+
+    def encode(self) -> bytes:
+        return f"{self.incarnation} {self.sequence} {self.epoch}".encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "Current":
+        incarnation, sequence, epoch = (int(part) for part in raw.split())
+        return cls(incarnation, sequence, epoch)
+
+
+def read_current(store: dist.Store) -> Current | None:
+    """The store's record of the newest announcement; None before the learner published one."""
+    return Current.decode(store.get(CURRENT_KEY)) if store.check([CURRENT_KEY]) else None
+
+
+def ask_current(host: str, port: int, timeout_s: float) -> Current | None:
+    """`read_current` from the learner's store at host:port, over a connection of its own. Raises OSError
+    or RuntimeError when nothing answers there within `timeout_s`."""
+    # A plain connect first: a closed port is refused at once, where TCPStore would retry until its timeout.
+    socket.create_connection((host, port), timeout=timeout_s).close()
+    return read_current(connect_store(host, port, timedelta(seconds=timeout_s)))
+
+
+def epoch_over(store: dist.Store, incarnation: int, epoch: int) -> str | None:
+    """Why the announced `epoch` of learner `incarnation` can no longer be joined through `store`, or None.
+    A joiner must not wait for it: its members formed their link without it, and only a timeout would say so.
+    Call before writing the joined key."""
+    current = read_current(store)
+    if current is not None and current.incarnation != incarnation:
+        return f"the learner that announced epoch {epoch} is gone: its store now serves another learner"
+    if current is not None and current.epoch > epoch:
+        return f"epoch {epoch} is over: the learner announced epoch {current.epoch} since"
+    # The learner starts an epoch only once every member wrote its joined key: a start already there means
+    # an earlier process under this worker's id joined it (a replayed or late announcement).
+    if store.check([start_key(epoch)]):
+        return f"epoch {epoch} started without this process (an earlier one under its id joined it)"
+    return None
 
 
 def learner_still_there(store: dist.TCPStore, epoch: int) -> bool:

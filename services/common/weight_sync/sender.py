@@ -17,8 +17,10 @@ from sparkrl.services.common.weight_sync.errors import SyncFailed
 from sparkrl.services.common.weight_sync.manifest import bucket_sizes, build_manifest, weights_checksum
 from sparkrl.services.common.weight_sync.rendezvous import (
     ACK_OK,
+    CURRENT_KEY,
     START_ABORT,
     START_GO,
+    Current,
     ack_key,
     host_store,
     joined_key,
@@ -149,6 +151,18 @@ class WeightSender:
             snapshot_path=snapshot_path,
             created_at=time.time(),
         )
+
+    def published(self, announcement: WeightAnnouncement) -> None:
+        """Records `announcement`, now published in Redis, as this learner's newest in its store. Workers
+        check what they read in Redis against it: an older one is a replay (never followed by a worker that
+        has seen nothing newer), and an older epoch is over (a joiner fails at once, not at the timeout).
+        After the Redis write: a worker that reads the new one before this record still finds it current."""
+        if announcement.incarnation != self.incarnation:
+            raise ValueError(
+                f"announcement of learner {announcement.incarnation}; this one is {self.incarnation}"
+            )
+        current = Current(announcement.incarnation, announcement.sequence, announcement.group_epoch)
+        self._store.set(CURRENT_KEY, current.encode())
 
     def broadcast(self, named_tensors: Mapping[str, Tensor], announcement: WeightAnnouncement) -> SyncReport:
         """Sends `named_tensors` as announced to `announcement.members` (rank i + 1 = members[i]) and waits
