@@ -119,3 +119,46 @@ def test_losses_with_terms_on_zero_advantage_tokens_run_every_row(
     assert trainer.cfg.skip_zero_advantage
     stats, _ = run_updates(trainer.engine, _groups(3), trainer.cfg, trainer.pad_id, step=1)
     assert stats["skipped_tokens"] == 0
+
+
+def _wide_groups(seed: int, count: int = 96) -> list[TrajectoryGroup]:
+    """The wide preset's shape (configs/explore-wide.yaml): 16 answers a prompt, prompts of 21-23
+    tokens, answers of 1-10 tokens, about a third of the groups all-equal (A = 0 on every answer)."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for index in range(count):
+        group = random_group(rng, n=16, k=20, vocab_size=VOCAB, max_new_tokens=10)
+        prompt = group.prompt_token_ids[: int(rng.integers(21, 24))]
+        if len(prompt) < 21:
+            prompt = rng.integers(0, VOCAB, size=22).astype(np.int32)
+        rewards = [1.0] * 16 if index % 3 == 0 else rng.integers(0, 2, size=16).astype(float).tolist()
+        groups.append(group.model_copy(update={"prompt_token_ids": prompt, "rewards": rewards}))
+    return groups
+
+
+def test_the_wide_presets_step_packed_and_skipped_has_the_padded_full_gradient_and_entropy(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Lp-Reg at the paper's ρ = 1%, κ = 2%, the whole step in one micro-batch (the wide preset): packed
+    into rows of 128 with A = 0 answers skipped and their entropy measured apart, the gradient, the loss, k
+    and the entropy are the padded, unskipped pass's."""
+    overrides = ["learner.loss.name=lp_reg", "learner.loss.rho=0.01", "learner.proxy_kappa=0.02",
+                 "learner.micro_batch_tokens=196608", "learner.lr=1e-3"]  # fmt: skip
+    trainer = one_rank(settings(tiny_model_dir, tmp_path, *overrides))
+    groups = _wide_groups(4)
+    full_grads, full = gradient_and_stats(trainer, groups, skip_zero_advantage=False)
+    fast = {"skip_zero_advantage": True, "pack_length": 128, "entropy_of_skipped": True}
+    fast_grads, packed = gradient_and_stats(trainer, groups, **fast)
+    _, without = gradient_and_stats(trainer, groups, **(fast | {"entropy_of_skipped": False}))
+
+    assert full["micro_batches"] == packed["micro_batches"] == 1  # one micro-batch: k is the step's
+    assert full["k_neg"] >= 20 and packed["k_neg"] == full["k_neg"]
+    assert (
+        packed["skipped_tokens"] > 0.25 * packed["tokens"] and packed["padding_share"] < full["padding_share"]
+    )
+    assert_same_gradient(fast_grads, full_grads)
+    assert packed["loss"] == pytest.approx(full["loss"], abs=1e-6)
+    assert packed["reg_tokens"] == full["reg_tokens"]
+    assert packed["entropy"] == pytest.approx(full["entropy"], rel=1e-5)  # over every token, as unskipped
+    assert without["entropy"] != pytest.approx(full["entropy"], rel=1e-3)  # over the tokens run only

@@ -73,8 +73,15 @@ class LearnerSettings(Section):
         description="Do not run the forward/backward of completions whose advantage is 0 (a group whose "
         "answers all scored alike) when the loss has no term on them: the same gradient, their tokens "
         "still counted in the token mean, less work (`loss/skipped_tokens`). The step's `loss/entropy` is "
-        "then over the tokens trained on. No effect with a KL to the reference or a loss that reaches A = 0 "
-        "tokens (entropy bonus, 80/20, KL-Cov, Clip-Cov, GSPO).",
+        "then over the tokens trained on (see `entropy_of_skipped`). No effect with a KL to the reference or "
+        "a loss that reaches A = 0 tokens (entropy bonus, 80/20, KL-Cov, Clip-Cov, GSPO).",
+    )
+    entropy_of_skipped: bool = Field(
+        False,
+        description="With `skip_zero_advantage`, also measure the entropy of the completions it leaves out, "
+        "in one forward pass of them without gradient before the update, so that `loss/entropy` is over "
+        "every token of the step as without skipping (comparable across losses that skip and losses that "
+        "do not). Costs that forward (`time/entropy_of_skipped_s`); the gradient is unchanged.",
     )
     pack_length: int | None = Field(
         None,

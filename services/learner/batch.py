@@ -276,6 +276,19 @@ def update_micro_batches(
     return made or [empty_like(collate(parts[0][:1], pad_id))]
 
 
+def skipped_micro_batches(
+    parts: list[list[Sample]], pad_id: int, pack_length: int | None
+) -> list[MicroBatch]:
+    """The completions `update_micro_batches` leaves out when skipping (A = 0, with tokens), collated as it
+    collates the others: what the entropy of the skipped is measured on (update.py)."""
+    made = []
+    for part in parts:
+        left = [s for s in part if not s.trained and s.num_tokens > 0]
+        if left:
+            made.append(pack(left, pad_id, pack_length) if pack_length else collate(left, pad_id))
+    return made
+
+
 def work_done(every: list[list[MicroBatch]], totals: list[Totals]) -> dict[str, float]:
     """The step's `skipped_tokens` (A = 0 tokens not run), `padding_share` (of the positions run) and
     `micro_batches` (the forward/backward passes that ran tokens)."""

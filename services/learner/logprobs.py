@@ -127,6 +127,17 @@ def final_hidden(model: torch.nn.Module, mb: MicroBatch) -> FinalHidden:
     )
 
 
+@torch.no_grad()
+def entropy_sum(model: torch.nn.Module, micro: list[MicroBatch]) -> float:
+    """The entropy of `model`'s distribution summed over the generated-token targets of `micro`, without
+    gradient: a measurement (the entropy of completions an update does not run, update.py)."""
+    total = 0.0
+    for mb in micro:
+        _, entropy = token_logp_and_entropy(model, mb, entropy_grad=False)
+        total += float((entropy * mb.mask).sum())
+    return total
+
+
 def token_logp_and_entropy(
     model: torch.nn.Module, mb: MicroBatch, entropy_grad: bool = True, *, chunk: int | None = None
 ) -> tuple[Tensor, Tensor]:

@@ -49,6 +49,7 @@ from sparkrl.services.learner.batch import (
     micro_batches,
     partition,
     samples_from_groups,
+    skipped_micro_batches,
     update_micro_batches,
     work_done,
 )
@@ -124,19 +125,33 @@ def run_updates(
         totals = [t._replace(trained=run) for t, run in zip(totals, runs, strict=True)]
     extra |= work_done(every, totals)
     minis = [[mb.to(engine.device) for mb in ranks.share(mbs)] for mbs in every]
+    left_out = (  # the skipped completions, for their entropy only (learner.entropy_of_skipped)
+        [[mb.to(engine.device) for mb in ranks.share(skipped_micro_batches(u, pad_id, cfg.pack_length))]
+         for u in updates]
+        if skip and cfg.entropy_of_skipped
+        else []
+    )  # fmt: skip
     collated = time.perf_counter()
     engine.eval()  # π_old: every micro-batch of every update, before the first one changes the weights
     olds = [[old_policy(engine.module, mb, cfg, reference) for mb in micro] for micro in minis]
+    measured = time.perf_counter()
+    with autocast(cfg):
+        skipped_entropy = [logprobs.entropy_sum(engine.module, micro) for micro in left_out]
     engine.train()
-    seconds = {"collate": collated - started, "old_policy": time.perf_counter() - collated}
+    seconds = {"collate": collated - started, "old_policy": measured - collated}
+    if left_out:
+        seconds["entropy_of_skipped"] = time.perf_counter() - measured
     set_lr(engine, cfg.lr * lr_factor(step, cfg.schedule, cfg.max_steps))
     if not minis:  # every group had equal rewards and was left out: nothing to learn from
         return extra | {"tokens": 0.0, "updates": 0.0}, seconds
     norm = max(g.sampling.max_new_tokens for g in kept)  # Dr. GRPO's constant length
     applied: list[Stats] = []
     skipped: Stats = {}
-    for micro, old, total in zip(minis, olds, totals, strict=True):
+    for index, (micro, old, total) in enumerate(zip(minis, olds, totals, strict=True)):
         stats, parts = apply_update(engine, micro, old, cfg, total, norm)
+        if skipped_entropy:  # the mean over the tokens run becomes the mean over all of the update's
+            run = max(total.tokens if total.trained is None else total.trained, 1)
+            stats["entropy"] = (stats["entropy"] * run + skipped_entropy[index]) / max(total.tokens, 1)
         stats = ranks.sum_stats(stats)  # every rank applies or skips alike (`apply_gradients`)
         for part, spent in parts.items():
             seconds[part] = seconds.get(part, 0.0) + spent
