@@ -357,14 +357,12 @@ def main() -> None:
     parser.add_argument(
         "--wide", action="store_true", help="configs/explore-wide.yaml (learning_quality_wide.py)."
     )
-    parser.add_argument(
-        "--rhos", nargs="*", type=float, default=None, help="--wide: the dose-response ρ (default 0.03 0.1)."
-    )
+    import learning_quality_wide as wide  # imports this module: only here, not at the top
+
+    wide.add_arguments(parser)
     args = parser.parse_args()
     if args.wide:
-        from learning_quality_wide import run_wide  # imports this module: only here, not at the top
-
-        run_wide(args)
+        wide.run_wide(args)
         return
     scale = QUICK if args.quick else FULL
     if args.seeds is not None or args.steps is not None:

@@ -1,14 +1,19 @@
-"""`bench/learning_quality.py --wide` (issue 24): the report section written from the runs' own files, in
-place in an existing report.md (the rest kept), and the experiment resumable.
+"""`bench/learning_quality.py --wide` (issues 24 and 29): each finished run recorded (lq_records.py: step
+rows, evaluations, summary, configs without secrets), the report section written from the records alone,
+in place in an existing report.md (the rest kept), and the experiment resumable from the records.
 
-The first test writes two tiny runs' files by hand (their numbers known, so the section's are checked
-exactly); the second, slow, runs two real ones at the smoke scale and starts the experiment again."""
+The fast tests write tiny runs' files by hand (their numbers known, so the section's are checked
+exactly); the slow one makes a real run at the smoke scale, then starts the experiment again with runs/
+gone: the record alone skips the run and writes the report."""
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -23,10 +28,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from learning_quality import WIDE_BEGIN, WIDE_END, wide_section  # noqa: E402
 from learning_quality_wide import WIDE_QUICK, Spec, finished, run_wide, specs  # noqa: E402
+from lq_records import read_record_steps, write_record  # noqa: E402
+
+from sparkrl.run_files import read_evals, read_steps  # noqa: E402
 
 K_NEG = (24.0, 30.0, 36.0, 42.0)  # Lp-Reg's k per micro-batch, one a step: median 33, lowest 24
 REG_TOKENS = (2.0, 4.0, 6.0, 8.0)  # a step's regularized tokens: 5 on average
 OLD_REPORT = "# Learning quality\n\nThe explore experiment's report, kept as it is.\n"
+PASSWORD, SECRET = "hunter2-redis", "hunter2-sync"  # as `sparkrl up` writes them into every config
 
 
 def write_run(run_dir: Path, loss: str, pass1: float, steps: int = 4, rho: float = 0.01) -> None:
@@ -56,18 +65,31 @@ def write_run(run_dir: Path, loss: str, pass1: float, steps: int = 4, rho: float
     (run_dir / "eval.jsonl").write_text("".join(e.model_dump_json() + "\n" for e in evals))
     (run_dir / "summary.json").write_text(json.dumps({"steps": steps, "wall_seconds": 60.0}))
     (run_dir / "config").mkdir()
-    learner = {"learner": {"loss": {"name": loss}, "skip_zero_advantage": False}}
-    (run_dir / "config" / "learner.yaml").write_text(yaml.safe_dump(learner))
+    learner = {
+        "bus": {"url": f"redis://:{PASSWORD}@127.0.0.1:6379/0"},
+        "sync": {"secret": SECRET},
+        "learner": {"loss": {"name": loss}, "skip_zero_advantage": False},
+    }
+    (run_dir / "config" / "learner.yaml").write_text("# learner: resolved\n" + yaml.safe_dump(learner))
+    (run_dir / "config" / "redis.conf").write_text(f"requirepass {PASSWORD}\n")
 
 
-def args(runs: Path, out: Path, report_only: bool) -> argparse.Namespace:
+def args(runs: Path, out: Path, report_only: bool, seeds: int | None = None) -> argparse.Namespace:
     return argparse.Namespace(
-        quick=True, out=out, runs=runs, losses=["lp_reg", "grpo"], seeds=None, steps=None,
-        report_only=report_only, wide=True, rhos=[],
+        quick=True, out=out, runs=runs, losses=["lp_reg", "grpo"], seeds=seeds, steps=None,
+        report_only=report_only, record_only=False, wide=True, rhos=[],
     )  # fmt: skip
 
 
-def test_the_section_is_written_from_two_runs_files_and_replaced_in_place(
+def record_text(record: Path) -> str:
+    """Every file of a record as text, the gzipped step rows unpacked."""
+    files = sorted(p for p in record.rglob("*") if p.is_file())
+    return "".join(
+        gzip.decompress(p.read_bytes()).decode() if p.suffix == ".gz" else p.read_text() for p in files
+    )
+
+
+def test_the_section_is_written_from_two_runs_records_and_replaced_in_place(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     runs, out = tmp_path / "runs", tmp_path / "report"
@@ -76,11 +98,16 @@ def test_the_section_is_written_from_two_runs_files_and_replaced_in_place(
     out.mkdir()
     (out / "report.md").write_text(OLD_REPORT)
 
-    run_wide(args(runs, out, report_only=True))
-    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    run_wide(args(runs, out, report_only=True))  # records the two finished runs, then writes from them
+    printed = capsys.readouterr().out
+    assert "lp_reg-s1: recorded from" in printed and "grpo-s1: recorded from" in printed
+    summary = json.loads(printed.strip().splitlines()[-1])
     assert sorted(summary["runs"]) == ["grpo-s1", "lp_reg-s1"]
+    assert sorted(p.name for p in (out / "wide").iterdir()) == ["grpo-s1", "lp_reg-s1"]
     report = (out / "report.md").read_text()
     assert report.startswith(OLD_REPORT) and report.count(WIDE_BEGIN) == report.count(WIDE_END) == 1
+    assert "from the runs' records (`wide/RUN/` beside this report: 2 of 2 runs" in report
+    assert "Preliminary" not in report and "(2 of 2 runs)" not in report
 
     # A row per loss, mean ± std, and every run's row.
     rows = re.findall(r"^\| .+ \(`([a-z_]+)`\) \|", report, flags=re.M)
@@ -89,12 +116,14 @@ def test_the_section_is_written_from_two_runs_files_and_replaced_in_place(
     assert re.search(r"^\| grpo-s1 \| 4 \|", report, flags=re.M)
     # k per micro-batch from the step rows (not computed from the settings), regularized tokens per step.
     assert "median 33, lowest 24, ≥ 20 at every step; of those candidates 5.0 a step" in report
-    assert "ρ = 1%, κ = 2%" in report and "`learner.skip_zero_advantage: false` in every run" in report
+    assert "ρ = 1%, κ = 2%" in report and "every loss's `loss/entropy` over every token of its step" in report
     assert re.search(r"^\| 1% \(`lp_reg-s1`\) \| 33\.0 \| 5\.0 \| 0\.900 → 0\.600 \|", report, flags=re.M)
     for image in ("wide_heldout_pass.png", "wide_entropy.png", "wide_low_prob_share.png", "wide_dose.png"):
         assert (out / image).stat().st_size > 1000 and f"]({image})" in report
 
-    # Written again: the same single section; the explore writer keeps it when it rewrites the file.
+    # Written again from the records alone (runs/ gone): the same single section; the explore writer keeps
+    # it when it rewrites the file.
+    shutil.rmtree(runs)
     run_wide(args(runs, out, report_only=True))
     again = (out / "report.md").read_text()
     assert again == report
@@ -115,29 +144,134 @@ def test_what_counts_as_finished_and_the_plan(tmp_path: Path) -> None:
     assert Spec("lp_reg", 1, 0.1).extra == ("learner.loss.rho=0.1",)
     (tmp_path / "cut").rename(tmp_path / "grpo-s1")
     only_grpo = argparse.Namespace(**{**vars(args(tmp_path, tmp_path / "out", True)), "losses": ["grpo"]})
-    with pytest.raises(SystemExit, match="not finished: grpo-s1"):
+    with pytest.raises(SystemExit, match=r"no run recorded .* yet; not finished: grpo-s1"):
         run_wide(only_grpo)  # --report-only names the runs still to finish
+    # A record of fewer steps than the experiment runs is no run to redo silently: its folder is in the way.
+    write_record(tmp_path / "grpo-s1", tmp_path / "out" / "wide" / "grpo-s1", {"run": "grpo-s1"})
+    with pytest.raises(SystemExit, match="grpo-s1 records 2 steps, this experiment runs 4: move the record"):
+        run_wide(only_grpo)
+
+
+def test_a_record_holds_what_the_report_reads_and_no_secret(tmp_path: Path) -> None:
+    run_dir, record = tmp_path / "runs" / "lp_reg-s1", tmp_path / "wide" / "lp_reg-s1"
+    write_run(run_dir, "lp_reg", pass1=0.4)
+    assert write_record(run_dir, record, {"run": "lp_reg-s1", "spec": {"loss": "lp_reg"}})
+
+    names = sorted(str(p.relative_to(record)) for p in record.rglob("*") if p.is_file())
+    assert names == ["config/learner.yaml", "eval.jsonl", "metrics.jsonl.gz", "record.json", "summary.json"]
+    assert [p.name for p in record.parent.iterdir()] == ["lp_reg-s1"]  # no partial folder left beside it
+    assert read_record_steps(record).rows == read_steps(run_dir).rows  # every metric and hparam, whole
+    assert read_evals(record) == read_evals(run_dir)
+    about = json.loads((record / "record.json").read_text())
+    assert about["run"] == "lp_reg-s1" and about["spec"] == {"loss": "lp_reg"}
+    assert (about["steps"], about["final_version"]) == (4, 4) and len(about["recorded_at_commit"]) == 40
+    assert about["removed"] == ["learner.yaml: bus.url (credentials)", "learner.yaml: sync.secret"]
+
+    text = record_text(record)
+    assert PASSWORD not in text and SECRET not in text
+    config = yaml.safe_load((record / "config" / "learner.yaml").read_text())
+    assert config["bus"]["url"] == "redis://127.0.0.1:6379/0" and config["sync"]["secret"] is None
+    assert config["learner"] == {"loss": {"name": "lp_reg"}, "skip_zero_advantage": False}
+    assert (record / "config" / "learner.yaml").read_text().startswith("# learner: resolved\n# Recorded by")
+
+    # Recorded already: kept as it is. A folder of that name that is no record is refused, not replaced.
+    assert not write_record(run_dir, record, {"run": "lp_reg-s1"})
+    (tmp_path / "wide" / "grpo-s1").mkdir()
+    with pytest.raises(SystemExit, match=r"grpo-s1 exists but holds no record\.json"):
+        write_record(run_dir, tmp_path / "wide" / "grpo-s1", {})
+
+
+def test_the_section_while_runs_are_still_to_come_says_how_many_are_in(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs, out = tmp_path / "runs", tmp_path / "report"
+    write_run(runs / "lp_reg-s1", "lp_reg", pass1=0.4)
+    write_run(runs / "grpo-s1", "grpo", pass1=0.3)
+    write_run(runs / "lp_reg-s2", "lp_reg", pass1=0.5)  # grpo-s2 still to come
+    learner = runs / "lp_reg-s2" / "config" / "learner.yaml"  # skipped A = 0 work, its entropy unmeasured
+    learner.write_text(learner.read_text().replace("skip_zero_advantage: false", "skip_zero_advantage: true"))
+
+    run_wide(args(runs, out, report_only=True, seeds=2))
+    assert "not finished: grpo-s2: the section says 3 of 4 runs" in capsys.readouterr().out
+    report = (out / "report.md").read_text()
+    assert "`configs/smoke.yaml` (3 of 4 runs)" in report
+    assert (
+        "**Preliminary: 3 of 4 runs are in** (to come: grpo-s2); this compares Lp-Reg, GRPO on seed 1 "
+        in report
+    )
+    assert "Lp-Reg's held-out pass@1 (0.400) beats the best baseline, GRPO (0.300)" in report
+    assert "### Final models (mean ± std over 1 seed)" in report
+    assert (
+        "**A = 0 completions skipped unmeasured in lp_reg-s2**: their entropy is over A ≠ 0 tokens" in report
+    )
+    assert re.search(r"^\| lp_reg-s2 \| 4 \|", report, flags=re.M)  # every run in, in the last table
+
+
+def test_record_only_records_the_finished_runs_and_starts_nothing(tmp_path: Path) -> None:
+    runs, out = tmp_path / "runs", tmp_path / "report"
+    write_run(runs / "lp_reg-s1", "lp_reg", pass1=0.4)
+    write_run(runs / "grpo-s1", "grpo", pass1=0.3, steps=2)  # still running: no summary at its last step
+    stale = out / "wide" / ".partial-lp_reg-s1-x"  # a killed write's leftover
+    stale.mkdir(parents=True)
+    os.utime(stale, (1e9, 1e9))
+    command = [sys.executable, str(ROOT / "bench" / "learning_quality.py"), "--wide", "--quick"]
+    command += [
+        "--losses",
+        "lp_reg",
+        "grpo",
+        "--rhos",
+        "--out",
+        str(out),
+        "--runs",
+        str(runs),
+        "--record-only",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"removed {stale}" in done.stdout and "lp_reg-s1: recorded from" in done.stdout
+    assert f"1 of 2 runs recorded at {out / 'wide'}: lp_reg-s1" in done.stdout
+    assert sorted(p.name for p in (out / "wide").iterdir()) == ["lp_reg-s1"]
+    assert sorted(p.name for p in out.iterdir()) == ["wide"]  # no report written, nothing started
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_two_real_runs_then_the_experiment_started_again_keeps_them(
+def test_a_real_run_recorded_then_skipped_and_reported_from_its_record_alone(
     tiny_model_dir: Path,  # noqa: F811
     tmp_path: Path,
 ) -> None:
+    """The pipeline at the smoke scale: a real `sparkrl up` run, its record written as it finishes (the
+    real configs' Redis password and sync secret left out), then the experiment started again with runs/
+    gone, as in a fresh clone: the record is the run (nothing started, no run folder made) and the
+    report is written from it alone, the same as the first."""
     out, runs = tmp_path / "report", tmp_path / "runs"
     command = [sys.executable, str(ROOT / "bench" / "learning_quality.py"), "--wide", "--quick"]
-    command += ["--losses", "lp_reg", "grpo", "--rhos", "--out", str(out), "--runs", str(runs)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=580)
+    command += ["--losses", "lp_reg", "--rhos", "--out", str(out), "--runs", str(runs)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=540)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    for name in ("lp_reg-s1", "grpo-s1"):
-        versions = [json.loads(line)["policy_version"] for line in (runs / name / "eval.jsonl").open()]
-        assert versions[0] == 0 and versions[-1] == WIDE_QUICK.steps
-        assert f"| {name} | {WIDE_QUICK.steps} |" in (out / "report.md").read_text()
+    record = out / "wide" / "lp_reg-s1"
+    assert f"[1/1] lp_reg-s1: done, version {WIDE_QUICK.steps} pass@1" in done.stdout
+    about = json.loads((record / "record.json").read_text())
+    assert (about["steps"], about["final_version"]) == (WIDE_QUICK.steps, WIDE_QUICK.steps)
+    assert about["scale"]["preset"] == "smoke" and about["spec"] == {"loss": "lp_reg", "seed": 1, "rho": None}
+    learner = yaml.safe_load((runs / "lp_reg-s1" / "config" / "learner.yaml").read_text())
+    password, secret = learner["bus"]["url"].split("@")[0].rsplit(":", 1)[1], learner["sync"]["secret"]
+    configs = {p.name for p in (record / "config").iterdir()}
+    assert (
+        password and secret and {"learner.yaml", "worker-0.yaml"} <= configs and "redis.conf" not in configs
+    )
+    text = record_text(record)
+    assert password not in text and secret not in text
+    assert sum(p.stat().st_size for p in record.rglob("*") if p.is_file()) < 100_000
+    report = (out / "report.md").read_text()
+    assert f"| lp_reg-s1 | {WIDE_QUICK.steps} |" in report and "1 of 1 runs" in report
 
+    shutil.rmtree(runs)
     again = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert again.stdout.count("finished before, kept") == 2
+    assert f"[1/1] lp_reg-s1: recorded before, kept ({record})" in again.stdout
+    assert not runs.exists()  # no `sparkrl up`: it would have made runs/lp_reg-s1
+    assert (out / "report.md").read_text() == report
 
 
 def test_the_wide_preset_is_the_papers_lp_reg_with_a_whole_step_in_one_micro_batch(
@@ -157,7 +291,7 @@ def test_the_wide_preset_is_the_papers_lp_reg_with_a_whole_step_in_one_micro_bat
     wide = load_settings("explore-wide")
     learner, sampling = wide.learner, wide.rollout.sampling
     assert (learner.loss.name, learner.loss.rho, learner.proxy_kappa) == ("lp_reg", 0.01, 0.02)
-    assert learner.skip_zero_advantage is False and learner.max_steps >= 300
+    assert (learner.skip_zero_advantage is False or learner.entropy_of_skipped) and learner.max_steps >= 300
     assert learner.prompts_per_step * sampling.n == 8 * 32 * 16  # 8× explore's 32 prompts × 16
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     prompts = itertools.islice(countdown_prompts(wide.prompts), 2000)
