@@ -17,16 +17,21 @@ __all__ = ["EvalResult", "evaluate", "heldout_countdown", "local_scorer", "math_
 
 
 def resolve_model(path: Path) -> Path:
-    """A model directory as given, a checkpoint's (`…/step-N` → `hf/`), or a run's latest checkpoint."""
+    """A model directory as given, a checkpoint's (`…/step-N` → `hf/`), or a run's latest checkpoint.
+
+    `checkpoints/latest` (a link, or a file naming the folder in older runs) is followed as the learner
+    follows it: only to one plain folder name directly inside `checkpoints/` (`latest_target`)."""
+    from sparkrl.services.learner.checkpoint_folder import latest_target
+
     for candidate in (path, path / "hf"):
         if (candidate / "config.json").is_file():
             return candidate
-    latest = path / "checkpoints" / "latest"  # a link to the newest checkpoint (a file naming it, earlier)
-    hf = (path / "checkpoints" / latest.read_text().strip() if latest.is_file() else latest) / "hf"
-    if (hf / "config.json").is_file():
-        return hf
+    latest = latest_target(path / "checkpoints")
+    if latest is not None and (latest / "hf" / "config.json").is_file():
+        return latest / "hf"
     raise FileNotFoundError(
-        f"{path}: no model here (config.json), nor a checkpoint's hf/, nor a run's checkpoints/latest"
+        f"{path}: no model here (config.json), nor a checkpoint's hf/, nor a run's checkpoints/latest "
+        "naming a checkpoint inside checkpoints/"
     )
 
 

@@ -10,6 +10,11 @@ What a worker trusts comes from the signed announcement, not from this server: a
 announcement's weights checksum, and the model listing the announcement's `model_sha256`, each file its
 listed sha256. With a shared secret every request carries a bearer token derived from it (weights are
 not for anyone who reaches the port). Files are streamed, never read whole into the server's memory.
+
+No name from the wire names a path: the server serves only the names it listed (each one plain component,
+`proto/names.py`; a file of another name is left out of the listing), and a worker writes a listed name
+only as one plain component that resolves directly inside its destination folder (a listing from a forged
+announcement, or a link planted there, makes it refuse: FetchFailed, nothing written).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from sparkrl.proto.names import safe_name
 from sparkrl.services.common.thread_server import serve, stop
 
 log = logging.getLogger("sparkrl.weight_sync")
@@ -51,12 +57,21 @@ def file_sha256(path: Path) -> str:
 
 
 def model_listing(model_dir: Path) -> dict[str, dict[str, Any]]:
-    """name → {bytes, sha256} of every regular, non-hidden file in the model directory (one level)."""
-    return {
-        p.name: {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
-        for p in sorted(model_dir.iterdir())
-        if p.is_file() and not p.name.startswith(".")
-    }
+    """name → {bytes, sha256} of every regular file in the model directory (one level) whose name is one
+    plain component (proto/names.py: no hidden file); a file of another name is left out, with a warning,
+    since no worker would write it. Links are followed: the directory is the operator's (a Hugging Face
+    cache's snapshot is links to its blobs)."""
+    listing = {}
+    for p in sorted(model_dir.iterdir()):
+        if not p.is_file() or p.name.startswith("."):
+            continue
+        try:
+            safe_name(p.name)
+        except ValueError as exc:
+            log.warning("%s is not served to workers: %s", p, exc)
+            continue
+        listing[p.name] = {"bytes": p.stat().st_size, "sha256": file_sha256(p)}
+    return listing
 
 
 def listing_sha256(listing: dict[str, dict[str, Any]]) -> str:
@@ -192,10 +207,10 @@ def fetch_model(base_url: str, expected_sha256: str, dest: Path, secret: str | N
     if listing_sha256(listing) != expected_sha256:
         raise FetchFailed(f"{base_url}/model: the listing does not match the announcement's model_sha256")
     dest.mkdir(parents=True, exist_ok=True)
+    # Every name is checked before the first write: a listing with one bad name leaves nothing behind.
+    targets = {name: _download_target(dest, name, f"{base_url}/model") for name in listing}
     for name, meta in listing.items():
-        if "/" in name or name.startswith("."):
-            raise FetchFailed(f"{base_url}/model lists an unsafe file name {name!r}")
-        target = dest / name
+        target = targets[name]
         if target.is_file() and file_sha256(target) == meta["sha256"]:
             continue
         with tempfile.NamedTemporaryFile(dir=dest, prefix=f".{name}.", delete=False) as tmp:
@@ -208,3 +223,19 @@ def fetch_model(base_url: str, expected_sha256: str, dest: Path, secret: str | N
         Path(tmp.name).replace(target)
         log.info("fetched %s (%d bytes) from the learner", name, meta["bytes"])
     return dest
+
+
+def _download_target(dest: Path, name: str, url: str) -> Path:
+    """`dest / name`, once `name` is one plain component and the path resolves directly inside `dest` (a
+    link planted there is refused, never followed or replaced); FetchFailed otherwise, before any write."""
+    try:
+        safe_name(name)
+    except ValueError as exc:
+        raise FetchFailed(f"{url} lists an unsafe file name: {exc}") from exc
+    target = dest / name
+    if target.resolve().parent != dest.resolve():
+        raise FetchFailed(
+            f"{target} resolves to {target.resolve()}, outside {dest}: refused (remove it, the worker "
+            "fetches the file again)"
+        )
+    return target
