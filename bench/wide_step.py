@@ -11,9 +11,11 @@ and `time/step_seconds`, the padding and the share of tokens skipped; then the r
 variant (> 1: faster) and one JSON line. The variants:
 
 - `preset`: the preset as committed until issue 29 (every row run, padded; entropy over every token);
-- `fast`: A = 0 answers skipped, the micro-batch packed into rows of 128, and the skipped answers'
+- `packed`: A = 0 answers skipped, the micro-batch packed into rows of 128, and the skipped answers'
   entropy measured apart (`learner.entropy_of_skipped`), so `loss/entropy` is still over every token:
-  the same gradient and the same entropy (tests/test_work_skipping.py).
+  the same gradient and the same entropy (tests/test_work_skipping.py);
+- `shared`: as `packed`, each group's answers behind one copy of their prompt (`learner.share_prompts`):
+  the same gradient and entropy again (tests/test_prompt_sharing.py).
 
 Run it on a quiet machine: pause any long experiment first (SIGSTOP its process group, SIGCONT after).
 """
@@ -33,10 +35,12 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from sparkrl.run_files import read_steps  # noqa: E402
 
-VARIANTS: dict[str, tuple[str, ...]] = {
+VARIANTS: dict[str, tuple[str, ...]] = {  # learner.* overrides
     "preset": ("skip_zero_advantage=false", "pack_length=null", "entropy_of_skipped=false"),
-    "fast": ("skip_zero_advantage=true", "pack_length=128", "entropy_of_skipped=true"),
-}  # learner.* overrides
+    "packed": ("skip_zero_advantage=true", "pack_length=128", "entropy_of_skipped=true"),
+    "shared": ("skip_zero_advantage=true", "pack_length=128", "entropy_of_skipped=true"),
+}
+SHARED = {"preset": "false", "packed": "false", "shared": "true"}  # learner.share_prompts
 READ = ("time/forward_backward_s", "time/entropy_of_skipped_s", "time/step_seconds", "loss/padding_share")
 
 
@@ -44,7 +48,8 @@ def probe(name: str, steps: int, where: Path) -> dict[str, float]:
     """One `sparkrl up` of `steps` steps under variant `name`: the medians of its steps after the first."""
     run_dir = where / name
     command = [sys.executable, "-m", "sparkrl.cli", "up", "--preset", "explore-wide", "--overwrite"]
-    overrides = (f"max_steps={steps}", "checkpoint_every=1000", *VARIANTS[name])
+    shared = f"share_prompts={SHARED[name]}"
+    overrides = (f"max_steps={steps}", "checkpoint_every=1000", shared, *VARIANTS[name])
     command += ["--run-dir", str(run_dir), *(a for o in overrides for a in ("--set", f"learner.{o}"))]
     where.mkdir(parents=True, exist_ok=True)
     log = where / f"{name}.log"

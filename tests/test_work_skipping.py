@@ -4,6 +4,7 @@ every loss that allows it, at the micro-batch boundaries that decide Lp-Reg's k.
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,7 @@ def test_skipping_keeps_the_micro_batches_and_drops_only_the_zero_advantage_samp
     samples = samples_from_groups(_groups(0))
     parts = partition(samples, token_budget=160)
     assert len(parts) > 2
-    skipped = update_micro_batches(parts, pad_id=0, pack_length=None, skip_zero_advantage=True)
+    skipped = update_micro_batches(parts, partial(collate, pad_id=0), skip_zero_advantage=True)
     kept_parts = [[s for s in part if s.advantage != 0 and s.num_tokens > 0] for part in parts]
     want = [collate(part, pad_id=0) for part in kept_parts if part]
     assert 0 < len(skipped) == len(want)
@@ -55,7 +56,7 @@ def test_skipping_keeps_the_micro_batches_and_drops_only_the_zero_advantage_samp
             assert (a is None and b is None) or torch.equal(a, b), name
     nothing = [[s for s in part if s.advantage == 0] for part in parts]
     nothing = [part for part in nothing if part]
-    (empty,) = update_micro_batches(nothing, pad_id=0, pack_length=None, skip_zero_advantage=True)
+    (empty,) = update_micro_batches(nothing, partial(collate, pad_id=0), skip_zero_advantage=True)
     assert empty.num_tokens == 0  # one empty pass: the optimizer still steps
 
 

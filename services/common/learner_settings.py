@@ -91,6 +91,14 @@ class LearnerSettings(Section):
         "positions (`loss/padding_share`), a longer attention span per row. None: a row each, right-padded. "
         "Same gradient; token_mean aggregation only, not with GSPO (both count a row as a sequence).",
     )
+    share_prompts: bool = Field(
+        False,
+        description="Collate each group's answers behind one copy of their prompt, a block mask keeping each "
+        "answer to its prompt and itself (rows of at least `pack_length` positions): the prompt runs once "
+        "per group instead of once per answer, the same logits and gradient. Pays where n · prompt ≫ "
+        "answers (short answers, many samples); the mask costs L² per row, so keep rows short. eager or "
+        "sdpa attention, token_mean aggregation, not GSPO.",
+    )
     updates_per_rollout: int = Field(
         1,
         ge=1,
@@ -194,6 +202,11 @@ class LearnerSettings(Section):
 
     @model_validator(mode="after")
     def _packing_needs_token_terms(self) -> LearnerSettings:
+        if self.share_prompts and (self.loss.name == "gspo" or self.loss_aggregation != "token_mean"):
+            raise ValueError(
+                "learner.share_prompts puts several answers in a row, which GSPO and the sequence-level "
+                "aggregations count as one sequence: use token_mean and another loss, or unset share_prompts"
+            )
         if self.pack_length is not None and self.loss.name == "gspo":
             raise ValueError(
                 "learner.pack_length: GSPO averages over each row as one sequence, which packed rows are "

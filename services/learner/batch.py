@@ -6,10 +6,13 @@ model's logits at position j predict token j+1, so every per-token tensor is [B,
 
 Packed (`learner.pack_length`, `pack`): a row holds several samples one after the other, each with
 position ids from 0, so that attention does not cross from one to the next; the same per-token layout.
+Shared prompts (`learner.share_prompts`, prompt_sharing.py): a group's answers behind one copy of their
+prompt, a block mask (`unit_ids`, `piece_ids`) keeping each answer to its prompt and itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -56,21 +59,47 @@ class MicroBatch:
     advantages: Tensor  # [B, L-1] float32
     temperature: Tensor  # [B, 1, 1] float32, divides the logits
     position_ids: Tensor | None = None  # [B, L] long, from 0 in each sample: packed rows; None: padded
+    # Shared prompts (prompt_sharing.py), else None: each position's unit (a prompt and its answers; a
+    # padding position is a unit of its own) and piece (0: the unit's prefix; else its answer's segment).
+    unit_ids: Tensor | None = None  # [B, L] long
+    piece_ids: Tensor | None = None  # [B, L] long
 
     @property
     def num_tokens(self) -> int:
         return int(self.mask.sum())
 
+    def fields(self) -> dict[str, Tensor | None]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
     def to(self, device: torch.device | str) -> MicroBatch:
-        fields = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        return MicroBatch(**{name: None if t is None else t.to(device) for name, t in fields.items()})
+        return MicroBatch(**{name: None if t is None else t.to(device) for name, t in self.fields().items()})
 
     def model_inputs(self) -> dict[str, Tensor]:
         """The model's keyword arguments: padded rows mask their padding; packed rows give position ids
-        instead, from which transformers builds a causal mask that does not cross samples."""
+        instead, from which transformers builds a causal mask that does not cross samples; shared prompts
+        give both and a 4D additive mask (used as is by eager and sdpa attention)."""
         if self.position_ids is None:
             return {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        if self.unit_ids is None or self.piece_ids is None:
+            return {"input_ids": self.input_ids, "position_ids": self.position_ids}
+        return {
+            "input_ids": self.input_ids,
+            "position_ids": self.position_ids,
+            "attention_mask": self.block_mask(),
+        }
+
+    def block_mask(self) -> Tensor:
+        """[B, 1, L, L] float: 0 where a query position (dim 2) may see a key position (dim 3) — causally,
+        within its unit, the unit's prefix or its own piece — the dtype's lowest value elsewhere."""
+        assert self.unit_ids is not None and self.piece_ids is not None
+        unit, piece = self.unit_ids, self.piece_ids
+        L = unit.shape[1]
+        causal = torch.ones(L, L, dtype=torch.bool, device=unit.device).tril()
+        same_unit = unit[:, :, None] == unit[:, None, :]
+        sees = (piece[:, None, :] == 0) | (piece[:, :, None] == piece[:, None, :])
+        allowed = (causal & same_unit & sees)[:, None]  # [B, 1, L, L]
+        mask = torch.zeros(allowed.shape, dtype=torch.float32, device=unit.device)
+        return mask.masked_fill_(~allowed, torch.finfo(torch.float32).min)
 
 
 def samples_from_groups(
@@ -101,7 +130,7 @@ def samples_from_groups(
 def collate(samples: list[Sample], pad_id: int) -> MicroBatch:
     """Right-pad `samples` into one micro-batch, a row each."""
     rows = torch.arange(len(samples))
-    return _place(samples, rows, torch.zeros_like(rows), max(len(s.input_ids) for s in samples), pad_id)
+    return place(samples, rows, torch.zeros_like(rows), max(len(s.input_ids) for s in samples), pad_id)
 
 
 def pack(samples: list[Sample], pad_id: int, row_length: int) -> MicroBatch:
@@ -113,7 +142,7 @@ def pack(samples: list[Sample], pad_id: int, row_length: int) -> MicroBatch:
     row, offset, used = _first_fit(samples, max(row_length, longest))
     if len(used) * max(used) >= len(samples) * longest:
         return collate(samples, pad_id)
-    return _place(samples, row, offset, max(used), pad_id)
+    return place(samples, row, offset, max(used), pad_id)
 
 
 def _first_fit(samples: list[Sample], capacity: int) -> tuple[Tensor, Tensor, list[int]]:
@@ -140,7 +169,7 @@ def _first_fit(samples: list[Sample], capacity: int) -> tuple[Tensor, Tensor, li
     return row, offset, used
 
 
-def _place(samples: list[Sample], row: Tensor, offset: Tensor, L: int, pad_id: int) -> MicroBatch:
+def place(samples: list[Sample], row: Tensor, offset: Tensor, L: int, pad_id: int) -> MicroBatch:
     """The micro-batch holding sample i at row[i] from position offset[i], rows of L positions: position
     ids restart at 0 per sample where any row holds two. The per-target tensors are scattered in one
     indexed copy each (not sample by sample: a step collates hundreds)."""
@@ -259,33 +288,34 @@ class Totals(NamedTuple):
     trained: int | None = None
 
 
+Collate = Callable[[list[Sample]], MicroBatch]  # `collate`, `pack` or `share_prompts`, its settings bound
+
+
 def update_micro_batches(
-    parts: list[list[Sample]], pad_id: int, pack_length: int | None, skip_zero_advantage: bool
+    parts: list[list[Sample]], collate_fn: Collate, skip_zero_advantage: bool
 ) -> list[MicroBatch]:
-    """An update's micro-batches from `partition`'s parts: padded, or packed into rows of `pack_length`.
-    `skip_zero_advantage`: without the samples no loss term reaches (A = 0, or no token; losses/registry.py,
-    `skips_zero_advantage`), each part's other samples kept together (Lp-Reg counts its k per
-    micro-batch), and one empty pass when nothing is left, so the optimizer still steps (Adam moves on a
-    zero gradient too) as it would have. The gradient is the same provided the caller still divides by
-    every token of the update, the skipped included (update.py)."""
+    """An update's micro-batches from `partition`'s parts, collated by `collate_fn` (prompt_sharing.py's
+    `collator`: padded, packed, or with shared prompts). `skip_zero_advantage`: without the samples no
+    loss term reaches (A = 0, or no token; losses/registry.py, `skips_zero_advantage`), each part's other
+    samples kept together (Lp-Reg counts its k per micro-batch), and one empty pass when nothing is left,
+    so the optimizer still steps (Adam moves on a zero gradient too) as it would have. The gradient is the
+    same provided the caller still divides by every token of the update, the skipped included (update.py)."""
     made = []
     for part in parts:
         run = [s for s in part if s.trained] if skip_zero_advantage else part
         if run:
-            made.append(pack(run, pad_id, pack_length) if pack_length else collate(run, pad_id))
-    return made or [empty_like(collate(parts[0][:1], pad_id))]
+            made.append(collate_fn(run))
+    return made or [empty_like(collate_fn(parts[0][:1]))]
 
 
-def skipped_micro_batches(
-    parts: list[list[Sample]], pad_id: int, pack_length: int | None
-) -> list[MicroBatch]:
+def skipped_micro_batches(parts: list[list[Sample]], collate_fn: Collate) -> list[MicroBatch]:
     """The completions `update_micro_batches` leaves out when skipping (A = 0, with tokens), collated as it
     collates the others: what the entropy of the skipped is measured on (update.py)."""
     made = []
     for part in parts:
         left = [s for s in part if not s.trained and s.num_tokens > 0]
         if left:
-            made.append(pack(left, pad_id, pack_length) if pack_length else collate(left, pad_id))
+            made.append(collate_fn(left))
     return made
 
 

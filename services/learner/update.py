@@ -60,6 +60,7 @@ from sparkrl.services.learner.losses import (
     policy_loss,
     skips_zero_advantage,
 )
+from sparkrl.services.learner.prompt_sharing import collator
 from sparkrl.services.learner.proxy import proxy_logp_from_topk
 from sparkrl.services.learner.reference import kl_to_reference
 from sparkrl.services.learner.schedule import lr_factor
@@ -119,14 +120,15 @@ def run_updates(
     totals = [Totals(sum(s.num_tokens for s in m), sum(s.num_tokens > 0 for s in m)) for m in per_update]
     updates = [partition(m, cfg.micro_batch_tokens) for m in per_update]
     skip = skips_zero_advantage(cfg.loss.name) and cfg.skip_zero_advantage and reference is None
-    every = [update_micro_batches(u, pad_id, cfg.pack_length, skip) for u in updates]
+    collate_fn = collator(pad_id, cfg.pack_length, cfg.share_prompts)
+    every = [update_micro_batches(u, collate_fn, skip) for u in updates]
     if skip:
         runs = [sum(mb.num_tokens for mb in mbs) for mbs in every]
         totals = [t._replace(trained=run) for t, run in zip(totals, runs, strict=True)]
     extra |= work_done(every, totals)
     minis = [[mb.to(engine.device) for mb in ranks.share(mbs)] for mbs in every]
     left_out = (  # the skipped completions, for their entropy only (learner.entropy_of_skipped)
-        [[mb.to(engine.device) for mb in ranks.share(skipped_micro_batches(u, pad_id, cfg.pack_length))]
+        [[mb.to(engine.device) for mb in ranks.share(skipped_micro_batches(u, collate_fn))]
          for u in updates]
         if skip and cfg.entropy_of_skipped
         else []
