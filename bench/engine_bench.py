@@ -75,9 +75,9 @@ def models(names: list[str]) -> dict[str, Path]:
 def measure(engine_kind: str, model: Path, threads: int, rounds: int) -> dict[str, Any]:
     import torch
 
-    from sparkrl.services.common.countdown import format_prompt, generate_problem
     from sparkrl.services.common.modeling import load_model
     from sparkrl.services.common.settings import SamplingSettings, TorchEngineSettings, VllmEngineSettings
+    from sparkrl.services.common.tasks.countdown import format_prompt, generate_problem
     from sparkrl.services.rollout.engine import make_engine
 
     torch.set_num_threads(threads)

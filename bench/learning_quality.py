@@ -286,7 +286,7 @@ def write_report(runs: list[Run], scale: Scale, losses: tuple[str, ...], out: Pa
         "",
         f"Written by `{command}` ({wall_s / 60:.1f} minutes on this machine). Preset "
         f"`configs/{scale.preset}.yaml`, {scale.steps} steps, seeds {list(scale.seeds)}; Lp-Reg with the "
-        "preset's ρ and κ, every baseline with its defaults (`services/common/loss_settings.py`). "
+        "preset's ρ and κ, every baseline with its defaults (`services/common/settings/losses.py`). "
         f"Held-out evaluation: {scale.eval_problems} problems of the "
         f"countdown held-out split at the preset's difficulty, {n} samples at T = 1 and one greedy answer, "
         f"by the in-training evaluator every {scale.eval_every} versions and on the final one.",

@@ -30,10 +30,10 @@ import torch
 
 from sparkrl.proto import TrajectoryGroup
 from sparkrl.proto.testing import random_group
-from sparkrl.services.common.datasets import iter_prompts
 from sparkrl.services.common.modeling import load_tokenizer
-from sparkrl.services.common.roles import LearnerConfig
 from sparkrl.services.common.settings import load_settings
+from sparkrl.services.common.settings.roles import LearnerConfig
+from sparkrl.services.common.tasks.datasets import iter_prompts
 from sparkrl.services.common.tiny_model import build_tiny_model
 from sparkrl.services.learner.ranks import trainer_for
 from sparkrl.services.learner.trainer import load

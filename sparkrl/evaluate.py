@@ -1,7 +1,7 @@
 """`sparkrl eval`: a model (a directory, a checkpoint, or a run's latest checkpoint) on held-out problems —
 the countdown held-out split, or a math benchmark file (`../shared/data/math-eval/`, or any jsonl/parquet
 with a question and an answer) — scored by the reward service's verifiers, run in this process. The
-sampling, pass@k and the split live in `services/common/evaluation.py`, shared with the in-training
+sampling, pass@k and the split live in `services/common/tasks/evaluation.py`, shared with the in-training
 evaluator.
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from sparkrl.proto import Prompt
-from sparkrl.services.common.evaluation import EvalResult, evaluate_engine, heldout_countdown, pass_at_k
 from sparkrl.services.common.settings import CountdownSettings, PromptSettings, TorchEngineSettings
+from sparkrl.services.common.tasks.evaluation import EvalResult, evaluate_engine, heldout_countdown, pass_at_k
 
 __all__ = ["EvalResult", "evaluate", "heldout_countdown", "local_scorer", "math_tasks", "pass_at_k"]
 
@@ -50,7 +50,7 @@ def math_tasks(
     """The rows of a math benchmark file as problems; fields not given are found among the benchmarks'
     names (MATH-500's `problem`/`answer`, OlympiadBench's `question`/`final_answer`, Minerva's
     `solution`). DatasetError names a missing field."""
-    from sparkrl.services.common.datasets import DatasetError, file_prompts, read_rows
+    from sparkrl.services.common.tasks.datasets import DatasetError, file_prompts, read_rows
 
     if not path.is_file():
         raise DatasetError(f"math file {path} does not exist")
@@ -72,7 +72,7 @@ def math_tasks(
 
 
 def _first_present(row: dict[str, object], names: tuple[str, ...], path: Path, what: str) -> str:
-    from sparkrl.services.common.datasets import DatasetError
+    from sparkrl.services.common.tasks.datasets import DatasetError
 
     for name in names:
         if row.get(name) is not None:

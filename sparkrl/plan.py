@@ -20,7 +20,8 @@ from urllib.parse import urlsplit
 
 from sparkrl.ports import free_ports
 from sparkrl.run_lock import LOCK_FILE
-from sparkrl.services.common.roles import (
+from sparkrl.services.common.settings import BusSettings, SparkSettings, write_resolved
+from sparkrl.services.common.settings.roles import (
     ControlConfig,
     EvaluatorConfig,
     LearnerConfig,
@@ -29,7 +30,6 @@ from sparkrl.services.common.roles import (
     RoleConfig,
     RolloutConfig,
 )
-from sparkrl.services.common.settings import BusSettings, SparkSettings, write_resolved
 from sparkrl.torchrun import torchrun_command
 
 Role = Literal["redis", "control", "reward", "learner", "rollout", "prompts", "evaluator"]

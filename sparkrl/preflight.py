@@ -66,7 +66,7 @@ def _model(cfg: SparkSettings) -> tuple[list[Problem], dict | None, object | Non
 
 
 def _prompt_texts(cfg: SparkSettings) -> tuple[list[Problem], list[str]]:
-    from sparkrl.services.common.datasets import DatasetError, iter_prompts
+    from sparkrl.services.common.tasks.datasets import DatasetError, iter_prompts
 
     p = cfg.prompts
     if p.task == "math" and p.path is None:

@@ -25,8 +25,8 @@ import httpx
 from sparkrl.launcher import Stack, StackError, logtail_bytes, supervise
 from sparkrl.plan import StackPlan, plan_stack, write_configs
 from sparkrl.services.common.bus._text import mask_password
-from sparkrl.services.common.roles import LearnerConfig, RolloutConfig
 from sparkrl.services.common.settings import RewardSettings, SparkSettings
+from sparkrl.services.common.settings.roles import LearnerConfig, RolloutConfig
 
 BESIDE = ("redis", "control", "prompts", "evaluator")  # what runs as plain processes next to the actors
 STOP_GRACE_S = 30.0

@@ -2,7 +2,7 @@
 description) and the settings reference of docs/settings.md (`python -m sparkrl.settings_doc --write`
 regenerates it; a test keeps it current).
 
-Every field is listed by `services/common/settings_fields.py` (the settings' own "did you mean" uses it
+Every field is listed by `services/common/settings/fields.py` (the settings' own "did you mean" uses it
 too): variants chosen by name (`learner.loss`, `rollout.engine`) one block per variant, under the field's
 path with the name in brackets: `learner.loss[clip_higher].clip_high`.
 """
@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkrl.services.common.settings import SparkSettings
-from sparkrl.services.common.settings_fields import fields
+from sparkrl.services.common.settings.fields import fields
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
 START, END = "<!-- settings-reference:start -->", "<!-- settings-reference:end -->"

@@ -13,8 +13,8 @@ import numpy as np
 import torch
 
 from sparkrl.proto.testing import random_group
-from sparkrl.services.common.roles import LearnerConfig
 from sparkrl.services.common.settings import load_settings
+from sparkrl.services.common.settings.roles import LearnerConfig
 from sparkrl.services.learner import logprobs
 from sparkrl.services.learner.ledger import Batch
 from sparkrl.services.learner.ranks import follow, trainer_for, world

@@ -15,8 +15,8 @@ from conftest import free_port
 
 from sparkrl.proto import TrajectoryGroup
 from sparkrl.services.common.bus import RedisBus
-from sparkrl.services.common.roles import LearnerConfig
 from sparkrl.services.common.settings import load_settings
+from sparkrl.services.common.settings.roles import LearnerConfig
 from sparkrl.services.learner.learner import Learner
 from sparkrl.services.learner.ranks import trainer_for
 from sparkrl.services.learner.service import assemble

@@ -319,9 +319,9 @@ def test_values_round_trip(bus: RedisBus) -> None:
 def test_the_feeder_waits_on_a_full_prompt_stream_as_long_as_it_takes(bus_settings: BusSettings) -> None:
     """A producer fails after `publish_timeout_s` on a full stream; the feeder does not (a paused run holds
     its prompts for hours): it goes on once the fleet takes some, and returns when told to stop."""
-    from sparkrl.services.common.datasets import iter_prompts
     from sparkrl.services.common.feeder import feed_prompts
     from sparkrl.services.common.settings import PromptSettings
+    from sparkrl.services.common.tasks.datasets import iter_prompts
 
     settings = bus_settings.model_copy(update={"prompt_maxlen": 16, "publish_timeout_s": 0.3})
     prompts = list(iter_prompts(PromptSettings(task="countdown", count=40, seed=3)))

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from sparkrl.services.common.countdown import (
+from sparkrl.services.common.tasks.countdown import (
     MAX_DEPTH,
     CountdownProblem,
     format_prompt,

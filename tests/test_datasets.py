@@ -9,10 +9,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from sparkrl.services.common.answers import last_boxed
-from sparkrl.services.common.countdown import score_countdown
-from sparkrl.services.common.datasets import DatasetError, iter_prompts
 from sparkrl.services.common.settings import PromptSettings
+from sparkrl.services.common.tasks.answers import last_boxed
+from sparkrl.services.common.tasks.countdown import score_countdown
+from sparkrl.services.common.tasks.datasets import DatasetError, iter_prompts
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "math-eval"
 # file → (question field, answer field, rows)

@@ -18,9 +18,9 @@ from _tiny import tiny_model_dir  # noqa: F401  (fixture)
 
 from sparkrl.evaluate import evaluate, heldout_countdown, local_scorer, math_tasks, pass_at_k, resolve_model
 from sparkrl.proto import Prompt
-from sparkrl.services.common.countdown import format_prompt, generate_problem
-from sparkrl.services.common.datasets import DatasetError, countdown_prompts
 from sparkrl.services.common.settings import CountdownSettings, PromptSettings
+from sparkrl.services.common.tasks.countdown import format_prompt, generate_problem
+from sparkrl.services.common.tasks.datasets import DatasetError, countdown_prompts
 
 MATH_EVAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "math-eval"
 needs_math_eval = pytest.mark.skipif(

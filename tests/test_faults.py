@@ -129,7 +129,7 @@ def test_an_external_redis_restarted_empty_is_rebuilt_and_refed(
     wait("the learner to finish", lambda: learner.poll() is not None, plan.run_dir, timeout_s=300)
     assert learner.returncode == 0
     from sparkrl.proto import group_id_for
-    from sparkrl.services.common.datasets import iter_prompts
+    from sparkrl.services.common.tasks.datasets import iter_prompts
 
     every_prompt = {group_id_for(p.prompt_id) for p in iter_prompts(cfg.prompts)}
     assert_exactly_once(plan, STEPS, groups=every_prompt)

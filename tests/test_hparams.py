@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 
 from sparkrl.proto import HyperparameterPatch
-from sparkrl.services.common import hparams
-from sparkrl.services.common.hparams import HparamError, apply_learner, apply_sampling, check
-from sparkrl.services.common.settings import LearnerSettings, SamplingSettings
+from sparkrl.services.common.settings import LearnerSettings, SamplingSettings, hparams
+from sparkrl.services.common.settings.hparams import HparamError, apply_learner, apply_sampling, check
 
 
 def test_the_patch_model_names_exactly_the_live_hyperparameters() -> None:

@@ -29,8 +29,8 @@ from sparkrl.proto.run_files import DeadLetterRecord
 from sparkrl.run_files import load_dead_letters
 from sparkrl.run_report import progress_line, startup_line, summarize
 from sparkrl.services.common.bus import RedisBus
-from sparkrl.services.common.roles import for_role
 from sparkrl.services.common.settings import SparkSettings, load_settings, write_resolved
+from sparkrl.services.common.settings.roles import for_role
 from sparkrl.services.common.telemetry import Telemetry
 
 

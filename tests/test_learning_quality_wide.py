@@ -284,9 +284,9 @@ def test_the_wide_preset_is_the_papers_lp_reg_with_a_whole_step_in_one_micro_bat
 
     from transformers import AutoTokenizer
 
-    from sparkrl.services.common.datasets import countdown_prompts
     from sparkrl.services.common.modeling import apply_chat_template_if_any
     from sparkrl.services.common.settings import load_settings
+    from sparkrl.services.common.tasks.datasets import countdown_prompts
 
     wide = load_settings("explore-wide")
     learner, sampling = wide.learner, wide.rollout.sampling

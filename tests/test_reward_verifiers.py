@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from sparkrl.services.common.answers import last_boxed
+from sparkrl.services.common.tasks.answers import last_boxed
 from sparkrl.services.reward.verifiers import (
     MAX_ANSWER_CHARS,
     load_custom_verifiers,

@@ -15,13 +15,13 @@ import yaml
 
 from sparkrl.plan import plan_stack, write_configs
 from sparkrl.proto import LearnerStatus
-from sparkrl.services.common.roles import (
+from sparkrl.services.common.settings import LearnerSettings, load_settings
+from sparkrl.services.common.settings.roles import (
     ROLE_CONFIGS,
     PromptsConfig,
     RolloutConfig,
     for_role,
 )
-from sparkrl.services.common.settings import LearnerSettings, load_settings
 from sparkrl.services.learner.heartbeat import LearnerReport, StatusSource
 from sparkrl.services.learner.state import TrainState
 from sparkrl.services.rollout.worker import too_stale

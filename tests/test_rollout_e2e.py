@@ -21,10 +21,10 @@ from _tiny import tiny_model_dir  # noqa: F401  (pytest fixture)
 from sparkrl.launcher import Stack, StackPlan, logtail_bytes, plan_stack, write_configs
 from sparkrl.proto import Prompt, TrajectoryGroup, decode_group, group_id_for
 from sparkrl.services.common.bus import GROUPS, RedisBus
-from sparkrl.services.common.countdown import score_countdown
-from sparkrl.services.common.datasets import countdown_prompts
 from sparkrl.services.common.feeder import feed_prompts
 from sparkrl.services.common.settings import PromptSettings, load_settings
+from sparkrl.services.common.tasks.countdown import score_countdown
+from sparkrl.services.common.tasks.datasets import countdown_prompts
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

@@ -21,9 +21,7 @@ from sparkrl.proto import Prompt, ResumeCommand, WorkerStatus, encode_group
 from sparkrl.proto.telemetry import StateEvent
 from sparkrl.proto.testing import random_group
 from sparkrl.services.common.bus import GROUPS, RedisBus
-from sparkrl.services.common.datasets import countdown_prompts
 from sparkrl.services.common.feeder import feed_held, feed_prompts, mark_fed
-from sparkrl.services.common.roles import RolloutConfig
 from sparkrl.services.common.settings import (
     BusSettings,
     LearnerSettings,
@@ -31,6 +29,8 @@ from sparkrl.services.common.settings import (
     SparkSettings,
     TorchEngineSettings,
 )
+from sparkrl.services.common.settings.roles import RolloutConfig
+from sparkrl.services.common.tasks.datasets import countdown_prompts
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.learner.collect import BatchCollector
 from sparkrl.services.learner.data_end import Tally

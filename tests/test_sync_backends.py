@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from sparkrl.proto import WeightAnnouncement
 from sparkrl.services.common.settings import WeightSyncSettings
-from sparkrl.services.common.sync_settings import SyncBackend
+from sparkrl.services.common.settings.sync import SyncBackend
 from sparkrl.services.common.weight_sync import (
     BackendUnavailable,
     LoadedInPlace,

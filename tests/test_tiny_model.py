@@ -11,9 +11,9 @@ import pytest
 from _tiny import tiny_model_dir  # noqa: F401  (pytest fixture)
 
 from sparkrl.services.common import tiny_model
-from sparkrl.services.common.countdown import format_prompt, generate_problem, score_countdown
 from sparkrl.services.common.modeling import apply_chat_template_if_any, load_model, load_tokenizer
 from sparkrl.services.common.settings import SamplingSettings, TorchEngineSettings
+from sparkrl.services.common.tasks.countdown import format_prompt, generate_problem, score_countdown
 from sparkrl.services.rollout.torch_engine import TorchEngine
 
 REWARD_WINDOW = (0.05, 0.6)

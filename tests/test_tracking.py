@@ -90,8 +90,8 @@ def test_the_tracked_config_has_the_whole_run_and_no_secret(tmp_path: Path) -> N
     sampling, the prompts, eval and reward come from the files `sparkrl up` wrote; the Redis password and
     the weight-sync secret never leave the machine."""
     from sparkrl.plan import plan_stack, write_configs
-    from sparkrl.services.common.roles import LearnerConfig
     from sparkrl.services.common.settings import load_settings
+    from sparkrl.services.common.settings.roles import LearnerConfig
     from sparkrl.services.learner.tracking import tracked_config
 
     secret = "a-weight-sync-secret-long-enough-0123456789"

@@ -19,10 +19,10 @@ from conftest import free_port
 from sparkrl.proto import encode_group
 from sparkrl.proto.testing import random_group
 from sparkrl.services.common.bus import RedisBus
-from sparkrl.services.common.datasets import countdown_prompts
 from sparkrl.services.common.feeder import feed_prompts
-from sparkrl.services.common.roles import RolloutConfig
 from sparkrl.services.common.settings import BusSettings, PromptSettings, SparkSettings
+from sparkrl.services.common.settings.roles import RolloutConfig
+from sparkrl.services.common.tasks.datasets import countdown_prompts
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.rollout import service
 

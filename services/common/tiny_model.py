@@ -28,7 +28,7 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
-from sparkrl.services.common.countdown import (
+from sparkrl.services.common.tasks.countdown import (
     CountdownProblem,
     format_prompt,
     generate_problem,

@@ -20,8 +20,8 @@ from fastapi.staticfiles import StaticFiles
 
 from sparkrl.services.common.bus import BusError, RedisBus
 from sparkrl.services.common.http import AsciiJSON, BodyLimit, install_validation_handler
-from sparkrl.services.common.roles import ControlConfig
 from sparkrl.services.common.settings import BusSettings, ControlSettings
+from sparkrl.services.common.settings.roles import ControlConfig
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.control.auth import TokenCheck, resolve_token, write_gate
 from sparkrl.services.control.commands import Commander

@@ -24,7 +24,7 @@ from sparkrl.proto import (
 )
 from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.control_channel import CONTROL_LOG, CONTROL_STATE_KEY, read_control_state
-from sparkrl.services.common.hparams import Problem, check, split
+from sparkrl.services.common.settings.hparams import Problem, check, split
 from sparkrl.services.common.telemetry import LEARNER, Telemetry, worker_target
 
 RESULTS_LOG = "commands"

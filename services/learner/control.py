@@ -17,8 +17,8 @@ from deepspeed import DeepSpeedEngine
 
 from sparkrl.proto import CommandResult, ControlCommand, HparamValue, TrajectoryGroup
 from sparkrl.services.common.control_channel import ControlReader
-from sparkrl.services.common.hparams import HparamError, apply_learner, learner_hparams, split
 from sparkrl.services.common.settings import LearnerSettings
+from sparkrl.services.common.settings.hparams import HparamError, apply_learner, learner_hparams, split
 
 log = logging.getLogger("sparkrl.learner.control")
 

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from sparkrl.proto import RankOrder, TrajectoryGroup, decode_group, encode_group
-from sparkrl.services.common.roles import LearnerConfig
 from sparkrl.services.common.settings import LearnerSettings
+from sparkrl.services.common.settings.roles import LearnerConfig
 from sparkrl.services.learner.batch import MicroBatch, empty_like
 from sparkrl.services.learner.checkpoint import cpu_weights, join_gather, save_checkpoint, save_partitions
 from sparkrl.services.learner.ledger import Batch

@@ -20,7 +20,7 @@ from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.control_channel import ControlReader
 from sparkrl.services.common.metrics_server import MetricsServer
 from sparkrl.services.common.recovery import warn_if_not_persistent
-from sparkrl.services.common.roles import LearnerConfig
+from sparkrl.services.common.settings.roles import LearnerConfig
 from sparkrl.services.common.start_clock import StartClock
 from sparkrl.services.common.telemetry import LEARNER, Telemetry
 from sparkrl.services.common.weight_sync.files import WeightFileServer

@@ -25,8 +25,8 @@ from transformers import PreTrainedTokenizerBase
 
 from sparkrl.proto import TrajectoryGroup
 from sparkrl.services.common.modeling import load_model, load_tokenizer
-from sparkrl.services.common.roles import LearnerConfig
 from sparkrl.services.common.settings import LearnerSettings
+from sparkrl.services.common.settings.roles import LearnerConfig
 from sparkrl.services.common.start_clock import StartClock
 from sparkrl.services.learner.batch import micro_batches, samples_from_groups
 from sparkrl.services.learner.checkpoint import cpu_weights, restore, save_checkpoint

@@ -17,8 +17,8 @@ from typing import Any
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from sparkrl.services.common.answers import BOX_COMMANDS, last_boxed
-from sparkrl.services.common.countdown import score_countdown
+from sparkrl.services.common.tasks.answers import BOX_COMMANDS, last_boxed
+from sparkrl.services.common.tasks.countdown import score_countdown
 
 VerifyResult = tuple[float, str, str]
 VerifyFn = Callable[[str, str | None, dict[str, Any] | None], VerifyResult]

@@ -15,8 +15,8 @@ import threading
 from sparkrl.proto import ControlCommand
 from sparkrl.services.common.control_channel import ControlReader
 from sparkrl.services.common.feeder import lift_feed_hold
-from sparkrl.services.common.hparams import HparamError, apply_sampling, split
 from sparkrl.services.common.settings import SamplingSettings
+from sparkrl.services.common.settings.hparams import HparamError, apply_sampling, split
 
 log = logging.getLogger("sparkrl.rollout.control")
 

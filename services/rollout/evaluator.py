@@ -1,7 +1,7 @@
 """The in-training evaluator (`sparkrl evaluator`, started by `sparkrl up` when `eval.every` is set): one
 process, one loop. It follows the learner's weight announcements like a rollout worker that never joins a
 broadcast: every `eval.every` versions it loads the newest snapshot the learner wrote, evaluates it on
-held-out problems (`services/common/evaluation.py`), scores the answers through the reward service's
+held-out problems (`services/common/tasks/evaluation.py`), scores the answers through the reward service's
 verifiers over HTTP, and writes one `EvalRecord` to the telemetry and to `RUN_DIR/eval.jsonl`.
 
 The learner never waits for it: it reads the snapshot the learner writes anyway — from disk when it shares
@@ -21,11 +21,11 @@ from pathlib import Path
 from sparkrl.proto import EvalRecord, Prompt, WeightAnnouncement
 from sparkrl.proto.reward import RewardItem
 from sparkrl.services.common.bus import RedisBus
-from sparkrl.services.common.datasets import file_prompts
-from sparkrl.services.common.evaluation import EvalResult, evaluate_engine, heldout_countdown
 from sparkrl.services.common.reward_client import RewardClient
-from sparkrl.services.common.roles import EvaluatorConfig
 from sparkrl.services.common.settings import PromptSettings, TorchEngineSettings
+from sparkrl.services.common.settings.roles import EvaluatorConfig
+from sparkrl.services.common.tasks.datasets import file_prompts
+from sparkrl.services.common.tasks.evaluation import EvalResult, evaluate_engine, heldout_countdown
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.common.weight_sync.files import FetchFailed
 from sparkrl.services.rollout.announcements import AnnouncementGate

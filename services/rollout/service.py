@@ -19,7 +19,7 @@ from sparkrl.services.common.control_channel import ControlReader
 from sparkrl.services.common.metrics_server import MetricsServer
 from sparkrl.services.common.recovery import warn_if_not_persistent
 from sparkrl.services.common.reward_client import RewardClient
-from sparkrl.services.common.roles import RolloutConfig
+from sparkrl.services.common.settings.roles import RolloutConfig
 from sparkrl.services.common.start_clock import StartClock
 from sparkrl.services.common.telemetry import Telemetry, worker_target
 from sparkrl.services.common.weight_sync import WeightReceiver

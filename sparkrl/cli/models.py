@@ -48,7 +48,7 @@ def eval_model(
         raise typer.BadParameter("--data FILE goes with --task math (and only with it)", param_hint="--data")
     tasks, difficulty = None, settings(preset, None).prompts.countdown if preset else None
     if data is not None:
-        from sparkrl.services.common.datasets import DatasetError
+        from sparkrl.services.common.tasks.datasets import DatasetError
 
         try:
             tasks = math_tasks(data, problems)

@@ -1,8 +1,8 @@
 """One command per service, what a container or `sparkrl up` runs: `reward`, `rollout`, `control`,
 `learner`, `evaluator`, and the prompt feeder `prompts`. Each takes a settings file or preset (its role's
 file that `sparkrl up` wrote, or a whole tree, as compose and Kubernetes mount) plus `--set`, and hands its
-service only its role's part (`services/common/roles.py`). Service imports happen inside the commands so
-`sparkrl reward` never loads torch."""
+service only its role's part (`services/common/settings/roles.py`). Service imports happen inside the
+commands so `sparkrl reward` never loads torch."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import typer
 
 from sparkrl.cli.options import WHICH_REDIS, BusRunDir, Overrides, Preset, role_settings
 from sparkrl.services.common.logs import setup_logging
-from sparkrl.services.common.roles import (
+from sparkrl.services.common.settings.roles import (
     ControlConfig,
     EvaluatorConfig,
     LearnerConfig,
@@ -161,7 +161,6 @@ def prompts(
 def _feed(cfg: PromptsConfig, epochs: int, watch: bool, log: logging.Logger) -> None:
     """Every epoch into the prompt stream, then (with `watch`) again whenever the Redis lost its data."""
     from sparkrl.services.common.bus import RedisBus
-    from sparkrl.services.common.datasets import iter_prompts
     from sparkrl.services.common.feeder import (
         FeedReport,
         feed_prompts,
@@ -171,6 +170,7 @@ def _feed(cfg: PromptsConfig, epochs: int, watch: bool, log: logging.Logger) -> 
     )
     from sparkrl.services.common.logs import stop_on_signals
     from sparkrl.services.common.recovery import ensure_incarnation, warn_if_not_persistent
+    from sparkrl.services.common.tasks.datasets import iter_prompts
 
     stop = stop_on_signals(log, "feeding")
     with RedisBus(cfg.bus) as bus:

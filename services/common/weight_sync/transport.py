@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from sparkrl.proto import WeightAnnouncement
-from sparkrl.services.common.sync_settings import SyncBackend as Backend
+from sparkrl.services.common.settings.sync import SyncBackend as Backend
 from sparkrl.services.common.weight_sync.rendezvous import local_address_towards
 
 

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from sparkrl.services.common.settings_section import Section
+from sparkrl.services.common.settings.section import Section
 
 
 class CountdownSettings(Section):

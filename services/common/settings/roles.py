@@ -28,7 +28,7 @@ from sparkrl.services.common.settings import (
     SparkSettings,
     WeightSyncSettings,
 )
-from sparkrl.services.common.settings_section import Section
+from sparkrl.services.common.settings.section import Section
 
 Role = Literal["control", "reward", "learner", "rollout", "evaluator", "prompts"]
 

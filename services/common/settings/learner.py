@@ -6,15 +6,15 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from sparkrl.services.common.learner_knobs import (
+from sparkrl.services.common.settings.learner_knobs import (
     AdvantageSettings,
     KlSettings,
     ScheduleSettings,
     TrackingSettings,
 )
-from sparkrl.services.common.loss_settings import LossSettings, LpRegLoss
-from sparkrl.services.common.server_settings import MetricsEndpoint
-from sparkrl.services.common.settings_section import Section
+from sparkrl.services.common.settings.losses import LossSettings, LpRegLoss
+from sparkrl.services.common.settings.section import Section
+from sparkrl.services.common.settings.servers import MetricsEndpoint
 
 MAX_STALENESS = 100_000  # versions; more is the same as never dropping a group
 

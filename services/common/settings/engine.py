@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
-from sparkrl.services.common.settings_section import Section
+from sparkrl.services.common.settings.section import Section
 
 
 class SamplingSettings(Section):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from sparkrl.services.common.settings_section import Section
+from sparkrl.services.common.settings.section import Section
 
 
 class ActorResources(Section):

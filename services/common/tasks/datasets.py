@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from sparkrl.proto import Prompt
-from sparkrl.services.common import countdown
-from sparkrl.services.common.answers import last_boxed
 from sparkrl.services.common.settings import PromptSettings
+from sparkrl.services.common.tasks import countdown
+from sparkrl.services.common.tasks.answers import last_boxed
 
 DEFAULT_COUNTDOWN_PROMPTS = 64
 PLACEHOLDER = "{prompt}"  # where prompts.template takes the question; other braces stay as written

@@ -6,10 +6,10 @@ from typing import Literal
 
 from pydantic import Field
 
-from sparkrl.services.common.engine_settings import EngineSettings, SamplingSettings, TorchEngineSettings
-from sparkrl.services.common.server_settings import MetricsEndpoint
-from sparkrl.services.common.settings_section import Section
-from sparkrl.services.common.supervision_settings import WorkerHealthSettings
+from sparkrl.services.common.settings.engine import EngineSettings, SamplingSettings, TorchEngineSettings
+from sparkrl.services.common.settings.section import Section
+from sparkrl.services.common.settings.servers import MetricsEndpoint
+from sparkrl.services.common.settings.supervision import WorkerHealthSettings
 
 
 class RolloutSettings(Section):

@@ -18,22 +18,23 @@ import yaml
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
-from sparkrl.services.common.bus_settings import BusSettings
-from sparkrl.services.common.engine_settings import (
+from sparkrl.services.common.paths import resolve_model_path
+from sparkrl.services.common.settings.bus import BusSettings
+from sparkrl.services.common.settings.engine import (
     EngineSettings,
     SamplingSettings,
     TorchEngineSettings,
     VllmEngineSettings,
 )
-from sparkrl.services.common.eval_settings import EvalSettings
-from sparkrl.services.common.learner_knobs import (
+from sparkrl.services.common.settings.evaluation import EvalSettings
+from sparkrl.services.common.settings.learner import MAX_STALENESS, LearnerSettings
+from sparkrl.services.common.settings.learner_knobs import (
     AdvantageSettings,
     KlSettings,
     ScheduleSettings,
     TrackingSettings,
 )
-from sparkrl.services.common.learner_settings import MAX_STALENESS, LearnerSettings
-from sparkrl.services.common.loss_settings import (
+from sparkrl.services.common.settings.losses import (
     ClipCovLoss,
     ClipHigherLoss,
     EightyTwentyLoss,
@@ -44,13 +45,12 @@ from sparkrl.services.common.loss_settings import (
     LpRegLoss,
     PpoClipLoss,
 )
-from sparkrl.services.common.paths import resolve_model_path
-from sparkrl.services.common.prompt_settings import CountdownSettings, PromptSettings
-from sparkrl.services.common.ray_settings import RaySettings
-from sparkrl.services.common.rollout_settings import RolloutSettings
-from sparkrl.services.common.server_settings import ControlSettings, MetricsEndpoint, RewardSettings
-from sparkrl.services.common.supervision_settings import SupervisionSettings, WorkerHealthSettings
-from sparkrl.services.common.sync_settings import WeightSyncSettings
+from sparkrl.services.common.settings.prompts import CountdownSettings, PromptSettings
+from sparkrl.services.common.settings.ray import RaySettings
+from sparkrl.services.common.settings.rollout import RolloutSettings
+from sparkrl.services.common.settings.servers import ControlSettings, MetricsEndpoint, RewardSettings
+from sparkrl.services.common.settings.supervision import SupervisionSettings, WorkerHealthSettings
+from sparkrl.services.common.settings.sync import WeightSyncSettings
 
 # Each section lives in its own file; they are re-exported here, the tree's one import point.
 __all__ = [
@@ -93,7 +93,7 @@ def _configs_dir() -> Path:
     try:
         return Path(str(importlib.resources.files("sparkrl.configs")))
     except ModuleNotFoundError:
-        return Path(__file__).resolve().parents[2] / "configs"
+        return Path(__file__).resolve().parents[3] / "configs"
 
 
 CONFIGS_DIR = _configs_dir()
@@ -287,7 +287,7 @@ def _did_you_mean(path: str) -> str:
     the same section (the deepest section the path names, a variant's tag skipped)."""
     import difflib
 
-    from sparkrl.services.common.settings_fields import fields
+    from sparkrl.services.common.settings.fields import fields
 
     known = {re.sub(r"\[[^\]]*\]", "", p) for p, _, _, _ in fields(SparkSettings)}
     sections = {p.rsplit(".", 1)[0] for p in known if "." in p} | {""}

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field
 
-from sparkrl.services.common.settings_section import Section
+from sparkrl.services.common.settings.section import Section
 
 # Why each bound is where it is: `hparams.py` puts the reason into the 422 a live change out of bounds gets
 # (`json_schema_extra["why"]`, keyed by the constraint). Shared by every loss that has the parameter.

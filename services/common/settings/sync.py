@@ -12,7 +12,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from sparkrl.services.common.settings_section import Section
+from sparkrl.services.common.settings.section import Section
 
 SyncBackend = Literal["gloo", "nccl", "nccl4py", "vllm_nccl"]  # `WeightAnnouncement.backend` too
 

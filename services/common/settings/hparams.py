@@ -18,8 +18,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from sparkrl.proto import HparamValue
-from sparkrl.services.common.loss_settings import LossSettings
 from sparkrl.services.common.settings import LearnerSettings, SamplingSettings
+from sparkrl.services.common.settings.losses import LossSettings
 
 # Learner hyperparameter name → its LearnerSettings field.
 LEARNER_FIELDS: dict[str, str] = {"lr": "lr", "max_staleness": "max_staleness", "kappa": "proxy_kappa"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field, SecretStr
 
-from sparkrl.services.common.settings_section import Section
+from sparkrl.services.common.settings.section import Section
 
 
 class RewardSettings(Section):

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sparkrl.proto import Prompt
-from sparkrl.services.common.countdown import format_prompt, generate_problem
 from sparkrl.services.common.modeling import apply_chat_template_if_any
 from sparkrl.services.common.settings import CountdownSettings, SamplingSettings
+from sparkrl.services.common.tasks.countdown import format_prompt, generate_problem
 
 CHUNK_PROMPTS = 32  # problems generated together (× n rows)
 
