@@ -210,7 +210,7 @@ def test_a_full_disk_fails_the_write_whole_and_leaves_latest(
     first = save_checkpoint(engine, tokenizer, small_disk, TrainState(step=1), keep=2)
     with pytest.raises(CheckpointError) as failed:
         save_checkpoint(engine, tokenizer, small_disk, TrainState(step=2), keep=2)
-    assert "could not be written" in str(failed.value) and "GiB free" in str(failed.value)
+    assert "could not be written" in str(failed.value) and "MiB free of 4.0 MiB" in str(failed.value)
     root = small_disk / "checkpoints"
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-000001"]  # no partial folder
     assert latest_checkpoint(small_disk) == first and not_whole(first) is None
