@@ -78,7 +78,7 @@ def measure(engine_kind: str, model: Path, threads: int, rounds: int) -> dict[st
     from sparkrl.services.common.modeling import load_model
     from sparkrl.services.common.settings import SamplingSettings, TorchEngineSettings, VllmEngineSettings
     from sparkrl.services.common.tasks.countdown import format_prompt, generate_problem
-    from sparkrl.services.rollout.engine import make_engine
+    from sparkrl.services.rollout.engines import make_engine
 
     torch.set_num_threads(threads)
     settings: Any = (

@@ -22,7 +22,8 @@ from sparkrl.proto import Completion
 from sparkrl.services.common.modeling import load_model
 from sparkrl.services.common.settings import SamplingSettings, TorchEngineSettings, VllmEngineSettings
 from sparkrl.services.common.weight_sync import weights_checksum
-from sparkrl.services.rollout.engine import Engine, make_engine
+from sparkrl.services.rollout.engine import Engine
+from sparkrl.services.rollout.engines import make_engine
 
 VLLM_HERE = importlib.util.find_spec("vllm") is not None
 NO_VLLM = "vLLM is not in this interpreter: `make test` runs these in .venv-vllm (`make vllm-env`)"
@@ -130,6 +131,20 @@ def test_seed_stop_and_length(engine: Engine) -> None:
     for group in engine.generate(prompts, SamplingSettings(n=4, max_new_tokens=12, stop=stops, seed=7)):
         for c in group:
             assert not any(stop in c.text for stop in stops)
+
+
+def test_bad_requests_fail_clearly_and_change_nothing(engine: Engine) -> None:
+    """`Engine.check_request`, which both engines call before any model work."""
+    good = prompt_ids(engine)[0]
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([good, []], SamplingSettings(n=1))
+    for bad_id in (engine.vocab_size, -1):
+        with pytest.raises(ValueError, match="prompt 0 has token ids outside"):
+            engine.generate([[*good, bad_id]], SamplingSettings(n=1))
+    with pytest.raises(ValueError, match="exceeds the vocabulary"):
+        engine.generate([good], SamplingSettings(n=1, topk_logprobs=engine.vocab_size + 1))
+    [[completion]] = engine.generate([good], SamplingSettings(n=1, max_new_tokens=2))
+    assert completion.policy_versions.tolist() == [engine.policy_version] * completion.num_tokens
 
 
 def test_load_weights_swaps_and_restores(engine: Engine, reference: PreTrainedModel) -> None:

@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from sparkrl.services.common.modeling import load_model
 from sparkrl.services.common.settings import SamplingSettings, VllmEngineSettings, WeightSyncSettings
 from sparkrl.services.common.weight_sync import LoadedInPlace, SyncFailed, WeightSender, weights_checksum
-from sparkrl.services.rollout.engine import WeightLoadFailed, make_engine
+from sparkrl.services.rollout.engine import WeightLoadFailed
+from sparkrl.services.rollout.engines import make_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

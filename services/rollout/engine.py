@@ -18,19 +18,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
-from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from sparkrl.proto import Completion
-from sparkrl.services.common.settings import (
-    EngineSettings,
-    SamplingSettings,
-    TorchEngineSettings,
-    VllmEngineSettings,
-)
+from sparkrl.services.common.settings import SamplingSettings
 from sparkrl.services.common.weight_sync import SyncFailed
 
 
@@ -102,19 +96,3 @@ def make_completion(
         text=text,
         finish_reason=finish_reason,
     )
-
-
-def make_engine(model_path: str | Path, settings: EngineSettings, *, native_transfer: bool = False) -> Engine:
-    """The engine its settings' type names; vLLM is imported only when asked for. `native_transfer`:
-    the weights arrive through vLLM's own transfer engine (`sync.backend: vllm_nccl`; vLLM only)."""
-    if isinstance(settings, TorchEngineSettings):
-        if native_transfer:
-            raise ValueError("sync.backend=vllm_nccl loads weights into vLLM: set rollout.engine.kind=vllm")
-        from sparkrl.services.rollout.torch_engine import TorchEngine
-
-        return TorchEngine(model_path, settings)
-    if isinstance(settings, VllmEngineSettings):
-        from sparkrl.services.rollout.vllm_engine import VllmEngine
-
-        return VllmEngine(model_path, settings, native_transfer=native_transfer)
-    raise TypeError(f"no engine for settings of type {type(settings).__name__}")

@@ -26,7 +26,8 @@ from sparkrl.services.common.weight_sync import WeightReceiver
 from sparkrl.services.rollout.announcements import AnnouncementGate
 from sparkrl.services.rollout.catch_up import model_dir_for
 from sparkrl.services.rollout.control import WorkerControl
-from sparkrl.services.rollout.engine import Engine, make_engine
+from sparkrl.services.rollout.engine import Engine
+from sparkrl.services.rollout.engines import make_engine
 from sparkrl.services.rollout.health import HealthGuard
 from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
 from sparkrl.services.rollout.lockstep import Lockstep
