@@ -184,12 +184,3 @@ def test_load_weights_rejects_unknown_names_and_shapes(engine: TorchEngine) -> N
     with pytest.raises(ValueError, match="shape"):
         engine.load_weights([(name, torch.zeros(tensor.shape[0] + 1))], version=version + 1)
     assert engine.policy_version == version
-
-
-def test_bad_inputs_fail_clearly(engine: TorchEngine) -> None:
-    with pytest.raises(ValueError, match="empty"):
-        engine.generate([[]], SamplingSettings(n=1))
-    with pytest.raises(ValueError, match="outside"):
-        engine.generate([[engine.vocab_size]], SamplingSettings(n=1))
-    with pytest.raises(ValueError, match="vocabulary"):
-        engine.generate([[5]], SamplingSettings(n=1, topk_logprobs=engine.vocab_size + 1))

@@ -63,6 +63,20 @@ class Engine(ABC):
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Completion]]:
         """`sampling.n` completions for each prompt (token ids), in prompt order."""
 
+    def check_request(self, prompts: list[list[int]], sampling: SamplingSettings) -> None:
+        """Refuse, with a ValueError naming it, what no engine can sample: an empty prompt, a token id
+        outside the vocabulary, more top-k entries than the vocabulary has. Each engine's `generate` calls
+        it before any model work, so a bad request fails clearly and leaves the engine as it was."""
+        if sampling.topk_logprobs > self.vocab_size:
+            raise ValueError(
+                f"topk_logprobs={sampling.topk_logprobs} exceeds the vocabulary ({self.vocab_size})"
+            )
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty")
+            if min(prompt) < 0 or max(prompt) >= self.vocab_size:
+                raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size})")
+
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy these (Hugging Face-named) tensors into the model in place; tag later tokens `version`."""

@@ -132,15 +132,7 @@ class TorchEngine(Engine):
     def _check_inputs(self, prompts: list[list[int]], sampling: SamplingSettings) -> None:
         if self._closed:
             raise RuntimeError("engine is closed")
-        if sampling.topk_logprobs > self._vocab_size:
-            raise ValueError(
-                f"topk_logprobs={sampling.topk_logprobs} exceeds the vocabulary ({self._vocab_size})"
-            )
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty")
-            if min(prompt) < 0 or max(prompt) >= self._vocab_size:
-                raise ValueError(f"prompt {i} has token ids outside [0, {self._vocab_size})")
+        self.check_request(prompts, sampling)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Completion]]:
         self._check_inputs(prompts, sampling)

@@ -167,6 +167,7 @@ class VllmEngine(Engine):
     def _check_inputs(self, prompts: list[list[int]], sampling: SamplingSettings) -> None:
         if self._broken is not None:
             raise EngineBroken(self._broken)
+        self.check_request(prompts, sampling)
         if sampling.min_new_tokens > 0:
             raise ValueError(
                 "the vLLM engine's processed log-probs would carry min_new_tokens' EOS mask (vLLM's "
@@ -183,11 +184,6 @@ class VllmEngine(Engine):
                 f"topk_logprobs={sampling.topk_logprobs} exceeds rollout.engine.max_logprobs="
                 f"{self.settings.max_logprobs}"
             )
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty")
-            if min(prompt) < 0 or max(prompt) >= self._vocab_size:
-                raise ValueError(f"prompt {i} has token ids outside [0, {self._vocab_size})")
 
     def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Completion]]:
         from vllm.inputs import TokensPrompt
