@@ -1,5 +1,6 @@
-"""A batch's way to groups: pull prompts (dead-lettering the ones that cannot be taken), generate the
-GRPO groups, score them. The worker's loop (`worker.py`) strings these together."""
+"""A batch's way to groups: pull prompts (dead-lettering the ones that cannot be taken), then, once the
+engine has sampled their completions, score them into GRPO groups. The worker's loop (`worker.py`)
+strings these together."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from sparkrl.proto import (
     Completion,
     Prompt,
     RewardItem,
-    RewardResult,
     SamplingParams,
     TrajectoryGroup,
     decode_message,
@@ -75,23 +75,24 @@ def pull_prompts(
     return batch if batch.prompts else None
 
 
-def generate_groups(
-    engine: Engine, batch: PromptBatch, cfg: RolloutSettings, worker_id: str
-) -> list[TrajectoryGroup]:
-    """Sample n completions per prompt; rewards are filled in by `score_groups`."""
-    completions = engine.generate(batch.token_ids, cfg.sampling)
-    return build_groups(engine, batch, completions, cfg, worker_id)
-
-
-def build_groups(
+def score_groups(
+    reward: RewardClient,
     engine: Engine,
     batch: PromptBatch,
     completions: list[list[Completion]],
     cfg: RolloutSettings,
     worker_id: str,
 ) -> list[TrajectoryGroup]:
-    """One unscored group per prompt of `batch`, from its completions."""
+    """One scored group per prompt of `batch`, from its completions (one list per prompt, in order): every
+    completion of every group scored in one batched HTTP call, retried inside the client."""
     created_at = time.time()
+    items = [
+        RewardItem(task=prompt.task, completion=c.text, answer=prompt.answer, task_data=prompt.task_data)
+        for prompt, group in zip(batch.prompts, completions, strict=True)
+        for c in group
+    ]
+    results = iter(reward.score(items))
+    scored_at = time.time()
     sampling = SamplingParams(
         temperature=cfg.sampling.temperature,
         top_p=cfg.sampling.top_p,
@@ -99,40 +100,23 @@ def build_groups(
     )
     groups = []
     for prompt, prompt_ids, group in zip(batch.prompts, batch.token_ids, completions, strict=True):
-        placeholder = RewardResult(score=0.0, status="no_answer", detail="not scored yet", elapsed_s=0.0)
+        details = [next(results) for _ in group]
         groups.append(
             TrajectoryGroup(
                 group_id=group_id_for(prompt.prompt_id),
                 prompt=prompt,
                 prompt_token_ids=prompt_ids,
                 completions=group,
-                rewards=[0.0] * len(group),
-                reward_details=[placeholder] * len(group),
+                rewards=[d.score for d in details],
+                reward_details=details,
                 task=prompt.task,
                 producer=worker_id,
                 vocab_size=engine.vocab_size,
                 topk=cfg.sampling.topk_logprobs,
                 sampling=sampling,
                 created_at=created_at,
-                scored_at=created_at,
-                published_at=created_at,
+                scored_at=scored_at,
+                published_at=scored_at,  # set again as each is published
             )
         )
     return groups
-
-
-def score_groups(reward: RewardClient, groups: list[TrajectoryGroup]) -> list[TrajectoryGroup]:
-    """One batched HTTP call for every completion of every group; retried inside the client."""
-    items = [
-        RewardItem(task=g.task, completion=c.text, answer=g.prompt.answer, task_data=g.prompt.task_data)
-        for g in groups
-        for c in g.completions
-    ]
-    results = iter(reward.score(items))
-    scored_at = time.time()
-    scored = []
-    for group in groups:
-        details = [next(results) for _ in group.completions]
-        update = {"rewards": [d.score for d in details], "reward_details": details, "scored_at": scored_at}
-        scored.append(group.model_copy(update=update))
-    return scored

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from sparkrl.proto import LearnerStatus, TrajectoryGroup, WeightAnnouncement, encode_group
+from sparkrl.proto import Completion, LearnerStatus, TrajectoryGroup, WeightAnnouncement, encode_group
 from sparkrl.services.common.bus import BusBackpressureTimeout, Entry, RedisBus
 from sparkrl.services.common.metrics_server import MetricsServer
 from sparkrl.services.common.reward_client import RewardClient, RewardServiceError
@@ -33,13 +33,7 @@ from sparkrl.services.common.weight_sync import (
     WeightReceiver,
 )
 from sparkrl.services.rollout.announcements import AnnouncementGate
-from sparkrl.services.rollout.batch import (
-    PromptBatch,
-    build_groups,
-    generate_groups,
-    pull_prompts,
-    score_groups,
-)
+from sparkrl.services.rollout.batch import PromptBatch, pull_prompts, score_groups
 from sparkrl.services.rollout.catch_up import catch_up
 from sparkrl.services.rollout.control import WorkerControl
 from sparkrl.services.rollout.engine import Engine
@@ -254,16 +248,18 @@ class Worker:
         if made is None:
             state.in_hand_version = None
             return None
-        batch, groups = made
-        tokens = sum(c.num_tokens for g in groups for c in g.completions)
+        batch, completions = made
+        tokens = sum(c.num_tokens for group in completions for c in group)
         state.tokens_per_s = tokens / max(time.monotonic() - start, 1e-9)
         metrics.tokens.inc(tokens)
         try:
             with metrics.score_seconds.time(), self._part("score"):
-                groups = score_groups(self.reward, groups)
+                groups = score_groups(
+                    self.reward, self.engine, batch, completions, self.cfg, self.state.worker_id
+                )
         except RewardServiceError as exc:
             # Not acked: the prompts come back (to us or another worker) after bus.claim_idle_ms.
-            log.error("scoring failed, leaving %d prompts to be reclaimed: %s", len(groups), exc)
+            log.error("scoring failed, leaving %d prompts to be reclaimed: %s", len(batch.prompts), exc)
             state.in_hand_version = None
             return None
         doomed = (lambda group: False) if last else self.doomed_check()
@@ -284,12 +280,12 @@ class Worker:
         self.lockstep.record(made_with, published)
         return batch.subset(redo) if redo else None
 
-    def _generate(self, batch: PromptBatch) -> tuple[PromptBatch, list[TrajectoryGroup]] | None:
-        """The batch's groups; after a failure, those of the prompts that generate alone (the ones that
+    def _generate(self, batch: PromptBatch) -> tuple[PromptBatch, list[list[Completion]]] | None:
+        """The batch's completions; after a failure, those of the prompts that generate alone (the ones that
         fail alone while the engine works are dead-lettered), or None when the model or engine is at
         fault (the worker falls sick, the prompts stay unacknowledged, to be reclaimed)."""
         try:
-            return batch, generate_groups(self.engine, batch, self.cfg, self.state.worker_id)
+            return batch, self.engine.generate(batch.token_ids, self.cfg.sampling)
         except Exception as exc:  # a prompt the engine refuses, or a sick model: `diagnose` tells which
             log.warning("generation of %d prompts failed (%s: %s); diagnosing", len(batch.prompts),
                         type(exc).__name__, exc)  # fmt: skip
@@ -302,9 +298,7 @@ class Worker:
         keep = sorted(found.completions)
         if not keep:
             return None
-        kept = batch.subset(keep)
-        completions = [found.completions[i] for i in keep]
-        return kept, build_groups(self.engine, kept, completions, self.cfg, self.state.worker_id)
+        return batch.subset(keep), [found.completions[i] for i in keep]
 
     def doomed_check(self) -> Callable[[TrajectoryGroup], bool]:
         """Whether a group is already older than the learner's `max_staleness` (in force, as its status
