@@ -197,7 +197,7 @@ def _lm_like_logits(
 
 
 def check_lp_reg(device: torch.device, tokens: int, vocab: int) -> Check:
-    from sparkrl.services.learner.losses.lp_reg import lp_reg_loss
+    from sparkrl.services.common.losses.lp_reg import LpRegLoss, lp_reg_loss
     from sparkrl.services.learner.proxy import proxy_logp_from_logits, proxy_logp_from_topk
 
     generator = torch.Generator(device=device).manual_seed(0)
@@ -227,13 +227,13 @@ def check_lp_reg(device: torch.device, tokens: int, vocab: int) -> Check:
 
     def loss_and_grad() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         logp.grad = None
-        loss, metrics = lp_reg_loss(logp, old_logp, from_logits, adv, mask, rho=rho)
+        loss, metrics = lp_reg_loss(logp, old_logp, adv, mask, LpRegLoss(rho=rho), proxy_logp=from_logits)
         loss.backward()
         return loss.detach(), metrics
 
     (loss, metrics), t_loss = _timed(loss_and_grad, device)
-    cpu = [x.detach().double().cpu() for x in (logp, old_logp, from_logits, adv)]
-    loss64, _ = lp_reg_loss(*cpu, mask.cpu(), rho=rho)
+    logp64, old64, proxy64, adv64 = (x.detach().double().cpu() for x in (logp, old_logp, from_logits, adv))
+    loss64, _ = lp_reg_loss(logp64, old64, adv64, mask.cpu(), LpRegLoss(rho=rho), proxy_logp=proxy64)
     loss_diff = abs(float(loss) - float(loss64))
     tolerances = {"ref_vs_logits": 1e-4, "ref_vs_topk": 1e-4, "logits_vs_topk": 1e-4, "loss": 1e-5}
     figures = {"ref_vs_logits": ref_vs_logits, "ref_vs_topk": ref_vs_topk, "logits_vs_topk": logits_vs_topk,

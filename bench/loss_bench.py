@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from sparkrl.proto import decode_group, encode_group
 from sparkrl.proto.testing import random_group
-from sparkrl.services.learner import proxy_logp_from_logits, proxy_logp_from_topk
+from sparkrl.services.learner.proxy import proxy_logp_from_logits, proxy_logp_from_topk
 
 
 class PeakTensorMemory(TorchDispatchMode):

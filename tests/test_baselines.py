@@ -6,21 +6,20 @@ import math
 
 import pytest
 import torch
-from torch.testing import assert_close
-
-from sparkrl.services.learner.losses import (
-    POLICY_LOSSES,
-    LossInputs,
+from _losses import (
     clip_cov_loss,
     clip_higher_loss,
     eighty_twenty_loss,
     entropy_bonus_loss,
     gspo_loss,
     kl_cov_loss,
+    loss_by_name,
     lp_reg_loss,
-    policy_loss,
     ppo_clip_loss,
 )
+from torch.testing import assert_close
+
+from sparkrl.services.common.losses import LOSSES, LossInputs, loss_spec
 
 
 def _t(*rows: list[float]) -> torch.Tensor:
@@ -154,7 +153,7 @@ def test_lp_reg_entry_is_the_lp_reg_loss() -> None:
     direct, _ = lp_reg_loss(
         batch.logp, batch.old_logp, batch.proxy_logp, batch.advantages, batch.mask, rho=0.1
     )
-    via_registry, _ = policy_loss("lp_reg", batch, rho=0.1)
+    via_registry, _ = loss_by_name("lp_reg", batch, rho=0.1)
     assert_close(via_registry, direct)
 
 
@@ -172,10 +171,10 @@ def _random_inputs(seed: int, B: int = 4, T: int = 40) -> LossInputs:
     )
 
 
-@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+@pytest.mark.parametrize("name", sorted(LOSSES))
 def test_every_registered_loss_runs_with_finite_loss_and_grads(name: str) -> None:
     inputs = _random_inputs(seed=0)
-    loss, stats = policy_loss(name, inputs)
+    loss, stats = loss_by_name(name, inputs)
     loss.backward()
     assert loss.ndim == 0 and torch.isfinite(loss)
     assert inputs.logp.grad is not None and torch.isfinite(inputs.logp.grad).all()
@@ -184,34 +183,34 @@ def test_every_registered_loss_runs_with_finite_loss_and_grads(name: str) -> Non
     assert all(not v.requires_grad for v in stats.values())
 
 
-@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
-def test_every_loss_accepts_is_weights_and_unit_weights_change_nothing(name: str) -> None:
+@pytest.mark.parametrize("name", sorted(LOSSES))
+def test_every_loss_accepts_token_weights_and_unit_weights_change_nothing(name: str) -> None:
     inputs = _random_inputs(seed=2)
-    hparams = {"generator": torch.Generator().manual_seed(0)} if name == "clip_cov" else {}
-    plain, _ = policy_loss(name, inputs, **hparams)
-    ones = LossInputs(**{**inputs.__dict__, "is_weights": torch.ones_like(inputs.old_logp)})
-    hparams = {"generator": torch.Generator().manual_seed(0)} if name == "clip_cov" else {}
-    weighted, _ = policy_loss(name, ones, **hparams)
+    torch.manual_seed(0)  # Clip-Cov draws from torch's default generator
+    plain, _ = loss_by_name(name, inputs)
+    ones = LossInputs(**{**inputs.__dict__, "token_weights": torch.ones_like(inputs.old_logp)})
+    torch.manual_seed(0)
+    weighted, _ = loss_by_name(name, ones)
     assert_close(weighted, plain)
 
 
 def test_grpo_is_ppo_clip() -> None:
     inputs = _random_inputs(seed=3)
-    assert_close(policy_loss("grpo", inputs)[0], policy_loss("ppo_clip", inputs)[0])
+    assert_close(loss_by_name("grpo", inputs)[0], loss_by_name("ppo_clip", inputs)[0])
 
 
 def test_unknown_name_lists_the_known_ones() -> None:
     with pytest.raises(KeyError, match=r"lp_reg.*ppo_clip"):
-        policy_loss("ppo", _random_inputs(seed=0))
+        loss_spec("ppo")
 
 
 @pytest.mark.parametrize(("name", "missing"), [("lp_reg", "proxy_logp"), ("eighty_twenty", "entropy")])
 def test_missing_input_is_a_clear_error(name: str, missing: str) -> None:
     inputs = LossInputs(**{**_random_inputs(seed=0).__dict__, missing: None})
     with pytest.raises(ValueError, match=missing):
-        policy_loss(name, inputs)
+        loss_by_name(name, inputs)
 
 
 def test_unknown_hparam_fails_loudly() -> None:
-    with pytest.raises(TypeError):
-        policy_loss("ppo_clip", _random_inputs(seed=0), rho=0.1)
+    with pytest.raises(ValueError, match="rho"):  # the settings class forbids what it does not hold
+        loss_by_name("ppo_clip", _random_inputs(seed=0), rho=0.1)

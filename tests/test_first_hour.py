@@ -129,7 +129,7 @@ def test_8_a_variant_switch_is_the_same_whichever_way_it_arrives(monkeypatch: py
 def test_10_a_bad_setting_is_one_plain_line_per_problem() -> None:
     done = _cli("learner", "--preset", "demo", "--set", "learner.lr=-1", "--set", "learner.loss.name=nope")
     assert done.returncode == 2
-    assert "learner.lr: Input should be greater than 0 (got -1)" in done.stderr
+    assert "learner.lr: Input should be greater than or equal to 0.0000000001 (got -1)" in done.stderr
     assert "errors.pydantic.dev" not in done.stderr and "Traceback" not in done.stderr
 
 

@@ -13,12 +13,12 @@ from _tiny import tiny_model_dir  # noqa: F401  (fixture)
 
 from sparkrl.proto import TrajectoryGroup
 from sparkrl.proto.testing import random_group
+from sparkrl.services.common.losses import LOSSES as POLICY_LOSSES
 from sparkrl.services.common.modeling import load_model
 from sparkrl.services.learner.batch import micro_batches, samples_from_groups
 from sparkrl.services.learner.checkpoint import latest_checkpoint
 from sparkrl.services.learner.ledger import Batch
 from sparkrl.services.learner.logprobs import token_logp_and_entropy
-from sparkrl.services.learner.losses import POLICY_LOSSES
 from sparkrl.services.learner.state import TrainState
 
 VOCAB = 260  # the tiny model's byte-level vocabulary

@@ -63,7 +63,9 @@ def test_a_restart_replays_what_no_checkpoint_holds_and_a_checkpoint_trims_it(
             state.step += 1
             ledger.commit(state, read_batch(bus, 2))
         ledger.checkpointed(1)
-        assert ledger.saved_step == 1 and ledger.journal.steps() == [2]
+        # The journal keeps the steps since the checkpoint before this one (none: from the start), so a
+        # resume can fall back to it if this one does not load; the next checkpoint trims up to step 1.
+        assert ledger.saved_step == 1 and ledger.journal.steps() == [1, 2]
 
         # A crash, then `--resume` from the checkpoint of step 1: step 2 was acknowledged, so only the
         # journal holds it; it comes back as the same step, the same groups, the same entries.
@@ -72,9 +74,11 @@ def test_a_restart_replays_what_no_checkpoint_holds_and_a_checkpoint_trims_it(
         assert step == 2 and [g.group_id for g in batch.groups] == [g.group_id for g in made[2:]]
         resumed = TrainState(step=2, groups_trained=2)
         assert again.commit(resumed, batch, journaled=True) == 0  # acknowledged before the crash
-        assert again.journal.steps() == [2] and resumed.groups_trained == 4
+        assert again.journal.steps() == [1, 2] and resumed.groups_trained == 4
         again.checkpointed(2)
-        assert again.journal.steps() == [] and list(again.replay(after=2)) == []
+        assert again.journal.steps() == [2]  # trimmed up to the checkpoint before this one
+        again.checkpointed(2)  # a tagged checkpoint of the same step trims nothing more
+        assert again.journal.steps() == [2] and list(again.replay(after=2)) == []
 
 
 def test_a_fresh_run_forgets_an_earlier_runs_journal(bus_settings: BusSettings, tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
-"""Lp-Reg loss (DESIGN.md, "Lp-Reg, exactly"): hand-checked three-token cases, then a token-by-token
-reference implementation compared on random batches (values and gradients)."""
+"""Lp-Reg loss (docs/architecture.md, "Lp-Reg, exactly"): hand-checked three-token cases, then a
+token-by-token reference implementation compared on random batches (values and gradients)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,8 @@ import math
 
 import pytest
 import torch
+from _losses import lp_reg_loss, ppo_clip_loss
 from torch.testing import assert_close
-
-from sparkrl.services.learner.losses import lp_reg_loss, ppo_clip_loss
 
 INF = float("inf")
 
@@ -245,11 +244,11 @@ def test_rho_zero_equals_ppo_clip_with_paper_range() -> None:
     assert_close(results[0][1], results[1][1])
 
 
-def test_is_weights_multiply_each_token_and_none_changes_nothing() -> None:
+def test_token_weights_multiply_each_token_and_none_changes_nothing() -> None:
     batch = _random_batch(5)
     plain, _ = lp_reg_loss(**batch, rho=0.1)
-    ones, _ = lp_reg_loss(**batch, rho=0.1, is_weights=torch.ones_like(batch["logp"]))
-    twos, _ = lp_reg_loss(**batch, rho=0.1, is_weights=torch.full_like(batch["logp"], 2.0))
+    ones, _ = lp_reg_loss(**batch, rho=0.1, token_weights=torch.ones_like(batch["logp"]))
+    twos, _ = lp_reg_loss(**batch, rho=0.1, token_weights=torch.full_like(batch["logp"], 2.0))
     assert_close(plain, ones)
     assert_close(twos, 2 * plain)
 

@@ -1,24 +1,6 @@
-"""Learner: advantages, losses (Lp-Reg and baselines), DeepSpeed engine, weight broadcast, control API."""
-
-from sparkrl.services.learner.advantages import group_advantages, truncated_is_metrics, truncated_is_weights
-from sparkrl.services.learner.losses import POLICY_LOSSES, LossInputs, lp_reg_loss, policy_loss
-from sparkrl.services.learner.proxy import (
-    FILTERED_LOGP,
-    proxy_logp_from_logits,
-    proxy_logp_from_topk,
-    proxy_metrics,
-)
-
-__all__ = [
-    "FILTERED_LOGP",
-    "POLICY_LOSSES",
-    "LossInputs",
-    "group_advantages",
-    "lp_reg_loss",
-    "policy_loss",
-    "proxy_logp_from_logits",
-    "proxy_logp_from_topk",
-    "proxy_metrics",
-    "truncated_is_metrics",
-    "truncated_is_weights",
-]
+"""The learner: its loop (learner.py), the trainer under DeepSpeed (trainer.py, ranks.py), the step's update
+(update.py: collation in batch.py and prompt_sharing.py, log-probs in logprobs.py, the Lp-Reg proxy in
+proxy.py), exactly-once (ledger.py), checkpoints (checkpoint.py, checkpoint_folder.py), the weight
+publisher (publisher.py) and its service (service.py). The losses themselves are in
+`services/common/losses/` (their settings are checked live by the control service).
+"""

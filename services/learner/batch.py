@@ -296,10 +296,11 @@ def update_micro_batches(
 ) -> list[MicroBatch]:
     """An update's micro-batches from `partition`'s parts, collated by `collate_fn` (prompt_sharing.py's
     `collator`: padded, packed, or with shared prompts). `skip_zero_advantage`: without the samples no
-    loss term reaches (A = 0, or no token; losses/registry.py, `skips_zero_advantage`), each part's other
-    samples kept together (Lp-Reg counts its k per micro-batch), and one empty pass when nothing is left,
-    so the optimizer still steps (Adam moves on a zero gradient too) as it would have. The gradient is the
-    same provided the caller still divides by every token of the update, the skipped included (update.py)."""
+    loss term reaches (A = 0, or no token, under a loss registered `zero_advantage_free`), each part's
+    other samples kept together (Lp-Reg counts its k per micro-batch), and one empty pass when nothing is
+    left, so the optimizer still steps (Adam moves on a zero gradient too) as it would have. The gradient
+    is the same provided the caller still divides by every token of the update, the skipped included
+    (update.py)."""
     made = []
     for part in parts:
         run = [s for s in part if s.trained] if skip_zero_advantage else part

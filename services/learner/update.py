@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from sparkrl.proto import TrajectoryGroup
+from sparkrl.services.common.losses import LossInputs, loss_spec, policy_loss
 from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner import logprobs
 from sparkrl.services.learner.advantages import truncated_is_metrics, truncated_is_weights
@@ -54,12 +55,6 @@ from sparkrl.services.learner.batch import (
     work_done,
 )
 from sparkrl.services.learner.control import set_lr
-from sparkrl.services.learner.losses import (
-    LossInputs,
-    entropy_has_gradient,
-    policy_loss,
-    skips_zero_advantage,
-)
 from sparkrl.services.learner.prompt_sharing import collator
 from sparkrl.services.learner.proxy import proxy_logp_from_topk
 from sparkrl.services.learner.reference import kl_to_reference
@@ -119,7 +114,7 @@ def run_updates(
     # The divisors count every token, those of completions left unrun for A = 0 included.
     totals = [Totals(sum(s.num_tokens for s in m), sum(s.num_tokens > 0 for s in m)) for m in per_update]
     updates = [partition(m, cfg.micro_batch_tokens) for m in per_update]
-    skip = skips_zero_advantage(cfg.loss.name) and cfg.skip_zero_advantage and reference is None
+    skip = loss_spec(cfg.loss.name).zero_advantage_free and cfg.skip_zero_advantage and reference is None
     collate_fn = collator(pad_id, cfg.pack_length, cfg.share_prompts)
     every = [update_micro_batches(u, collate_fn, skip) for u in updates]
     if skip:
@@ -204,7 +199,7 @@ def apply_update(
     dp_size = engine.dp_world_size
     sums: Stats = defaultdict(float)
     sums["loss"] = 0.0
-    entropy_grad = entropy_has_gradient(cfg.loss.name)
+    entropy_grad = loss_spec(cfg.loss.name).entropy_gradient
     for index, (mb, old) in enumerate(zip(micro, olds, strict=True)):
         engine.set_gradient_accumulation_boundary(index == len(micro) - 1)
         if mb.num_tokens == 0:  # a rank's padding (ranks.py): the pass every rank runs, contributing 0
@@ -308,9 +303,9 @@ def micro_batch_loss(
         mask=mb.mask,
         proxy_logp=old.proxy_logp,
         entropy=entropy,
-        is_weights=old.is_weights if weights is None else weights,
+        token_weights=old.is_weights if weights is None else weights,
     )
-    loss, stats = policy_loss(cfg.loss.name, inputs, **cfg.loss.model_dump(exclude={"name"}))
+    loss, stats = policy_loss(inputs, cfg.loss)
     if old.ref_logp is not None and cfg.kl.coef > 0:
         kl = kl_to_reference(logp, old.ref_logp, cfg.kl.estimator)
         kl_mean = (kl * mb.mask).sum() / mb.mask.sum().clamp(min=1)

@@ -12,14 +12,14 @@ workers check again before they apply (all or nothing).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
 
 from sparkrl.proto import HparamValue
+from sparkrl.services.common.losses import LOSSES
 from sparkrl.services.common.settings import LearnerSettings, SamplingSettings
-from sparkrl.services.common.settings.losses import LossSettings
 
 # Learner hyperparameter name → its LearnerSettings field.
 LEARNER_FIELDS: dict[str, str] = {"lr": "lr", "max_staleness": "max_staleness", "kappa": "proxy_kappa"}
@@ -27,16 +27,8 @@ LEARNER_FIELDS: dict[str, str] = {"lr": "lr", "max_staleness": "max_staleness", 
 SAMPLING_FIELDS: tuple[str, ...] = ("temperature", "top_p")
 
 
-def _loss_classes() -> dict[str, type[BaseModel]]:
-    union = get_args(LossSettings)[0]
-    classes: dict[str, type[BaseModel]] = {}
-    for cls in get_args(union):
-        for name in get_args(cls.model_fields["name"].annotation):
-            classes[name] = cls
-    return classes
-
-
-LOSS_CLASSES = _loss_classes()  # loss name → its settings section (`grpo` and `ppo_clip` share one)
+# loss name → its settings class (`grpo` and `ppo_clip` share one)
+LOSS_CLASSES: dict[str, type[BaseModel]] = {name: spec.settings for name, spec in LOSSES.items()}
 
 
 def loss_fields(loss_name: str) -> tuple[str, ...]:

@@ -6,13 +6,13 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from sparkrl.services.common.losses import LossSettings, LpRegLoss, loss_spec
 from sparkrl.services.common.settings.learner_knobs import (
     AdvantageSettings,
     KlSettings,
     ScheduleSettings,
     TrackingSettings,
 )
-from sparkrl.services.common.settings.losses import LossSettings, LpRegLoss
 from sparkrl.services.common.settings.section import Section
 from sparkrl.services.common.settings.servers import MetricsEndpoint
 
@@ -194,7 +194,7 @@ class LearnerSettings(Section):
 
     @model_validator(mode="after")
     def _own_aggregation(self) -> LearnerSettings:
-        if self.loss_aggregation != "token_mean" and self.loss.name in ("gspo", "eighty_twenty"):
+        if self.loss_aggregation != "token_mean" and loss_spec(self.loss.name).own_aggregation:
             raise ValueError(
                 f"learner.loss {self.loss.name} aggregates by its own definition: loss_aggregation token_mean"
             )
@@ -202,15 +202,17 @@ class LearnerSettings(Section):
 
     @model_validator(mode="after")
     def _packing_needs_token_terms(self) -> LearnerSettings:
-        if self.share_prompts and (self.loss.name == "gspo" or self.loss_aggregation != "token_mean"):
+        sequence_level = loss_spec(self.loss.name).sequence_level
+        if self.share_prompts and (sequence_level or self.loss_aggregation != "token_mean"):
             raise ValueError(
-                "learner.share_prompts puts several answers in a row, which GSPO and the sequence-level "
-                "aggregations count as one sequence: use token_mean and another loss, or unset share_prompts"
+                f"learner.share_prompts puts several answers in a row, which {self.loss.name} or a "
+                "sequence-level aggregation counts as one sequence: use token_mean and a token-level loss, "
+                "or unset share_prompts"
             )
-        if self.pack_length is not None and self.loss.name == "gspo":
+        if self.pack_length is not None and sequence_level:
             raise ValueError(
-                "learner.pack_length: GSPO averages over each row as one sequence, which packed rows are "
-                "not; unset pack_length or pick another loss"
+                f"learner.pack_length: {self.loss.name} averages over each row as one sequence, which packed "
+                "rows are not; unset pack_length or pick another loss"
             )
         if self.pack_length is not None and self.loss_aggregation != "token_mean":
             raise ValueError(

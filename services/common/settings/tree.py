@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
+from sparkrl.services.common.losses import LossSettings, LpRegLoss
 from sparkrl.services.common.paths import resolve_model_path
 from sparkrl.services.common.settings.bus import BusSettings
 from sparkrl.services.common.settings.engine import (
@@ -34,17 +35,6 @@ from sparkrl.services.common.settings.learner_knobs import (
     ScheduleSettings,
     TrackingSettings,
 )
-from sparkrl.services.common.settings.losses import (
-    ClipCovLoss,
-    ClipHigherLoss,
-    EightyTwentyLoss,
-    EntropyBonusLoss,
-    GspoLoss,
-    KlCovLoss,
-    LossSettings,
-    LpRegLoss,
-    PpoClipLoss,
-)
 from sparkrl.services.common.settings.prompts import CountdownSettings, PromptSettings
 from sparkrl.services.common.settings.ray import RaySettings
 from sparkrl.services.common.settings.rollout import RolloutSettings
@@ -57,22 +47,15 @@ __all__ = [
     "MAX_STALENESS",
     "AdvantageSettings",
     "BusSettings",
-    "ClipCovLoss",
-    "ClipHigherLoss",
     "ControlSettings",
     "CountdownSettings",
-    "EightyTwentyLoss",
     "EngineSettings",
-    "EntropyBonusLoss",
     "EvalSettings",
-    "GspoLoss",
-    "KlCovLoss",
     "KlSettings",
     "LearnerSettings",
     "LossSettings",
     "LpRegLoss",
     "MetricsEndpoint",
-    "PpoClipLoss",
     "PromptSettings",
     "RaySettings",
     "RewardSettings",

@@ -1,8 +1,9 @@
-"""Lp-Reg: low-probability regularization (Huang et al. 2025, arXiv 2510.03222), as DESIGN.md specifies.
+"""Lp-Reg: low-probability regularization (Huang et al. 2025, arXiv 2510.03222), as docs/architecture.md
+("Lp-Reg, exactly") specifies.
 
 Reference implementation read: CarlanLark/Lp-Reg-dev, `verl/trainer/ppo/core_algos.py`
-(`compute_policy_loss_lp_reg`) and `verl/workers/actor/dp_actor.py`. Where it and DESIGN.md differ, this
-module follows DESIGN.md:
+(`compute_policy_loss_lp_reg`) and `verl/workers/actor/dp_actor.py`. Where it and the definition differ,
+this module follows the definition:
 
 - k is computed per call, i.e. per micro-batch, exactly as the paper's code calls the loss once per
   micro-batch. Callers that want a per-mini-batch k must concatenate before calling.
@@ -15,19 +16,56 @@ module follows DESIGN.md:
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING, Literal
 
-from sparkrl.services.learner.losses.common import (
+from pydantic import Field
+
+from sparkrl.services.common.losses.ops import (
     Metrics,
-    apply_is_weights,
     clipped_surrogate,
     count_fraction,
     masked_mean,
     prepare,
     ratio_metrics,
     select_lowest,
+    torch,
+    weighted,
 )
+from sparkrl.services.common.losses.registry import register_loss
+from sparkrl.services.common.losses.section import CLIP_HIGH, CLIP_LOW, FRACTION, WEIGHT, LossSection
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+class LpRegLoss(LossSection):
+    """Lp-Reg (arXiv 2510.03222): PPO-clip plus a pull toward the min-p proxy on the lowest-prob tokens."""
+
+    name: Literal["lp_reg"] = "lp_reg"
+    rho: float = Field(
+        0.01,
+        ge=0,
+        le=1,
+        description="Fraction of A<0 tokens considered (lowest logp first).",
+        json_schema_extra=FRACTION,
+    )
+    rho_pos: float = Field(
+        0.0, ge=0, le=1, description="The same for A>0 tokens (0: off).", json_schema_extra=FRACTION
+    )
+    beta: float = Field(
+        1.0, ge=0, le=100, description="Weight of the kl3 pull toward the proxy.", json_schema_extra=WEIGHT
+    )
+    clip_low: float = Field(
+        1.0, ge=0, le=1, description="ε_low: ratio clipped below at 1 − ε_low.", json_schema_extra=CLIP_LOW
+    )
+    clip_high: float = Field(
+        9.0,
+        ge=0,
+        le=100,
+        description="ε_high: ratio clipped above at 1 + ε_high.",
+        json_schema_extra=CLIP_HIGH,
+    )
+
 
 # kl3 saturates at 10 once exp(d) − d − 1 > 10, i.e. d > ~2.6, and d > 0 on every selected token (logp <
 # proxy_logp). Capping d at 20 before `exp` therefore changes neither values nor gradients, but keeps
@@ -61,27 +99,25 @@ def kl3_to_proxy(logp: Tensor, proxy_logp: Tensor, regularized: Tensor) -> Tenso
     return torch.clamp(torch.exp(d) - d - 1.0, -10.0, 10.0)
 
 
+@register_loss(LpRegLoss, zero_advantage_free=True)
 def lp_reg_loss(
     logp: Tensor,
     old_logp: Tensor,
-    proxy_logp: Tensor,
     advantages: Tensor,
     mask: Tensor,
+    cfg: LpRegLoss,
     *,
-    rho: float = 0.01,
-    rho_pos: float = 0.0,
-    beta: float = 1.0,
-    clip_low: float = 1.0,
-    clip_high: float = 9.0,
-    is_weights: Tensor | None = None,
+    proxy_logp: Tensor,
+    token_weights: Tensor | None = None,
 ) -> tuple[Tensor, Metrics]:
-    """Lp-Reg policy loss (DESIGN.md, "Lp-Reg, exactly"). All inputs [B, T]; returns (loss, metrics).
+    """Lp-Reg policy loss (docs/architecture.md, "Lp-Reg, exactly"). All inputs [B, T]; `cfg` holds ρ,
+    ρ_pos, β, ε_low and ε_high; returns (loss, metrics).
 
         r      = exp(logp − old_logp)
         loss_t = max(−A·r, −A·clip(r, 1 − ε_low, 1 + ε_high))                 ordinary tokens
         loss_t = −A·r + β·clamp(exp(proxy_logp − logp) − (proxy_logp − logp) − 1, −10, 10)
                                                                               regularized tokens (no clip)
-        loss   = Σ_valid w_t·loss_t / N_valid                                 token-mean, w = is_weights or 1
+        loss   = Σ_valid w_t·loss_t / N_valid                      token-mean, w = token_weights or 1
 
     Regularized: among valid tokens with A < 0, if k_neg = int(N_neg·ρ) > 1, the k_neg with the lowest
     current logp, kept only where logp < proxy_logp; the same with A > 0 and `rho_pos` (0 = off).
@@ -95,14 +131,14 @@ def lp_reg_loss(
     valid, log_ratio, ratio, adv = prepare(logp, old_logp, advantages, mask)
     logp_c = logp.to(ratio.dtype)
 
-    base_t, clipped = clipped_surrogate(ratio, adv, clip_low, clip_high)
-    reg_neg, k_neg = select_regularized(logp_c, proxy_logp, valid & (adv < 0), rho)
-    reg_pos, k_pos = select_regularized(logp_c, proxy_logp, valid & (adv > 0), rho_pos)
+    base_t, clipped = clipped_surrogate(ratio, adv, cfg.clip_low, cfg.clip_high)
+    reg_neg, k_neg = select_regularized(logp_c, proxy_logp, valid & (adv < 0), cfg.rho)
+    reg_pos, k_pos = select_regularized(logp_c, proxy_logp, valid & (adv > 0), cfg.rho_pos)
     regularized = reg_neg | reg_pos
 
     kl3 = kl3_to_proxy(logp_c, proxy_logp, regularized)
-    loss_t = torch.where(regularized, -adv * ratio + beta * kl3, base_t)
-    loss_t = apply_is_weights(loss_t, is_weights, valid)
+    loss_t = torch.where(regularized, -adv * ratio + cfg.beta * kl3, base_t)
+    loss_t = weighted(loss_t, token_weights, valid)
     loss = masked_mean(loss_t, valid)
 
     metrics = ratio_metrics(log_ratio, ratio, clipped & ~regularized, valid)

@@ -1,23 +1,42 @@
 """Pieces every policy loss shares: the masked token-mean, the clipped surrogate, ratio metrics, and a
-deterministic "k lowest among candidates" selection.
+deterministic "k lowest among candidates" selection; and `torch`, loaded on first use.
 
 Conventions for every loss in this package:
 
 - All per-token tensors are `[B, T]`; `mask` is bool or 0/1 (nonzero = valid token).
 - Gradients flow through `logp` (and `entropy` where a loss uses it) only; `old_logp`, `advantages`,
-  `proxy_logp` and `is_weights` are detached on entry.
+  `proxy_logp` and `token_weights` are detached on entry.
 - Masked positions are sanitized *before* any `exp`, so padding garbage (−inf, NaN) never leaks into the
   loss or its gradient.
 - Metrics are detached 0-d tensors (no host sync inside the loss); the learner calls `.item()` once per
   step when it logs them, under the `loss/` namespace.
+- `proxy_logp`, `entropy` and `token_weights` are keyword arguments a loss takes only if it uses them
+  (the registry passes what the signature names).
+
+`torch` here is the module, imported at its first use: the control service, the settings tree and the
+CLI import the losses for their settings classes only (a live value is checked against the loss's
+bounds) and never pay for torch (≈ 2 s and 180 MB a process). The loss modules take it from here.
 """
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+import importlib
+from typing import TYPE_CHECKING, Any
 
-Metrics = dict[str, Tensor]
+if TYPE_CHECKING:
+    from torch import Tensor
+
+
+class _Torch:
+    """`torch`, imported on the first attribute looked up (then a dictionary lookup per use)."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(importlib.import_module("torch"), name)
+
+
+torch: Any = _Torch()
+
+Metrics = dict[str, "Tensor"]
 
 
 def compute_dtype(logp: Tensor) -> torch.dtype:
@@ -39,14 +58,13 @@ def masked_mean(x: Tensor, valid: Tensor) -> Tensor:
     return total / valid.sum().clamp(min=1)
 
 
-def apply_is_weights(loss_t: Tensor, is_weights: Tensor | None, valid: Tensor) -> Tensor:
-    """Multiply each token's loss `loss_t` [B, T] by its truncated-IS weight; identity when `None`.
-
-    Masked weights are zeroed first, so a NaN weight on padding cannot poison the backward pass.
-    """
-    if is_weights is None:
+def weighted(loss_t: Tensor, token_weights: Tensor | None, valid: Tensor) -> Tensor:
+    """Each token's loss `loss_t` [B, T] times its weight (the aggregation's, and truncated IS's); the
+    identity when `None`. Masked weights are zeroed first, so a NaN weight on padding cannot poison the
+    backward pass."""
+    if token_weights is None:
         return loss_t
-    w = torch.where(valid, is_weights.detach().to(loss_t.dtype), torch.zeros_like(loss_t))
+    w = torch.where(valid, token_weights.detach().to(loss_t.dtype), torch.zeros_like(loss_t))
     return loss_t * w
 
 
@@ -111,6 +129,13 @@ def select_lowest(key: Tensor, candidates: Tensor, k: Tensor) -> Tensor:
     rank = torch.empty_like(order)
     rank[order] = torch.arange(order.numel(), device=order.device)
     return candidates & (rank.view(key.shape) < k)
+
+
+def centered_cov(adv: Tensor, logp: Tensor, valid: Tensor) -> Tensor:
+    """Per-token covariance term (A_t − mean A)·(logp_t − mean logp), means over valid tokens, detached
+    (KL-Cov's and Clip-Cov's choice of tokens)."""
+    logp_d = logp.detach().to(adv.dtype)
+    return (adv - masked_mean(adv, valid)) * (logp_d - masked_mean(logp_d, valid))
 
 
 def count_fraction(n: Tensor, frac: float, *, at_least_one: bool = False) -> Tensor:
