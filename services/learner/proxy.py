@@ -1,9 +1,10 @@
-"""Lp-Reg's proxy distribution (DESIGN.md, "Proxy"): π_old at the sampling temperature, min-p filtered
-(keep p ≥ κ·max p), renormalized; we need the log proxy probability of each sampled token.
+"""Lp-Reg's proxy distribution (docs/architecture.md, "Lp-Reg, exactly"): π_old at the sampling
+temperature, min-p filtered (keep p ≥ κ·max p), renormalized; we need the log proxy probability of each
+sampled token.
 
 A filtered token's proxy log-prob is **−inf** (`FILTERED_LOGP`): it is the exact log 0, it can never pass
 Lp-Reg's `logp < proxy_logp` test, and `lp_reg_loss` masks it before any arithmetic, so it never turns
-into NaN there. Code that averages proxy log-probs must mask them first (see `proxy_metrics`).
+into NaN there. Code that averages proxy log-probs must mask them first.
 
 Two ways to get it:
 
@@ -13,8 +14,8 @@ Two ways to get it:
   error is bounded by the mass missing from the top-k. `exact` says which.
 
 The authors' code (CarlanLark/Lp-Reg-dev `dp_actor.apply_min_p`) applies min-p to the raw logits and
-divides by the temperature afterwards; DESIGN.md filters "at the sampling temperature", which is what
-is done here. The two agree at temperature 1.0, the paper's setting.
+divides by the temperature afterwards; the definition filters "at the sampling temperature", which is
+what is done here. The two agree at temperature 1.0, the paper's setting.
 """
 
 from __future__ import annotations
@@ -116,18 +117,3 @@ def proxy_logp_from_topk(
     proxy = torch.where(is_token.any(dim=-1), token_logp - normalizer, FILTERED_LOGP)
     exact = logp[..., -1] < threshold.squeeze(-1)
     return proxy, exact
-
-
-@torch.no_grad()
-def proxy_metrics(proxy_logp: Tensor, exact: Tensor | None, mask: Tensor) -> dict[str, Tensor]:
-    """Detached 0-d counts over valid tokens [B, T]: `filtered_tokens` (proxy −inf), `inexact_tokens`
-    (top-k proxy only approximate; 0 when `exact` is None, i.e. the proxy came from logits), and
-    `inexact_frac`. The learner logs them under `loss/proxy_*`."""
-    valid = mask.bool()
-    inexact = valid & ~exact if exact is not None else torch.zeros_like(valid)
-    n_valid = valid.sum().clamp(min=1)
-    return {
-        "filtered_tokens": (valid & torch.isneginf(proxy_logp)).sum(),
-        "inexact_tokens": inexact.sum(),
-        "inexact_frac": inexact.sum() / n_valid,
-    }
