@@ -246,7 +246,8 @@ class LearnerStatus(WireModel):
     startup_s: dict[str, float] = Field(
         default_factory=dict,
         description="Seconds each phase of its start took, in order, from the process's start: `imports`, "
-        "`model` (weights and tokenizer loaded), `engine` (DeepSpeed's engine, a checkpoint restored), "
+        "`comm` (the process group; DeepSpeed compiles its op here on a first run), `model` (weights and "
+        "tokenizer loaded), `engine` (DeepSpeed's engine, a checkpoint restored), "
         "`ready` (bus, weight files, the first announcement). Writer: learner. Reader: `sparkrl up` (the "
         "start-up line, summary.json). Empty until it is up.",
     )

@@ -27,6 +27,7 @@ from sparkrl.processes import is_ready, kill_group, spawn
 from sparkrl.proto import LearnerStatus
 from sparkrl.run_report import (
     STARTUP_FILE,
+    OpState,
     progress_line,
     startup_facts,
     startup_line,
@@ -210,11 +211,9 @@ class Stack:
             workers = {w: s.state for w, s in self.telemetry.workers().items()}
         except (BusError, redis.RedisError):
             return None
-        extensions = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_dir() / "torch_extensions")
-        built = any((extensions / "deepspeed_shm_comm").glob("*.so"))
         state = learner.state if learner is not None else None
         elapsed = time.monotonic() - self.started_at
-        return startup_line(elapsed, state, built, workers, settings.learner.startup_timeout_s)
+        return startup_line(elapsed, state, _op_state(), workers, settings.learner.startup_timeout_s)
 
     def _say_startup(self, learner: LearnerStatus) -> None:
         """At the first step: how long each service's start took (their heartbeats), said once, kept in
@@ -279,6 +278,18 @@ class Stack:
         for proc in self.procs.values():
             if proc.returncode is None:
                 kill_group(proc)
+
+
+def _op_state() -> OpState:
+    """DeepSpeed's shared-memory op in the learner's extensions folder (processes.child_env's): torch holds
+    a `lock` file there while it builds, and the built library stays beside it."""
+    op = (
+        Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cache_dir() / "torch_extensions")
+        / "deepspeed_shm_comm"
+    )
+    if (op / "lock").exists():
+        return "building"
+    return "built" if any(op.glob("*.so")) else "missing"
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from sparkrl.proto import StepMetrics
 from sparkrl.run_files import (
@@ -59,19 +59,25 @@ def progress_line(row: StepMetrics | None, max_steps: int | None = None) -> str 
     return " | ".join(parts)
 
 
+OpState = Literal["missing", "building", "built"]  # DeepSpeed's op in the extensions folder
+
+
 def startup_line(
     elapsed_s: float,
     learner_state: str | None,
-    op_built: bool,
+    op: OpState,
     workers: dict[str, str],
     deadline_s: float | None = None,
 ) -> str:
     """Before the first step: what each part of the stack is doing, so a first run's long start (DeepSpeed
-    compiling its op) is not silence. `workers`: id → state from their heartbeats."""
+    compiling its op) is not silence. `op`: the op not built yet, being built (torch's build lock is held)
+    or built; `workers`: id → state from their heartbeats."""
     if learner_state in (None, "starting"):
-        learner = (
-            "building DeepSpeed's engine" if op_built else "compiling DeepSpeed's op (first run, ~30-60 s)"
-        )
+        learner = {
+            "missing": "compiling DeepSpeed's op (first run, ~30-60 s)",
+            "building": "compiling DeepSpeed's op (~30-60 s, once)",
+            "built": "loading the model and DeepSpeed's engine",
+        }[op]
     else:
         learner = f"{learner_state}, waiting for the first groups"
     parts = [f"starting {elapsed_s:.0f}s" + (f" (gives up at {deadline_s:.0f}s)" if deadline_s else "")]

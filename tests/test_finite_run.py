@@ -183,7 +183,7 @@ def test_4_dead_on_an_ended_run_answers_from_what_it_left(finished_run: Finished
     assert summary["dead_lettered"] == {"prompts": 4, "groups": 0}
     # The start-up, phase by phase from the heartbeats, said with the first step and kept in the summary.
     startup = summary["startup"]
-    assert list(startup["learner"]) == ["imports", "model", "engine", "ready"]
+    assert list(startup["learner"]) == ["imports", "comm", "model", "engine", "ready"]
     assert startup["workers"] and all(
         list(p) == ["imports", "engine", "ready"] for p in startup["workers"].values()
     )

@@ -213,11 +213,15 @@ def test_the_progress_line_reads_the_telemetry_channel(redis_url: str, tmp_path:
 
 def test_before_the_first_step_the_line_says_what_is_starting(redis_url: str, tmp_path: Path) -> None:
     # (issue 12, item 2) a first run is not silence while DeepSpeed compiles its op.
-    assert startup_line(12.4, None, False, {}, 900) == (
+    assert startup_line(12.4, None, "missing", {}, 900) == (
         "starting 12s (gives up at 900s) | learner: compiling DeepSpeed's op (first run, ~30-60 s) "
         "| workers: loading the model"
     )
-    line = startup_line(3, "training", True, {"worker-10": "generating", "worker-2": "starting"})
+    # (issue 36, item 7) a rebuild is told by torch's build lock, not by the library's absence; a built op
+    # is not "building DeepSpeed's engine": the model loads.
+    assert "learner: compiling DeepSpeed's op (~30-60 s, once)" in startup_line(4, None, "building", {})
+    assert "learner: loading the model and DeepSpeed's engine" in startup_line(4, None, "built", {})
+    line = startup_line(3, "training", "built", {"worker-10": "generating", "worker-2": "starting"})
     assert line == (
         "starting 3s | learner: training, waiting for the first groups | worker-2: starting | "
         "worker-10: generating"

@@ -113,3 +113,28 @@ def test_the_start_clock_counts_from_the_process_start_imports_included() -> Non
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     imports, model, total = map(float, done.stdout.split())
     assert 0.4 <= imports < 5 and 0.2 <= model < 2 and total == pytest.approx(imports + model, abs=0.02)
+
+
+def test_the_op_is_built_with_the_interpreters_own_ninja_whatever_path(tmp_path: Path) -> None:
+    """(issue 36, item 1) `make demo` runs `.venv/bin/sparkrl` with the venv not on PATH (the system's
+    ninja 1.11), a shell with the venv activated finds the venv's (1.13): their build logs differ, so each
+    switch rebuilt DeepSpeed's op (23-37 s). The learner puts its interpreter's bin/ first before the build:
+    torch's build then runs one ninja whichever way the user started."""
+    own = Path(sys.executable).parent
+    if not (own / "ninja").exists():
+        pytest.skip(f"no ninja beside {sys.executable}: nothing to pin (DeepSpeed's install brings one)")
+    code = (
+        "import shutil, subprocess\n"
+        "from sparkrl.services.learner.startup import pin_build_tools\n"
+        "pin_build_tools()\n"
+        "version = subprocess.run(['ninja', '--version'], capture_output=True, text=True).stdout\n"
+        "print(shutil.which('ninja'), version)"
+    )
+    found = set()
+    for path in ("/usr/bin:/bin", f"{own}:/usr/bin:/bin", f"/usr/bin:{own}:/bin"):
+        env = {"PATH": path, "HOME": str(tmp_path)}
+        done = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+        )
+        found.add(done.stdout.strip())
+    assert len(found) == 1 and next(iter(found)).startswith(str(own / "ninja")), found

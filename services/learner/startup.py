@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,17 @@ def extensions_dir() -> Path:
     from torch.utils.cpp_extension import _get_build_directory
 
     return Path(_get_build_directory("probe", verbose=False)).parent
+
+
+def pin_build_tools() -> None:
+    """The interpreter's own `bin/` first on PATH, before DeepSpeed builds its op. torch's JIT build runs the
+    first `ninja` on PATH, and ninja versions keep incompatible build logs (1.11 writes v5, 1.12+ v7): a
+    folder built by one is rebuilt from scratch by the other, 20-40 s. A shell with the venv activated finds
+    the venv's ninja, `make demo` (`.venv/bin/sparkrl`, no venv on PATH) the system's: every switch rebuilt.
+    With this, every start of one interpreter builds with the same ninja whatever PATH the user has."""
+    own = str(Path(sys.executable).parent)
+    rest = [entry for entry in os.environ.get("PATH", "").split(os.pathsep) if entry and entry != own]
+    os.environ["PATH"] = os.pathsep.join([own, *rest])
 
 
 def build_locks(root: Path) -> Iterator[Path]:

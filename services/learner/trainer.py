@@ -33,6 +33,7 @@ from sparkrl.services.learner.checkpoint import cpu_weights, restore, save_check
 from sparkrl.services.learner.ledger import Batch
 from sparkrl.services.learner.logprobs import token_logp_and_entropy
 from sparkrl.services.learner.reference import frozen_copy
+from sparkrl.services.learner.startup import pin_build_tools
 from sparkrl.services.learner.state import TrainState
 from sparkrl.services.learner.update import Stats, loss_is_finite, old_policy, run_updates
 
@@ -157,6 +158,7 @@ def load(cfg: LearnerConfig, resume: bool, clock: StartClock | None = None) -> L
     engine, state = build_engine(model, lc), None
     if resume:
         rebuild = lambda: build_engine(load_model(cfg.model, lc.dtype, _device(lc), lc.attention), lc)  # noqa: E731
+    clock.mark("comm")  # DeepSpeed compiles its op here on a first run: a phase of its own
         engine, state, checkpoint = restore(engine, Path(cfg.run_dir), rebuild)
         if checkpoint is None:
             log.warning("--resume: no checkpoint under %s loads; starting from %s", cfg.run_dir, cfg.model)
@@ -190,6 +192,7 @@ def init_distributed(cfg: LearnerSettings, sync_host: str = "127.0.0.1") -> None
         return
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(name, value)  # what DeepSpeed's engine reads, as a launcher would set them
+    pin_build_tools()  # DeepSpeed's op is built (or found built) in init_distributed
     store = Path(tempfile.mkdtemp(prefix="sparkrl-dist-")) / "store"
     deepspeed.init_distributed(
         dist_backend=backend,
