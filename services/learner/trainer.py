@@ -149,6 +149,7 @@ def load(cfg: LearnerConfig, resume: bool, clock: StartClock | None = None) -> L
     if lc.threads is not None:
         torch.set_num_threads(lc.threads)
     init_distributed(lc, cfg.sync.host)
+    clock.mark("comm")  # DeepSpeed compiles its op here on a first run: a phase of its own
     tokenizer = load_tokenizer(cfg.model)
     model = load_model(cfg.model, lc.dtype, _device(lc), lc.attention)
     # The KL reference is the initial model (cfg.model), also when resuming: copied before the checkpoint,
@@ -158,7 +159,6 @@ def load(cfg: LearnerConfig, resume: bool, clock: StartClock | None = None) -> L
     engine, state = build_engine(model, lc), None
     if resume:
         rebuild = lambda: build_engine(load_model(cfg.model, lc.dtype, _device(lc), lc.attention), lc)  # noqa: E731
-    clock.mark("comm")  # DeepSpeed compiles its op here on a first run: a phase of its own
         engine, state, checkpoint = restore(engine, Path(cfg.run_dir), rebuild)
         if checkpoint is None:
             log.warning("--resume: no checkpoint under %s loads; starting from %s", cfg.run_dir, cfg.model)
