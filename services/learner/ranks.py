@@ -44,14 +44,13 @@ from sparkrl.services.learner.ledger import Batch
 from sparkrl.services.learner.startup import watchdog
 from sparkrl.services.learner.state import TrainState
 from sparkrl.services.learner.trainer import Loaded, OneRank, Trainer, load
-from sparkrl.services.learner.update import Stats, run_updates
+from sparkrl.services.learner.update import GLOBAL, Stats, run_updates
 
 log = logging.getLogger("sparkrl.learner")
 
 # Followers wait for rank 0's next order as long as the run lasts (a paused learner may idle for hours);
 # a dead rank 0 fails the wait at once (its connections close), so this only bounds a hung one.
 ORDER_TIMEOUT = timedelta(days=7)
-NOT_SUMMED = ("grad_norm", "tokens")  # the same on every rank already (global), not per-rank parts
 
 T = TypeVar("T")
 
@@ -110,7 +109,7 @@ class Ranks:
         total: Stats = {}
         for part in every:
             for key, value in (part or {}).items():
-                if key in NOT_SUMMED:
+                if key in GLOBAL:
                     total[key] = value
                 else:
                     total[key] = total.get(key, 0.0) + value

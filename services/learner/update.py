@@ -63,8 +63,11 @@ from sparkrl.services.learner.schedule import lr_factor
 T = TypeVar("T")
 Stats = dict[str, float]  # an update's statistics by name (`loss`, `grad_norm`, ...): the step row's loss/*
 
-# Counts add up over updates (and micro-batches); the rest are averaged by token share.
-ADDITIVE = ("reg_tokens", "reg_tokens_pos", "proxy_inexact", "tokens", "tis_capped_tokens")
+# How an update's statistics combine, said once for the micro-batches, the updates and the ranks: counts
+# add up; every other statistic is a token-share-weighted part of a mean. GLOBAL ones are the whole
+# update's on every rank already (its token count, the norm of the reduced gradient): ranks keep one copy.
+COUNTS = frozenset({"reg_tokens", "reg_tokens_pos", "proxy_inexact", "tokens", "tis_capped_tokens"})
+GLOBAL = frozenset({"grad_norm", "tokens"})
 
 
 class Share(Protocol):
@@ -224,7 +227,7 @@ def apply_update(
             sums["tis_weight_mean"] += old.tis["weight_mean"] * weight
         for key, value in stats.items():
             if key != "entropy":  # measured above over every token; entropy_bonus reports its own copy
-                sums[key] += float(value) * (1.0 if key in ("reg_tokens", "reg_tokens_pos") else weight)
+                sums[key] += float(value) * (1.0 if key in COUNTS else weight)
     stepped = time.perf_counter()
     sums["grad_norm"], applied = apply_gradients(engine)
     sums["skipped"] = 0.0 if applied else 1.0
@@ -410,5 +413,5 @@ def _merge(stats: list[Stats]) -> Stats:
     for s in stats:
         weight = s.get("tokens", 0.0) / total
         for key, value in s.items():
-            merged[key] = merged.get(key, 0.0) + (value if key in ADDITIVE else value * weight)
+            merged[key] = merged.get(key, 0.0) + (value if key in COUNTS else value * weight)
     return merged
