@@ -25,9 +25,11 @@ def sampled_by(seed: int, version: int) -> TrajectoryGroup:
     return g.model_copy(update={"completions": completions})
 
 
+STALENESS = 2  # learner.max_staleness in force: what the loop hands the collector at each read
+
+
 def collector(bus: RedisBus) -> BatchCollector:
-    cfg = LearnerSettings(prompts_per_step=4, max_staleness=2)
-    return BatchCollector(bus, cfg, LIMITS)
+    return BatchCollector(bus, LearnerSettings(prompts_per_step=4), LIMITS)
 
 
 def test_a_burst_at_the_edge_of_reach_joins_the_step(bus_settings: BusSettings) -> None:
@@ -37,14 +39,14 @@ def test_a_burst_at_the_edge_of_reach_joins_the_step(bus_settings: BusSettings) 
         for g in new[:2] + old + new[2:]:
             assert bus.publish_group(g.group_id, encode_group(g))
         c = collector(bus)
-        assert c.reach == 12  # (max_staleness + 1) steps of 4
-        batch = c.fill(2, lambda: False)
+        assert c.reach(STALENESS) == 12  # (max_staleness + 1) steps of 4
+        batch = c.fill(2, STALENESS, lambda: False)
         assert batch is not None and batch.dropped_stale == 0
         # The 10 old groups all go now (4 + 6 that could not wait), oldest first; read-ahead stopped at 12.
         assert {g.group_id for g in batch.groups} == {g.group_id for g in old}
         assert [g.group_id for g in c.groups] == [g.group_id for g in new[:2]]
         assert bus.pending_info("trajectories").lag == 4  # the rest wait in the stream
-        nxt = c.fill(3, lambda: False)
+        nxt = c.fill(3, STALENESS, lambda: False)
         assert nxt is not None and {g.group_id for g in nxt.groups} == {g.group_id for g in new[:4]}
 
 
@@ -55,7 +57,7 @@ def test_groups_past_reach_are_sent_back_to_be_made_again(bus_settings: BusSetti
             assert bus.publish_prompt(g.prompt.prompt_id, b"as fed")  # the feeder's dedup marks
             assert bus.publish_group(g.group_id, encode_group(g))
         bus.ack("prompts", [e.entry_id for e in bus.read("prompts", "worker", 7)])  # sampled, published
-        batch = collector(bus).fill(5, lambda: False)
+        batch = collector(bus).fill(5, STALENESS, lambda: False)
         assert batch is not None and batch.dropped_stale == 3
         assert {g.group_id for g in batch.groups} == {g.group_id for g in groups[3:]}
         assert bus.pending_info("trajectories").pending == 4  # the stale ones are acked, not pending

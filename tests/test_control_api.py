@@ -86,8 +86,8 @@ class Responder:
             tokens_per_s=5.0,
             groups_published=0,
             prompts_in_flight=0,
-            temperature=self.sampling.temperature,
-            top_p=self.sampling.top_p,
+            temperature=self.control.sampling.temperature,
+            top_p=self.control.sampling.top_p,
             heartbeat_at=time.time(),
         )
         self.telemetry.put_worker(status, ttl_s=1.0)
@@ -205,7 +205,8 @@ def test_commands_reach_the_workers_and_come_back_with_their_outcome(
         )
         assert patch.status_code == 200, patch.text
         assert {r["values"]["temperature"] for r in patch.json()["results"]} == {0.7}
-        assert all(w.sampling.temperature == 0.7 for w in workers)
+        assert all(w.control.sampling.temperature == 0.7 for w in workers)
+        assert all(w.sampling.temperature == 1.0 for w in workers)  # a new value: the old one is whole
         assert read_control_state(telemetry.bus).sampling == {"temperature": 0.7}
         assert httpx.get(server.url + "/api/v1/status").json()["sampling"]["temperature"] == 0.7
 

@@ -101,17 +101,17 @@ def test_an_update_whose_loss_is_not_finite_is_not_applied(
     cfg = settings(tiny_model_dir, tmp_path, *overrides)
     trainer = one_rank(cfg)
     before = trainer.weights()
-    stats, _ = trainer.update(Batch([group(1), group(2, logprob=FAR_OUT)], []), step=1)
+    stats, _ = trainer.update(Batch([group(1), group(2, logprob=FAR_OUT)], []), 1, cfg.learner)
     assert stats["updates_skipped"] == 1.0 and stats["updates"] == 0.0
     assert not math.isfinite(stats["skipped_loss"])
     after = trainer.weights()
     assert all(torch.equal(after[name], before[name]) for name in before), "a non-finite update was applied"
 
-    stats, _ = trainer.update(Batch([group(3)], []), step=1)
+    stats, _ = trainer.update(Batch([group(3)], []), 1, cfg.learner)
     assert "updates_skipped" not in stats and stats["updates"] == 1.0
     assert math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
     fresh = one_rank(cfg)
-    fresh.update(Batch([group(3)], []), step=1)
+    fresh.update(Batch([group(3)], []), 1, cfg.learner)
     torch.testing.assert_close(trainer.weights(), fresh.weights(), rtol=0, atol=0)
     assert not nonfinite_tensors(trainer.weights())
 
@@ -150,7 +150,7 @@ def test_a_group_whose_loss_alone_is_not_finite_is_dead_lettered_and_the_rest_tr
     good, poison = [group(10 + i) for i in range(2)], group(20, logprob=FAR_OUT)
     publish(bus, good[0], poison, good[1])
     before = learner.trainer.weights()
-    batch = learner.collector.fill(0, lambda: False)
+    batch = learner.collector.fill(0, learner.live.max_staleness, lambda: False)
     assert batch is not None and len(batch.groups) == 3
     assert learner.step(batch) is None, "a step with a non-finite loss must not be taken"
     assert learner.state.step == 0 and learner.guard.stop is None
@@ -164,7 +164,7 @@ def test_a_group_whose_loss_alone_is_not_finite_is_dead_lettered_and_the_rest_tr
     assert counter(learner, "sparkrl_learner_nonfinite_skipped_total") == 1.0
 
     publish(bus, group(30))
-    row = learner.step(learner.collector.fill(0, lambda: False))
+    row = learner.step(learner.collector.fill(0, learner.live.max_staleness, lambda: False))
     assert row is not None and learner.state.step == 1
     assert row.value("loss/nonfinite_skipped_total") == 1.0 and math.isfinite(row.value("loss/value"))
     assert not nonfinite_tensors(learner.trainer.weights())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
 from sparkrl.proto import HyperparameterPatch
 from sparkrl.services.common.settings import LearnerSettings, SamplingSettings, hparams
@@ -95,16 +96,26 @@ def test_names_must_exist_and_belong_to_the_active_loss() -> None:
     assert kind.type == "number_type"  # not 1.0: pydantic's lax mode would take a bool
 
 
-def test_apply_is_all_or_nothing() -> None:
-    cfg = LearnerSettings()
+def test_apply_is_all_or_nothing_and_returns_new_settings() -> None:
+    cfg = LearnerSettings(prompts_per_step=16)
     with pytest.raises(HparamError, match="beta"):
         apply_learner(cfg, {"lr": 1e-3, "beta": -1})
-    assert cfg.lr == 1e-6 and cfg.loss.beta == 1.0  # nothing changed
-    applied = apply_learner(cfg, {"lr": 1e-3, "beta": 0.5, "kappa": 0.05, "temperature": 0.5})
+    new, applied = apply_learner(cfg, {"lr": 1e-3, "beta": 0.5, "kappa": 0.05, "temperature": 0.5})
     assert applied == {"lr": 1e-3, "beta": 0.5, "kappa": 0.05}  # the worker's value is not the learner's
-    assert (cfg.lr, cfg.loss.beta, cfg.proxy_kappa) == (1e-3, 0.5, 0.05)
+    assert (new.lr, new.loss.beta, new.proxy_kappa, new.prompts_per_step) == (1e-3, 0.5, 0.05, 16)
+    assert (cfg.lr, cfg.loss.beta, cfg.proxy_kappa) == (1e-6, 1.0, 0.02)  # the old value never changes
+    assert new.model_fields_set == cfg.model_fields_set | {"lr", "proxy_kappa", "loss"}
+    assert apply_learner(new, {"max_staleness": 2})[0].lr == 1e-3  # a change keeps the earlier ones
     sampling = SamplingSettings()
-    assert apply_sampling(sampling, {"temperature": 0.7, "lr": 1.0}) == {"temperature": 0.7}
     with pytest.raises(HparamError, match="top_p"):
         apply_sampling(sampling, {"temperature": 0.9, "top_p": 1.5})
-    assert sampling.temperature == 0.7
+    cooler, applied = apply_sampling(sampling, {"temperature": 0.7, "lr": 1.0})
+    assert applied == {"temperature": 0.7} and cooler.temperature == 0.7 and sampling.temperature == 1.0
+
+
+def test_settings_are_frozen() -> None:
+    """Live values are replaced, never assigned: whoever holds the old settings keeps them whole."""
+    cfg, sampling = LearnerSettings(), SamplingSettings()
+    for model, field, value in ((cfg, "lr", 1e-3), (cfg.loss, "beta", 0.5), (sampling, "top_p", 0.5)):
+        with pytest.raises(ValidationError, match="frozen"):
+            setattr(model, field, value)

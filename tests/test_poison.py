@@ -18,7 +18,7 @@ from _tiny import tiny_model_dir  # noqa: F401  (fixture)
 from sparkrl.proto import TrajectoryGroup, encode_group
 from sparkrl.proto.testing import random_group
 from sparkrl.services.common.bus import RedisBus
-from sparkrl.services.common.settings import BusSettings
+from sparkrl.services.common.settings import BusSettings, LearnerSettings
 from sparkrl.services.learner.batch import collate, samples_from_groups
 from sparkrl.services.learner.learner import Learner
 from sparkrl.services.learner.ledger import Batch
@@ -86,7 +86,9 @@ class OutOfMemory:
     def __getattr__(self, name: str) -> object:
         return getattr(self.trainer, name)
 
-    def update(self, batch: Batch, step: int) -> tuple[dict[str, float], dict[str, float]]:
+    def update(
+        self, batch: Batch, step: int, cfg: LearnerSettings
+    ) -> tuple[dict[str, float], dict[str, float]]:
         raise RuntimeError("out of memory (simulated)")
 
 
@@ -99,18 +101,24 @@ def publish(bus: RedisBus, *groups: TrajectoryGroup) -> None:
         assert bus.publish_group(g.group_id, encode_group(g))
 
 
-def test_bad_groups_are_dead_lettered_alone_and_training_goes_on(learner: Learner, bus: RedisBus) -> None:
-    learner.cfg.prompts_per_step = 4
-    good = [group(10 + i) for i in range(4)]
-    publish(bus, good[0], group(20, vocab=1000), good[1], group(21, k=3), group(22, prompt_len=500), good[2])
-    batch = learner.collector.fill(0, lambda: False)
-    # The foreign-vocabulary and too-long groups are set aside; the narrower top-k trains with the rest.
-    kept = [good[0], good[1], group(21, k=3), good[2]]
-    assert [g.group_id for g in batch.groups] == [g.group_id for g in kept]
-    reasons = {d.item_id: d.reason for d in bus.dead_letters()}
-    assert "declares vocab_size 1000" in reasons[group(20, vocab=1000).group_id]
-    assert "exceeds the model's context" in reasons[group(22, prompt_len=500).group_id]
-    assert learner.step(batch) is not None and learner.state.step == 1
+def test_bad_groups_are_dead_lettered_alone_and_training_goes_on(
+    tiny_model_dir: Path,  # noqa: F811
+    bus: RedisBus,
+    tmp_path: Path,
+) -> None:
+    with learner_loop(settings(tiny_model_dir, tmp_path, "learner.prompts_per_step=4"), bus) as learner:
+        good = [group(10 + i) for i in range(4)]
+        publish(
+            bus, good[0], group(20, vocab=1000), good[1], group(21, k=3), group(22, prompt_len=500), good[2]
+        )
+        batch = learner.collector.fill(0, learner.live.max_staleness, lambda: False)
+        # The foreign-vocabulary and too-long groups are set aside; the narrower top-k trains with the rest.
+        kept = [good[0], good[1], group(21, k=3), good[2]]
+        assert [g.group_id for g in batch.groups] == [g.group_id for g in kept]
+        reasons = {d.item_id: d.reason for d in bus.dead_letters()}
+        assert "declares vocab_size 1000" in reasons[group(20, vocab=1000).group_id]
+        assert "exceeds the model's context" in reasons[group(22, prompt_len=500).group_id]
+        assert learner.step(batch) is not None and learner.state.step == 1
 
 
 def test_a_step_that_raises_sends_its_groups_back_and_dead_letters_the_culprit(
@@ -118,7 +126,7 @@ def test_a_step_that_raises_sends_its_groups_back_and_dead_letters_the_culprit(
 ) -> None:
     good = [group(30 + i) for i in range(3)]
     publish(bus, *good)
-    batch = learner.collector.fill(0, lambda: False)
+    batch = learner.collector.fill(0, learner.live.max_staleness, lambda: False)
     # A group that slipped past the checks (ids beyond the embedding) makes the forward raise.
     poison = group(40, vocab=1000)
     batch.groups[1] = poison
@@ -130,7 +138,7 @@ def test_a_step_that_raises_sends_its_groups_back_and_dead_letters_the_culprit(
     assert [g.group_id for g in learner.collector.groups] == [good[0].group_id, good[2].group_id]
     assert bus.pending_info("trajectories").pending == 2
     publish(bus, group(50))
-    retry = learner.collector.fill(0, lambda: False)
+    retry = learner.collector.fill(0, learner.live.max_staleness, lambda: False)
     assert {g.group_id for g in retry.groups} == {good[0].group_id, good[2].group_id, group(50).group_id}
     assert learner.step(retry) is not None and learner.state.step == 1
 
@@ -143,10 +151,10 @@ def test_a_group_that_fails_two_steps_is_dead_lettered(
     publish(bus, *(group(60 + i) for i in range(3)))
     cfg = settings(tiny_model_dir, tmp_path, "learner.prompts_per_step=3")
     with learner_loop(cfg, bus, trainer_as=OutOfMemory) as learner:
-        batch = learner.collector.fill(0, lambda: False)
+        batch = learner.collector.fill(0, learner.live.max_staleness, lambda: False)
         # A failure no group causes on its own (the probe passes): every group goes back, twice at most.
         assert learner.step(batch) is None and bus.dead_letters() == []
-        again = learner.collector.fill(0, lambda: False)
+        again = learner.collector.fill(0, learner.live.max_staleness, lambda: False)
         assert learner.step(again) is None
     assert {d.item_id for d in bus.dead_letters()} == {g.group_id for g in batch.groups}
     assert all("failed two training steps, last: RuntimeError" in d.reason for d in bus.dead_letters())

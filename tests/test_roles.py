@@ -120,9 +120,10 @@ def test_the_learners_status_carries_the_max_staleness_in_force() -> None:
     cfg = LearnerSettings(max_staleness=3)
     publisher = SimpleNamespace(last_sync=None, epoch=1, members=["w0"])
     source = StatusSource(publisher, cfg)  # type: ignore[arg-type]
-    assert source(LearnerReport(), TrainState()).max_staleness == 3
-    cfg.max_staleness = 1  # a live change (`sparkrl set max_staleness=1`), applied in place by the control
-    assert source(LearnerReport(), TrainState()).max_staleness == 1
+    assert source(LearnerReport(), TrainState()).max_staleness == 3  # before the loop reports
+    # A live change (`sparkrl set max_staleness=1`) reaches the status with the hyperparameters in force,
+    # which the loop reports each turn.
+    assert source(LearnerReport(hparams={"max_staleness": 1}), TrainState()).max_staleness == 1
 
 
 def test_a_role_command_refuses_another_roles_file(tmp_path: Path) -> None:

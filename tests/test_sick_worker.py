@@ -251,11 +251,11 @@ def test_the_end_reason_counts_dead_lettered_prompts_apart_from_trained_ones(
             bus.ack("prompts", [entry.entry_id])
         mark_fed(bus, report, epochs=1)
         collector = BatchCollector(bus, LearnerSettings(prompts_per_step=4), ModelLimits(260, None, True))
-        batch = collector.fill(0, lambda: False)  # the 4 sampled groups: one step, trained
+        batch = collector.fill(0, 4, lambda: False)  # the 4 sampled groups: one step, trained
         assert batch is not None and len(batch.groups) == 4
         bus.ack("trajectories", [e.entry_id for e in batch.entries])
         collector.progress = Tally(step=1, groups_trained=4)  # what the learner's train state says then
-        assert collector.fill(1, lambda: False) is None
+        assert collector.fill(1, 4, lambda: False) is None
         assert collector.exhausted == (
             "the data ran out: of the 6 prompts fed (1 epoch), 4 were trained, 2 dead-lettered (2 prompts by "
             "the workers, 0 groups by the learner; `sparkrl dead` lists them with the reason) and 0 dropped "

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from sparkrl.proto import TrajectoryGroup, decode_group, encode_message
 from sparkrl.proto.run_files import PromptCounts
+from sparkrl.proto.staleness import too_stale
 from sparkrl.services.common.bus import Entry, RedisBus
 from sparkrl.services.common.feeder import feed_held
 from sparkrl.services.common.settings import LearnerSettings
@@ -37,7 +38,7 @@ class BatchCollector:
     """Gathers one step's groups across as many `fill` calls as it takes."""
 
     bus: RedisBus
-    cfg: LearnerSettings  # read live: a changed `max_staleness` applies to the next read
+    cfg: LearnerSettings  # as configured; the live `max_staleness` comes with each read
     limits: ModelLimits
     groups: list[TrajectoryGroup] = field(default_factory=list)  # held for a coming batch, in arrival order
     entries: list[Entry] = field(default_factory=list)
@@ -59,9 +60,9 @@ class BatchCollector:
         self.counts = count_prompts(self.bus, self.ran_out, self.progress)
         return end_reason(self.counts)
 
-    def fill(self, version: int, interrupted: Callable[[], bool]) -> Batch | None:
+    def fill(self, version: int, max_staleness: int, interrupted: Callable[[], bool]) -> Batch | None:
         """Read until the batch is full (then hand it over and start the next), or None as soon as
-        `interrupted()` says so, keeping what was gathered.
+        `interrupted()` says so, keeping what was gathered. `max_staleness`: the one in force.
 
         Whatever is waiting is read ahead and the oldest groups go first: the ones nearest to going stale
         are trained while they still can be (those that could not wait for the next step join this one),
@@ -69,12 +70,12 @@ class BatchCollector:
         Held groups are kept alive, never reclaimed from us.
         """
         need = self.cfg.prompts_per_step
-        self.read_ahead(version)
+        self.read_ahead(version, max_staleness)
         since = said = checked = time.monotonic()
         while len(self.groups) < need:
             if interrupted():
                 return None
-            self._read(version, need - len(self.groups), block_ms=None)
+            self._read(version, need - len(self.groups), None, max_staleness)
             if time.monotonic() - checked > EXHAUSTED_CHECK_S:
                 checked = time.monotonic()
                 self.ran_out = self._data_exhausted()
@@ -88,14 +89,14 @@ class BatchCollector:
                 self._say_starved(need, said - since)
             # The rest of a worker's burst (its groups are published one by one) joins now, not after
             # this step, when the oldest of it may be past reach.
-            self.read_ahead(version)
+            self.read_ahead(version, max_staleness)
         order = sorted(range(len(self.groups)), key=lambda i: (_oldest(self.groups[i], version), i))
         # A held group that would be too stale for the next step joins this one instead (the step grows
         # to at most what read-ahead holds): data that arrived in a burst is trained, not dropped.
         doomed = [
-            i for i in order[need:] if version + 1 - _oldest(self.groups[i], version) > self.cfg.max_staleness
+            i for i in order[need:] if too_stale(_oldest(self.groups[i], version), version + 1, max_staleness)
         ]
-        cut = need + min(len(doomed), self.reach - need)
+        cut = need + min(len(doomed), self.reach(max_staleness) - need)
         chosen, kept = order[:cut], sorted(order[cut:])
         lags = [version - _oldest(self.groups[i], version) for i in chosen]
         batch = Batch(
@@ -148,32 +149,31 @@ class BatchCollector:
         self.groups[:0] = [g for g, _ in back]
         self.entries[:0] = [e for _, e in back]
 
-    @property
-    def reach(self) -> int:
+    def reach(self, max_staleness: int) -> int:
         """How many groups are held at most: `max_staleness` + 1 steps' worth (the stream's length if
         shorter), as many as could still be trained before going stale."""
-        steps = self.cfg.max_staleness + 1
+        steps = max_staleness + 1
         return max(
             self.cfg.prompts_per_step,
             min(self.bus.settings.trajectory_maxlen, steps * self.cfg.prompts_per_step),
         )
 
-    def read_ahead(self, version: int) -> bool:
+    def read_ahead(self, version: int, max_staleness: int) -> bool:
         """Take what is waiting, as far as groups can still be trained: `max_staleness` + 1 steps' worth
         (bounded, as a batch of long completions is gigabytes; what lies beyond would go stale in hand).
         False when that much is held already. Held groups are kept alive."""
-        ahead = self.reach - len(self.groups)
+        ahead = self.reach(max_staleness) - len(self.groups)
         self.keep_alive()
         if ahead > 0:
-            self._read(version, ahead, block_ms=0)
+            self._read(version, ahead, 0, max_staleness)
         return ahead > 0
 
-    def _read(self, version: int, count: int, block_ms: int | None) -> None:
+    def _read(self, version: int, count: int, block_ms: int | None, max_staleness: int) -> None:
         for entry, group in self.bus.read_decoded("trajectories", CONSUMER, count, decode_group, block_ms):
             self._take(entry, group, version)
         # Held groups age as the version moves on: those past reach are sent back to be made again.
         stale = [
-            i for i, g in enumerate(self.groups) if version - _oldest(g, version) > self.cfg.max_staleness
+            i for i, g in enumerate(self.groups) if too_stale(_oldest(g, version), version, max_staleness)
         ]
         for i in reversed(stale):
             group = self.groups[i]
@@ -188,7 +188,7 @@ class BatchCollector:
                 "%d groups older than max_staleness %d (learner at version %d): their prompts go back to "
                 "the feed, to be made again",
                 len(stale),
-                self.cfg.max_staleness,
+                max_staleness,
                 version,
             )
 

@@ -2,7 +2,9 @@
 
 pause / resume and `set_hparams` are applied here; checkpoint and stop need the engine and the loop, so
 they are handed back (`Boundary`) and answered by the loop once done. A hyperparameter change is checked
-against the settings models and applied all or nothing; the learning rate goes into the optimizer too.
+against the settings models and applied all or nothing, as new settings: the boundary returns the
+learner's settings in force (`Boundary.live`), which the loop hands to the next step. Nothing here
+touches the optimizer: the update sets its learning rate from those settings, once per step.
 Changes accumulate in `overrides`, which the checkpoint keeps, so a resumed run goes on with them.
 """
 
@@ -12,8 +14,6 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-
-from deepspeed import DeepSpeedEngine
 
 from sparkrl.proto import CommandResult, ControlCommand, HparamValue, TrajectoryGroup
 from sparkrl.services.common.control_channel import ControlReader
@@ -37,28 +37,24 @@ class LiveChange:
 
 @dataclass
 class Boundary:
-    """What the loop must still do at this step boundary (control applied the rest itself)."""
+    """The learner's settings in force after this step boundary, and what the loop must still do at it
+    (control applied the rest itself)."""
 
+    live: LearnerSettings
     checkpoints: list[ControlCommand] = field(default_factory=list)
     stop: ControlCommand | None = None
 
 
-def set_lr(engine: DeepSpeedEngine, lr: float) -> None:
-    # DeepSpeed's optimizers (ZeRO, bf16) promote the torch optimizer's param_groups for exactly this.
-    for group in engine.optimizer.param_groups:
-        group["lr"] = lr
-
-
 def hparams_in_force(
-    engine: DeepSpeedEngine, cfg: LearnerSettings, groups: Sequence[TrajectoryGroup] = ()
+    lr: float | None, cfg: LearnerSettings, groups: Sequence[TrajectoryGroup] = ()
 ) -> dict[str, HparamValue]:
-    """The learner's hyperparameters, with `lr` read back from the optimizer: what the step really used;
-    with `groups`, also the sampling they were made with (`temperature`, `top_p`: the workers' live values,
-    the most common when a change splits the step), so a live change of either shows in the step rows."""
+    """The learner's hyperparameters in `cfg`, with `lr` the optimizer's (`Trainer.lr()`: what the last
+    update really used, the schedule's factor included; None: keep `cfg`'s); with `groups`, also the
+    sampling they were made with (`temperature`, `top_p`: the workers' live values, the most common when
+    a change splits the step), so a live change of either shows in the step rows."""
     values = learner_hparams(cfg)
-    lrs = engine.get_lr()
-    if lrs:
-        values["lr"] = float(lrs[0])
+    if lr is not None:
+        values["lr"] = lr
     if groups:
         for name in ("temperature", "top_p"):
             made_with = Counter(getattr(g.sampling, name) for g in groups)
@@ -66,12 +62,30 @@ def hparams_in_force(
     return values
 
 
+def resumed(
+    cfg: LearnerSettings, overrides: dict[str, HparamValue]
+) -> tuple[LearnerSettings, dict[str, HparamValue]]:
+    """The settings a run starts with: `cfg` with the live changes its checkpoint carries (`overrides`),
+    each on its own, so that one that no longer fits (another loss, new bounds) blocks nothing else;
+    (those settings, the changes re-applied)."""
+    live = cfg
+    applied: dict[str, HparamValue] = {}
+    if overrides:
+        log.info("re-applying live hyperparameter changes from the checkpoint: %s", overrides)
+    for name, value in overrides.items():
+        try:
+            live, one = apply_learner(live, {name: value})
+        except HparamError as exc:
+            log.warning("not re-applying %s=%r from the checkpoint: %s", name, value, exc)
+            continue
+        applied |= one
+    return live, applied
+
+
 class LearnerControl:
-    """Applies the control stream to the learner's settings and engine. The loop's thread only."""
+    """Answers the control stream at the learner's step boundaries. The loop's thread only."""
 
     reader: ControlReader
-    cfg: LearnerSettings
-    engine: DeepSpeedEngine
     paused: bool
     overrides: dict[str, HparamValue]
     on_result: Callable[[CommandResult], None]
@@ -80,22 +94,13 @@ class LearnerControl:
     def __init__(
         self,
         reader: ControlReader,
-        cfg: LearnerSettings,
-        engine: DeepSpeedEngine,
         overrides: dict[str, HparamValue],
         on_result: Callable[[CommandResult], None],
     ) -> None:
-        """`overrides`: live changes a resumed checkpoint carries; re-applied before the first step."""
-        self.reader, self.cfg, self.engine, self.on_result = reader, cfg, engine, on_result
-        self.overrides = {}
+        """`overrides`: the live changes a resumed checkpoint carried and `resumed` re-applied."""
+        self.reader, self.on_result = reader, on_result
+        self.overrides = dict(overrides)
         self.last_change = LiveChange(dict(overrides), None) if overrides else None
-        if overrides:
-            log.info("re-applying live hyperparameter changes from the checkpoint: %s", overrides)
-        for name, value in overrides.items():
-            try:  # one by one: a change that no longer fits (another loss, new bounds) blocks nothing else
-                self._apply({name: value})
-            except HparamError as exc:
-                log.warning("not re-applying %s=%r from the checkpoint: %s", name, value, exc)
         self.paused = reader.initial_state().paused
         if self.paused:
             log.warning("starting paused: the fleet's control state says paused (`sparkrl resume` goes on)")
@@ -104,9 +109,10 @@ class LearnerControl:
         """A command is waiting: the loop should come to a boundary."""
         return self.reader.pending()
 
-    def boundary(self, step: int) -> Boundary:
-        """Apply what can be applied now; hand back checkpoints and a stop."""
-        todo = Boundary()
+    def boundary(self, step: int, live: LearnerSettings) -> Boundary:
+        """Apply what can be applied now to `live`, the settings in force; hand back the new settings,
+        the checkpoints and a stop."""
+        todo = Boundary(live)
         for command in self.reader.poll():
             name = command.body.command
             if name == "checkpoint":
@@ -121,7 +127,7 @@ class LearnerControl:
                 self.paused = False
                 self.answer(command, "applied", f"resumed at step {step}" if was else "was not paused", step)
             else:
-                self._set_hparams(command, step)
+                todo.live = self._set_hparams(command, step, todo.live)
         return todo
 
     def answer(
@@ -134,27 +140,23 @@ class LearnerControl:
     ) -> None:
         self.on_result(self.reader.answer(command, outcome, detail, step=step, values=values))
 
-    def _set_hparams(self, command: ControlCommand, step: int) -> None:
+    def _set_hparams(self, command: ControlCommand, step: int, live: LearnerSettings) -> LearnerSettings:
+        """`live` with the command's learner values, or as it was when they are rejected (or none)."""
         mine, _ = split(command.body.values)  # type: ignore[union-attr]  (set_hparams)
         if not mine:
-            return  # only worker values: not ours to answer
+            return live  # only worker values: not ours to answer
         try:
-            applied = self._apply(mine)
+            live, applied = apply_learner(live, mine)
         except HparamError as exc:
             self.answer(command, "rejected", str(exc), step)
-            return
+            return live
+        self.overrides |= applied
         self.last_change = LiveChange(applied, step)
         self.answer(command, "applied", f"in force from step {step + 1}", step, applied)
+        return live
 
     def forget(self, change: LiveChange) -> None:
         """Keep `change` out of the next checkpoint, so that a resume trains with the configured values
         (it is still in force in this process)."""
         for name in change.values:
             self.overrides.pop(name, None)
-
-    def _apply(self, values: dict[str, HparamValue]) -> dict[str, HparamValue]:
-        applied = apply_learner(self.cfg, values)
-        if "lr" in applied:
-            set_lr(self.engine, float(applied["lr"]))
-        self.overrides |= applied
-        return applied

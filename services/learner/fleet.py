@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from sparkrl.proto import SyncEvent
+from sparkrl.proto.staleness import too_stale
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.learner.publisher import WeightPublisher
 
@@ -51,13 +52,16 @@ class Fleet:
         collector is full, so a full stream cannot keep them out). A member the publisher dropped (hung,
         straggling) is not waited for, nor is anyone once the collector holds all it could train in time.
         False: `interrupted()`."""
-        floor = min(version, version + 1 - max_staleness)
         deadline = time.monotonic() + self.timeout_s
         while True:
             excluded = set(self.publisher.excluded)
             held, oldest = self.telemetry.worker_versions(), self.telemetry.worker_oldest_versions()
-            behind = {w: v for w, v in held.items() if w not in excluded and (v or 0) < floor}
-            in_hand = {w: v for w, v in oldest.items() if w not in excluded and (v or 0) < floor}
+            behind = {
+                w: v for w, v in held.items() if w not in excluded and _behind(v, version, max_staleness)
+            }
+            in_hand = {
+                w: v for w, v in oldest.items() if w not in excluded and _behind(v, version, max_staleness)
+            }
             # Groups in hand need room in the stream: read ahead, unless the collector is already full.
             if not behind and (not in_hand or not read_ahead(version)):
                 return True
@@ -65,9 +69,11 @@ class Fleet:
                 return False
             if time.monotonic() > deadline:
                 log.warning(
-                    "workers %s are still behind version %d after %.0fs; training on",
+                    "workers %s are still too stale for the next step (learner at version %d, max_staleness "
+                    "%d) after %.0fs; training on",
                     behind or in_hand,
-                    floor,
+                    version,
+                    max_staleness,
                     self.timeout_s,
                 )
                 return True
@@ -84,3 +90,12 @@ class Fleet:
     def close(self) -> None:
         """The last version's broadcast, then the publisher's thread ends."""
         self.publisher.close()
+
+
+def _behind(held: int | None, version: int, max_staleness: int) -> bool:
+    """Whether groups of version `held` (a worker's weights, or the oldest it has in hand; None: nothing
+    said yet, as old as the initial model's 0) would be too stale for the learner's next step, the one
+    after `version`. The current version is always within reach: no worker can hold a newer one, so at
+    max_staleness 0 (on-policy) the learner waits for every worker to hold its version."""
+    held = held or 0
+    return held < version and too_stale(held, version + 1, max_staleness)

@@ -128,7 +128,6 @@ class StepGuard:
     collective, and a step that raises ends the run)."""
 
     trainer: Trainer
-    cfg: LearnerSettings
     bus: RedisBus
     collector: BatchCollector
     control: LearnerControl
@@ -140,16 +139,17 @@ class StepGuard:
     weights_broken: bool = False  # the engine's weights are not finite: never checkpoint them
     suspect: LiveChange | None = None  # the live change blamed for `stop`, kept out of the checkpoints
 
-    def failed_step(self, batch: Batch, error: Exception) -> None:
-        """A step raised: the process stays up, its groups go back. A group that fails its own probe (a
-        forward pass of it alone), or a second step, is dead-lettered by itself with the error."""
+    def failed_step(self, batch: Batch, error: Exception, cfg: LearnerSettings) -> None:
+        """A step under `cfg` (the settings in force) raised: the process stays up, its groups go back. A
+        group that fails its own probe (a forward pass of it alone), or a second step, is dead-lettered by
+        itself with the error."""
         log.exception("step %d failed on %d groups; probing each", self.state.step + 1, len(batch.groups))
         self.metrics.step_failures.inc()
         reason = f"{type(error).__name__}: {error}"[:1500]
         back: tuple[list[TrajectoryGroup], list[Entry]] = ([], [])
         for group, entry in zip(batch.groups, batch.entries, strict=True):
             self.failures[group.group_id] = self.failures.get(group.group_id, 0) + 1
-            probe = self.trainer.probe(group)
+            probe = self.trainer.probe(group, cfg)
             if probe is not None or self.failures[group.group_id] >= 2:
                 why = f"fails alone: {probe}" if probe else f"failed two training steps, last: {reason}"
                 self.metrics.dead_lettered.inc(self.bus.dead_letter("trajectories", entry, why))
@@ -158,27 +158,28 @@ class StepGuard:
             back[1].append(entry)
         self.collector.give_back(*back)
 
-    def checked(self, batch: Batch, stats: Stats, journaled: bool) -> Batch | None:
-        """The part of `batch` the step's applied updates trained: all of it when none was skipped (the
-        streak of steps not applied ends), else what `not_applied` leaves; None when nothing was trained."""
+    def checked(self, batch: Batch, stats: Stats, journaled: bool, cfg: LearnerSettings) -> Batch | None:
+        """The part of `batch` the step's applied updates (under `cfg`) trained: all of it when none was
+        skipped (the streak of steps not applied ends), else what `not_applied` leaves; None when nothing
+        was trained."""
         if stats.get("updates_skipped"):
-            return self.not_applied(batch, stats, journaled)
+            return self.not_applied(batch, stats, journaled, cfg)
         self.streak.reset()
         self.metrics.nonfinite_in_a_row.set(0)
         return batch
 
-    def not_applied(self, batch: Batch, stats: Stats, journaled: bool) -> Batch | None:
+    def not_applied(self, batch: Batch, stats: Stats, journaled: bool, cfg: LearnerSettings) -> Batch | None:
         """An update of the step was not applied: its loss or gradient norm was not finite. The groups no
         applied update trained go back, but one whose loss alone is not finite is dead-lettered; a step
         without such a culprit counts toward `learner.max_nonfinite_steps`. Returns the part that was
         trained (to commit), None when none was. `journaled`: a replay, whose groups cannot go back."""
-        trained, left = split_applied(batch.groups, self.cfg, int(stats.get("updates", 0)))
+        trained, left = split_applied(batch.groups, cfg, int(stats.get("updates", 0)))
         self.state.nonfinite_skipped += 1
         self.metrics.nonfinite_skipped.inc()
         if journaled:
             log.error("%s", skipped_line(self.state.step + 1, stats, 0, self.streak))
             return None
-        culprits = self.culprits([batch.groups[i] for i in left])
+        culprits = self.culprits([batch.groups[i] for i in left], cfg)
         for i in (left[n] for n in culprits):
             self.metrics.dead_lettered.inc(
                 self.bus.dead_letter("trajectories", batch.entries[i], NOT_FINITE_ALONE)
@@ -204,12 +205,12 @@ class StepGuard:
             self.control.forget(self.suspect)
         return self.suspect
 
-    def culprits(self, groups: list[TrajectoryGroup]) -> set[int]:
+    def culprits(self, groups: list[TrajectoryGroup], cfg: LearnerSettings) -> set[int]:
         """Which of `groups` give a loss that is not finite on their own, when the others do not (all or
         none: the model, or the gradient, is what overflows)."""
         if len(groups) < 2:
             return set()
-        bad = {n for n, group in enumerate(groups) if not self.trainer.finite_alone(group)}
+        bad = {n for n, group in enumerate(groups) if not self.trainer.finite_alone(group, cfg)}
         return bad if len(bad) < len(groups) else set()
 
     def publishable(self, weights: dict[str, torch.Tensor], saved_step: int) -> bool:

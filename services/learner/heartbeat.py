@@ -31,8 +31,8 @@ class LearnerReport:
 
 
 class StatusSource:
-    """Builds the status from the report, the train state, the publisher and the learner's settings in
-    force (callable)."""
+    """Builds the status from the report, the train state, the publisher and the learner's settings
+    (callable)."""
 
     def __init__(
         self,
@@ -40,14 +40,19 @@ class StatusSource:
         cfg: LearnerSettings,
         data_steps: Callable[[TrainState], int | None] = lambda state: None,
     ) -> None:
-        """`cfg`: the settings the loop trains with, live changes (`max_staleness`) applied in place by its
-        control; `data_steps`: where the data ends the run (None: not known, or no end), `data_end.py`."""
+        """`cfg`: the learner's settings as configured (what is live comes in the report's `hparams`, which
+        the loop sends each turn); `data_steps`: where the data ends the run (None: not known, or no end),
+        `data_end.py`."""
         self.publisher, self.cfg, self.data_steps = publisher, cfg, data_steps
 
     def limit(self, state: TrainState) -> int | None:
         """Where the run ends: learner.max_steps, or sooner where the data runs out."""
         ends = [n for n in (self.cfg.max_steps, self.data_steps(state)) if n is not None]
         return max(1, min(ends)) if ends else None
+
+    def max_staleness(self, report: LearnerReport) -> int:
+        """The one in force: the report's (a live change included), the configured one before the first."""
+        return int(report.hparams.get("max_staleness", self.cfg.max_staleness))
 
     def __call__(self, report: LearnerReport, state: TrainState) -> LearnerStatus:
         row, sync = report.row, self.publisher.last_sync
@@ -69,7 +74,7 @@ class StatusSource:
             last_checkpoint=report.last_checkpoint,
             checkpoint_failure=report.checkpoint_failure,
             hyperparameters=report.hparams,
-            max_staleness=self.cfg.max_staleness,
+            max_staleness=self.max_staleness(report),
             heartbeat_at=time.time(),
         )
 

@@ -20,6 +20,11 @@ The parts: a *trainer* (trainer.py, ranks.py: one rank or N; `update`, `weights`
 hold), *control* (control.py: commands applied at the boundary), the *guard* (guard.py: a step that
 raises or is not finite) and the *reports* (reporting.py). Groups are acknowledged only after the step
 that used them; a pause keeps the groups in hand and reads no more.
+
+The live hyperparameters are one frozen value, `live` (the learner's settings in force): control's
+boundary returns the next one, and the loop hands it to every part that reads a live value, as an
+argument (the update sets the optimizer's lr from it, once per step; the collector and the fleet check
+take its `max_staleness`). No part keeps a copy that a change would have to reach.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from sparkrl.proto import ControlCommand, StepMetrics
@@ -89,7 +95,7 @@ class Clock:
 class Learner:
     """The loop's parts, built once (`service.assemble`); `run` is the loop itself."""
 
-    cfg: LearnerSettings  # live: control commands change it between steps
+    live: LearnerSettings  # in force: replaced (never changed) at each control boundary
     run_dir: Path
     state: TrainState
     trainer: Trainer
@@ -106,26 +112,28 @@ class Learner:
         waited = Clock("wait_data", "wait_fleet")  # since the last step, for its row
         try:
             while (ending := self.over()) is None:
-                todo = self.control.boundary(self.state.step)
+                todo = self.control.boundary(self.state.step, self.live)
+                self.live = todo.live
                 for command in todo.checkpoints:
                     self.checkpoint_command(command)
                 if todo.stop is not None:
                     return Ending(command=todo.stop)
-                self.reports.turn(self.control.paused, hparams_in_force(self.trainer.engine, self.cfg))
+                self.reports.turn(self.control.paused, hparams_in_force(self.trainer.lr(), self.live))
                 if self.control.paused:
                     self.idle()
                     continue
+                max_staleness = self.live.max_staleness
                 with waited.timed("wait_fleet"):
                     in_reach = self.fleet.in_reach(
                         self.state.policy_version,
-                        self.cfg.max_staleness,
-                        self.collector.read_ahead,
+                        max_staleness,
+                        partial(self.collector.read_ahead, max_staleness=max_staleness),
                         self.interrupted,
                     )
                 if not in_reach:
                     continue  # a command came in: to the boundary first
                 with waited.timed("wait_data"):
-                    batch = self.collector.fill(self.state.policy_version, self.interrupted)
+                    batch = self.collector.fill(self.state.policy_version, max_staleness, self.interrupted)
                 if batch is not None:
                     self.step(batch, waited.take())
             return ending
@@ -135,7 +143,7 @@ class Learner:
     def over(self) -> Ending | None:
         """Why the run is over, once it is: a signal, a guard rail or a lost rank (their reasons are kept
         where they were found), learner.max_steps, or the data ran out (after its last, partial step)."""
-        cfg = self.cfg
+        cfg = self.live
         if self.stop.is_set() or self.trainer.lost or self.guard.stop:
             return Ending()
         if cfg.max_steps is not None and self.state.step >= cfg.max_steps:
@@ -151,8 +159,8 @@ class Learner:
         spent waiting for the fleet and the data since the last step. `journaled`: a replay.
         None: no step was taken (it raised, none of its updates was applied, or its weights are not
         finite: then `guard.stop` says why the run must end)."""
-        state, clock, started = self.state, Clock(), time.monotonic()
-        updated = self.update(batch, journaled)
+        state, clock, started, live = self.state, Clock(), time.monotonic(), self.live
+        updated = self.update(batch, journaled, live)
         if updated is None:
             return None
         batch, stats, seconds = updated
@@ -165,29 +173,31 @@ class Learner:
             acked = self.ledger.commit(state, batch, journaled) + self.collector.take_acked()
         with clock.timed("publish"):  # the broadcast runs on the publisher's thread
             self.fleet.publish(state.policy_version, weights)
-        if state.step == self.cfg.max_steps:
+        if state.step == live.max_steps:
             self.fleet.settle(state.policy_version)
-        hparams = hparams_in_force(self.trainer.engine, self.cfg, batch.groups)
+        hparams = hparams_in_force(self.trainer.lr(), live, batch.groups)  # the lr the update set
         timings = (waited or {}) | seconds | clock.seconds
         seconds_taken = time.monotonic() - started
         row = self.reports.step(
-            batch, stats, state, seconds_taken, self.fleet.last_sync, hparams, timings, acked, self.cfg
+            batch, stats, state, seconds_taken, self.fleet.last_sync, hparams, timings, acked, live
         )
-        if state.step % self.cfg.checkpoint_every == 0:
+        if state.step % live.checkpoint_every == 0:
             self.checkpoint_or_log()
         return row
 
-    def update(self, batch: Batch, journaled: bool) -> tuple[Batch, Stats, Stats] | None:
-        """The step's updates: (the part of `batch` they trained, statistics, seconds by part); None when
-        they trained nothing (the guard sent the groups back, or dead-lettered them)."""
+    def update(
+        self, batch: Batch, journaled: bool, live: LearnerSettings
+    ) -> tuple[Batch, Stats, Stats] | None:
+        """The step's updates under `live`: (the part of `batch` they trained, statistics, seconds by
+        part); None when they trained nothing (the guard sent the groups back, or dead-lettered them)."""
         try:
-            stats, seconds = self.trainer.update(batch, self.state.step + 1)
+            stats, seconds = self.trainer.update(batch, self.state.step + 1, live)
         except RankLost:
             raise
         except Exception as exc:  # a bad batch must cost its step, not the process (and every restart)
-            self.guard.failed_step(batch, exc)
+            self.guard.failed_step(batch, exc, live)
             return None
-        trained = self.guard.checked(batch, stats, journaled)
+        trained = self.guard.checked(batch, stats, journaled, live)
         return None if trained is None else (trained, stats, seconds)
 
     def replay(self) -> int:

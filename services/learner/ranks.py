@@ -126,12 +126,8 @@ class ManyRanks:
     saved_step: int  # the newest checkpoint's step: where `--resume` goes on from
     lost: str | None = None
 
-    @property
-    def engine(self):  # type: ignore[no-untyped-def]  (the protocol's attribute)
-        return self.local.engine
-
-    def update(self, batch: Batch, step: int) -> tuple[Stats, Stats]:
-        cfg, local = self.local.cfg, self.local
+    def update(self, batch: Batch, step: int, cfg: LearnerSettings) -> tuple[Stats, Stats]:
+        local = self.local
 
         def run() -> tuple[Stats, Stats]:
             order = RankOrder(
@@ -147,13 +143,16 @@ class ManyRanks:
 
         return self._collective(f"step {step}", run)
 
+    def lr(self) -> float | None:
+        return self.local.lr()  # every rank's optimizer is set alike, from the same order's settings
+
     def weights(self) -> dict[str, torch.Tensor]:
         if self.local.cfg.zero_stage != 3:  # the full weights are on this rank already
-            return cpu_weights(self.engine)
+            return cpu_weights(self.local.engine)
 
         def gather() -> dict[str, torch.Tensor]:
             self.ranks.send(RankOrder(kind="gather"))
-            return cpu_weights(self.engine)
+            return cpu_weights(self.local.engine)
 
         return self._collective("gathering the weights", gather)
 
@@ -176,10 +175,10 @@ class ManyRanks:
         self.saved_step = state.step
         return path
 
-    def probe(self, group: TrajectoryGroup) -> str | None:
+    def probe(self, group: TrajectoryGroup, cfg: LearnerSettings) -> str | None:
         return None  # never asked: an update that raises ends the run (RankLost)
 
-    def finite_alone(self, group: TrajectoryGroup) -> bool:
+    def finite_alone(self, group: TrajectoryGroup, cfg: LearnerSettings) -> bool:
         return True  # cannot tell on one rank: under ZeRO-3 across ranks a forward is a collective
 
     def close(self) -> None:

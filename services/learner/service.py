@@ -29,7 +29,7 @@ from sparkrl.services.common.weight_sync.files import WeightFileServer
 from sparkrl.services.learner import _deepspeed  # noqa: F401  (sorted before them: keep it first)
 from sparkrl.services.learner.checkpoint import latest_checkpoint
 from sparkrl.services.learner.collect import BatchCollector
-from sparkrl.services.learner.control import LearnerControl, hparams_in_force
+from sparkrl.services.learner.control import LearnerControl, hparams_in_force, resumed
 from sparkrl.services.learner.data_end import steps_the_data_allows
 from sparkrl.services.learner.fleet import Fleet
 from sparkrl.services.learner.guard import StepGuard, Streak
@@ -80,7 +80,7 @@ def assemble(
 
     publisher = WeightPublisher(telemetry, cfg.sync, run_dir / "snapshots", on_sync=on_sync, files=files)
     # The status's max_steps (the progress line's total): learner.max_steps, or where the data runs out;
-    # its max_staleness: the one in force (`lc`, which the control changes in place).
+    # its max_staleness: the one in force, from the hyperparameters the loop reports each turn.
     status = StatusSource(publisher, lc, lambda now: steps_the_data_allows(bus, lc.prompts_per_step, now))
     tracker = (
         Tracker(lc.tracking, run_dir, tracked_config(cfg.model_dump(mode="json"), run_dir))
@@ -91,13 +91,14 @@ def assemble(
         telemetry, Heartbeat(telemetry, state, status), metrics, run_log, loaded.tokenizer, tracker
     )
     reader = ControlReader(bus, telemetry, LEARNER)
-    control = LearnerControl(reader, lc, trainer.engine, state.hparam_overrides, metrics.observe_command)
-    limits = ModelLimits.of(trainer.engine.module, lc)
+    live, carried = resumed(lc, state.hparam_overrides)  # the live changes a resumed checkpoint carries
+    control = LearnerControl(reader, carried, metrics.observe_command)
+    limits = ModelLimits.of(loaded.engine.module, lc)
     collector = BatchCollector(bus, lc, limits, progress=state)
-    guard = StepGuard(trainer, lc, bus, collector, control, metrics, state, Streak(lc.max_nonfinite_steps))
+    guard = StepGuard(trainer, bus, collector, control, metrics, state, Streak(lc.max_nonfinite_steps))
     ledger = Ledger(bus, run_dir, state.step, fresh)
     fleet = Fleet(telemetry, publisher, cfg.sync.timeout_s)
-    return Learner(lc, run_dir, state, trainer, ledger, collector, fleet, control, guard, reports, stop)
+    return Learner(live, run_dir, state, trainer, ledger, collector, fleet, control, guard, reports, stop)
 
 
 @dataclass
@@ -142,7 +143,7 @@ def build(
         lambda: {"status": "ok", "phase": heartbeat.report.phase},
     )
     loop.fleet.publisher.start()
-    heartbeat.update(hparams=hparams_in_force(trainer.engine, cfg.learner))
+    heartbeat.update(hparams=hparams_in_force(trainer.lr(), loop.live))
     heartbeat.start()
     server.start()
     log.info("learner up: loss %s, %s, step %d", cfg.learner.loss.name, cfg.model, loaded.state.step)

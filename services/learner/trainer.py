@@ -43,13 +43,17 @@ log = logging.getLogger("sparkrl.learner")
 class Trainer(Protocol):
     """The model being trained, as the loop uses it."""
 
-    engine: deepspeed.DeepSpeedEngine  # its optimizer's lr is what control sets and the step rows show
     lost: str | None  # why the learner's ranks cannot go on (a collective failed); one rank: never
 
-    def update(self, batch: Batch, step: int) -> tuple[Stats, Stats]:
-        """Step `step`'s updates on `batch` (update.py): (statistics, seconds by part). An update that is
-        not finite is not applied (`updates_skipped`); one that raises drops its gradients and raises
-        (on N ranks as `RankLost`: the run cannot go on)."""
+    def update(self, batch: Batch, step: int, cfg: LearnerSettings) -> tuple[Stats, Stats]:
+        """Step `step`'s updates on `batch` (update.py) under `cfg`, the learner's settings in force (the
+        live changes in them; the learning rate is set from them here, once per step): (statistics,
+        seconds by part). An update that is not finite is not applied (`updates_skipped`); one that raises
+        drops its gradients and raises (on N ranks as `RankLost`: the run cannot go on)."""
+        ...
+
+    def lr(self) -> float | None:
+        """The optimizer's learning rate: the last update's (the step rows and the status show it)."""
         ...
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -61,12 +65,13 @@ class Trainer(Protocol):
         of the step. Raises CheckpointError (on N ranks, any failure is `RankLost`)."""
         ...
 
-    def probe(self, group: TrajectoryGroup) -> str | None:
-        """The error a forward of `group` alone raises (what an update does first), or None."""
+    def probe(self, group: TrajectoryGroup, cfg: LearnerSettings) -> str | None:
+        """The error a forward of `group` alone raises under `cfg` (what an update does first), or None."""
         ...
 
-    def finite_alone(self, group: TrajectoryGroup) -> bool:
-        """Whether `group` alone gives a finite loss under the current weights (nothing is updated)."""
+    def finite_alone(self, group: TrajectoryGroup, cfg: LearnerSettings) -> bool:
+        """Whether `group` alone gives a finite loss under the current weights and `cfg` (nothing is
+        updated)."""
         ...
 
     def close(self) -> None:
@@ -80,7 +85,7 @@ class OneRank:
 
     engine: deepspeed.DeepSpeedEngine
     tokenizer: PreTrainedTokenizerBase
-    cfg: LearnerSettings  # live: control commands change it between steps
+    cfg: LearnerSettings  # as configured, for what never changes live; the live values come with each call
     run_dir: Path
     reference: torch.nn.Module | None = None  # the frozen initial model of learner.kl (None: no KL term)
     lost: str | None = None
@@ -89,12 +94,16 @@ class OneRank:
     def pad_id(self) -> int:
         return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
-    def update(self, batch: Batch, step: int) -> tuple[Stats, Stats]:
+    def update(self, batch: Batch, step: int, cfg: LearnerSettings) -> tuple[Stats, Stats]:
         try:
-            return run_updates(self.engine, batch.groups, self.cfg, self.pad_id, step, self.reference)
+            return run_updates(self.engine, batch.groups, cfg, self.pad_id, step, self.reference)
         except Exception:
             self.engine.zero_grad()  # a half-accumulated gradient must not leak into the next step
             raise
+
+    def lr(self) -> float | None:
+        lrs = self.engine.get_lr()
+        return float(lrs[0]) if lrs else None
 
     def weights(self) -> dict[str, torch.Tensor]:
         return cpu_weights(self.engine)
@@ -112,18 +121,18 @@ class OneRank:
         )
 
     @torch.no_grad()
-    def probe(self, group: TrajectoryGroup) -> str | None:
+    def probe(self, group: TrajectoryGroup, cfg: LearnerSettings) -> str | None:
         try:
-            for mb in micro_batches(samples_from_groups([group]), self.cfg.micro_batch_tokens, self.pad_id):
+            for mb in micro_batches(samples_from_groups([group]), cfg.micro_batch_tokens, self.pad_id):
                 mb = mb.to(self.engine.device)
-                old_policy(self.engine.module, mb, self.cfg)
+                old_policy(self.engine.module, mb, cfg)
                 token_logp_and_entropy(self.engine.module, mb)
         except Exception as exc:  # whatever broke the update, for this group alone
             return f"{type(exc).__name__}: {exc}"[:1500]
         return None
 
-    def finite_alone(self, group: TrajectoryGroup) -> bool:
-        return loss_is_finite(self.engine, [group], self.cfg, self.pad_id, self.reference)
+    def finite_alone(self, group: TrajectoryGroup, cfg: LearnerSettings) -> bool:
+        return loss_is_finite(self.engine, [group], cfg, self.pad_id, self.reference)
 
     def close(self) -> None:
         """One rank: no other rank waits for the stop; the engine is released with the process."""
@@ -219,6 +228,8 @@ def deepspeed_config(cfg: LearnerSettings) -> dict[str, Any]:
 
 def build_engine(model: torch.nn.Module, cfg: LearnerSettings) -> deepspeed.DeepSpeedEngine:
     """A torch AdamW passed in, so DeepSpeed does not JIT-compile its fused Adam (~45 s on CPU)."""
+    # Every update sets the lr it takes (update.set_lr, from the settings in force): this one is only what
+    # the optimizer reports before the first.
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg))
     return engine

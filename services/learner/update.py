@@ -54,7 +54,6 @@ from sparkrl.services.learner.batch import (
     update_micro_batches,
     work_done,
 )
-from sparkrl.services.learner.control import set_lr
 from sparkrl.services.learner.prompt_sharing import collator
 from sparkrl.services.learner.proxy import proxy_logp_from_topk
 from sparkrl.services.learner.reference import kl_to_reference
@@ -141,7 +140,7 @@ def run_updates(
     seconds = {"collate": collated - started, "old_policy": measured - collated}
     if left_out:
         seconds["entropy_of_skipped"] = time.perf_counter() - measured
-    set_lr(engine, cfg.lr * lr_factor(step, cfg.schedule, cfg.max_steps))
+    set_lr(engine, cfg.lr * lr_factor(step, cfg.schedule, cfg.max_steps))  # the one place the lr is set
     if not minis:  # every group had equal rewards and was left out: nothing to learn from
         return extra | {"tokens": 0.0, "updates": 0.0}, seconds
     norm = max(g.sampling.max_new_tokens for g in kept)  # Dr. GRPO's constant length
@@ -166,6 +165,12 @@ def run_updates(
             break
         applied.append(stats)
     return _merge(applied) | extra | {"updates": float(len(applied))} | skipped, seconds
+
+
+def set_lr(engine: deepspeed.DeepSpeedEngine, lr: float) -> None:
+    # DeepSpeed's optimizers (ZeRO, bf16) promote the torch optimizer's param_groups for exactly this.
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
 
 
 def mini_batches(

@@ -4,7 +4,7 @@ Pause means "take no new prompts": a batch in hand is still generated, scored an
 that waits on a full trajectory stream), so nothing in flight is lost. Resume also lifts a feed hold (a
 burst of dead letters held it: `health.py`), once the operator has looked at the dead letters. The
 sampling values change only between batches, so every completion of a group is sampled, and recorded,
-at one temperature.
+at one temperature: a change is a new `sampling` value, which the worker takes at its next turn.
 """
 
 from __future__ import annotations
@@ -25,29 +25,31 @@ class WorkerControl:
     """Applies the control stream to one worker. The worker loop's thread only."""
 
     reader: ControlReader
-    sampling: SamplingSettings  # the worker's live sampling settings
+    sampling: SamplingSettings  # the worker's sampling values in force: replaced by a change, never changed
     stop: threading.Event
     paused: bool
 
     def __init__(self, reader: ControlReader, sampling: SamplingSettings, stop: threading.Event) -> None:
+        """`sampling`: the configured values; the fleet's live ones (a change made before this worker
+        started) are adopted over them."""
         self.reader, self.sampling, self.stop = reader, sampling, stop
         initial = reader.initial_state()
         self.paused = initial.paused
         if initial.sampling:
             try:
-                log.info(
-                    "adopting the fleet's live sampling values: %s",
-                    apply_sampling(sampling, initial.sampling),
-                )
+                self.sampling, adopted = apply_sampling(sampling, initial.sampling)
+                log.info("adopting the fleet's live sampling values: %s", adopted)
             except HparamError as exc:
                 log.error("ignoring the fleet's sampling values: %s", exc)
         if self.paused:
             log.info("starting paused: the fleet is paused (`sparkrl resume` goes on)")
 
-    def boundary(self, in_hand: int = 0) -> None:
-        """Apply every command issued since the last call; `in_hand`: groups still to be published."""
+    def boundary(self, in_hand: int = 0) -> SamplingSettings:
+        """Apply every command issued since the last call; `in_hand`: groups still to be published. Returns
+        the sampling values in force, for the next batch."""
         for command in self.reader.poll():
             self._apply(command, in_hand)
+        return self.sampling
 
     def _apply(self, command: ControlCommand, in_hand: int) -> None:
         name = command.body.command
@@ -69,7 +71,7 @@ class WorkerControl:
             if not mine:
                 return  # only learner values: not ours to answer
             try:
-                values = apply_sampling(self.sampling, mine)
+                self.sampling, values = apply_sampling(self.sampling, mine)
             except HparamError as exc:
                 self.reader.answer(command, "rejected", str(exc))
                 return

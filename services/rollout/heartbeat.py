@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sparkrl.proto import WorkerStatus
@@ -50,8 +51,13 @@ class Heartbeat(threading.Thread):
     (generation can outlast `bus.claim_idle_ms`); a thread because the loop blocks inside generate()."""
 
     def __init__(
-        self, telemetry: Telemetry, state: WorkerState, sampling: SamplingSettings, period_s: float
+        self,
+        telemetry: Telemetry,
+        state: WorkerState,
+        sampling: Callable[[], SamplingSettings],
+        period_s: float,
     ) -> None:
+        """`sampling`: the sampling values in force (the worker's control replaces them on a change)."""
         super().__init__(name="heartbeat", daemon=True)
         self.telemetry, self.bus, self.state, self.period_s = telemetry, telemetry.bus, state, period_s
         self.sampling = sampling
@@ -62,7 +68,7 @@ class Heartbeat(threading.Thread):
             self.beat()
 
     def beat(self) -> None:
-        s = self.state
+        s, sampling = self.state, self.sampling()
         try:
             self.bus.touch("prompts", s.worker_id, list(s.in_flight))
             lag = self.bus.pending_info("prompts").lag
@@ -85,8 +91,8 @@ class Heartbeat(threading.Thread):
                 started_at=s.started_at,
                 startup_s=dict(s.startup_s),
                 progress_at=s.progress_at,
-                temperature=self.sampling.temperature,
-                top_p=self.sampling.top_p,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
                 heartbeat_at=time.time(),
             )
             self.telemetry.put_worker(status, ttl_s=3 * self.period_s)

@@ -54,16 +54,17 @@ def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
     clock.mark("engine")
     telemetry, metrics = Telemetry(bus), WorkerMetrics(worker_id)
     state = WorkerState(worker_id, cfg.rollout.engine.kind, policy_version=engine.policy_version)
-    heartbeat = Heartbeat(telemetry, state, cfg.rollout.sampling, cfg.rollout.heartbeat_s)
+    control = WorkerControl(
+        ControlReader(bus, telemetry, worker_target(worker_id)), cfg.rollout.sampling, stop
+    )
+    heartbeat = Heartbeat(telemetry, state, lambda: control.sampling, cfg.rollout.heartbeat_s)
     worker = Worker(
         bus=bus,
         engine=engine,
         reward=_reward_client(cfg),
-        cfg=cfg.rollout,
+        cfg=cfg.rollout.model_copy(update={"sampling": control.sampling}),  # the fleet's live values
         state=state,
-        control=WorkerControl(
-            ControlReader(bus, telemetry, worker_target(worker_id)), cfg.rollout.sampling, stop
-        ),
+        control=control,
         metrics=metrics,
         stop=stop,
         gate=gate,
@@ -112,7 +113,9 @@ def step(worker: Worker) -> None:
     feed, a short wait)."""
     state, control = worker.state, worker.control
     state.progress_at = time.time()
-    control.boundary()
+    sampling = control.boundary()
+    if sampling is not worker.cfg.sampling:  # a live change: the next batch samples with the new values
+        worker.cfg = worker.cfg.model_copy(update={"sampling": sampling})
     worker.sync()
     if not worker.health.recovered(worker.cfg.sampling):
         worker.stop.wait(PAUSED_POLL_S)  # following weights and answering control; new ones are probed

@@ -19,7 +19,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from sparkrl.proto import Completion, LearnerStatus, TrajectoryGroup, WeightAnnouncement, encode_group
+from sparkrl.proto import (
+    Completion,
+    LearnerStatus,
+    TrajectoryGroup,
+    WeightAnnouncement,
+    encode_group,
+    staleness,
+)
 from sparkrl.services.common.bus import BusBackpressureTimeout, Entry, RedisBus
 from sparkrl.services.common.metrics_server import MetricsServer
 from sparkrl.services.common.reward_client import RewardClient, RewardServiceError
@@ -98,7 +105,7 @@ def too_stale(learner: LearnerStatus | None, oldest: int | None) -> bool:
         return False
     if learner.max_staleness is None:
         return False
-    return learner.policy_version - oldest > learner.max_staleness
+    return staleness.too_stale(oldest, learner.policy_version, learner.max_staleness)
 
 
 def sync_weights(
@@ -192,7 +199,7 @@ class Worker:
     bus: RedisBus
     engine: Engine
     reward: RewardClient
-    cfg: RolloutSettings  # live: `set_hparams` changes its sampling between batches
+    cfg: RolloutSettings  # its sampling: the control's values in force, put in place between batches (step)
     state: WorkerState
     control: WorkerControl
     metrics: WorkerMetrics

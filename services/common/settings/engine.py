@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from sparkrl.services.common.settings.section import Section
 
 
 class SamplingSettings(Section):
     """How a worker samples each GRPO group."""
+
+    # Frozen: a live change (hparams.apply_sampling) is a new value, put in place between batches.
+    model_config = ConfigDict(frozen=True)
 
     n: int = Field(8, ge=1, le=1024, description="Completions per prompt (the GRPO group size).")
     temperature: float = Field(

@@ -2,17 +2,20 @@
 passes before anything is applied.
 
 Names are flat (`lr`, `beta`, `temperature`), as `PATCH /api/v1/hyperparameters` and `sparkrl set` take
-them. Each maps to one settings field, and a value is checked by assigning it to that settings model, so
+them. Each maps to one settings field, and a value is checked by building that settings model with it, so
 the bounds are the models' own (`LearnerSettings.lr ≤ 0.1`, `LpRegLoss.beta ≥ 0`, ...) and cannot drift:
 the control service checks (422 naming the field, the bound and why it is there: each bounded field
 gives its reasons in `json_schema_extra["why"]`, keyed by the constraint), and the learner and the
 workers check again before they apply (all or nothing).
+
+Settings are frozen: applying values returns new settings (`apply_learner`, `apply_sampling`), which the
+learner's loop and the worker's control put in place of the old ones between steps and batches.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 from pydantic_core import ErrorDetails
@@ -94,9 +97,8 @@ def bound_message(model: type[BaseModel], field: str, name: str, error: ErrorDet
 
 
 def _assign_problem(model: type[BaseModel], field: str, name: str, value: Any) -> Problem | None:
-    probe = model()
     try:
-        setattr(probe, field, value)  # validate_assignment: the field's own type and bounds
+        model.model_validate({field: value})  # the field's own type and bounds (the rest: defaults)
     except ValidationError as exc:
         error = exc.errors()[0]
         return Problem(name, bound_message(model, field, name, error), str(error["type"]), value)
@@ -134,28 +136,41 @@ def _check_one(name: str, value: HparamValue, loss_name: str | None) -> Problem 
     return _assign_problem(owner, name, name, value)
 
 
-def apply_learner(cfg: LearnerSettings, values: dict[str, HparamValue]) -> dict[str, HparamValue]:
-    """Set the learner's values in `cfg` (all or nothing); returns what is now in force for those names.
-    Raises HparamError, changing nothing, if any is rejected (worker names are ignored)."""
+def apply_learner(
+    cfg: LearnerSettings, values: dict[str, HparamValue]
+) -> tuple[LearnerSettings, dict[str, HparamValue]]:
+    """`cfg` with the learner's values (all or nothing; worker names are ignored): (the new settings, what
+    is now in force for those names). `cfg` itself never changes: settings are frozen, a live change is a
+    new value. Raises HparamError if any is rejected."""
     mine, _ = split(values)
     problems = check(mine, cfg.loss.name)
     if problems:
         raise HparamError(problems)
-    for name, value in mine.items():
-        if name in LEARNER_FIELDS:
-            setattr(cfg, LEARNER_FIELDS[name], value)
-        else:
-            setattr(cfg.loss, name, value)
-    in_force = learner_hparams(cfg)
-    return {name: in_force[name] for name in mine}
+    own = {LEARNER_FIELDS[name]: value for name, value in mine.items() if name in LEARNER_FIELDS}
+    loss = {name: value for name, value in mine.items() if name not in LEARNER_FIELDS}
+    new = replaced(cfg, own | {"loss": replaced(cfg.loss, loss)})
+    in_force = learner_hparams(new)
+    return new, {name: in_force[name] for name in mine}
 
 
-def apply_sampling(cfg: SamplingSettings, values: dict[str, HparamValue]) -> dict[str, HparamValue]:
-    """Set the workers' values (all or nothing); learner names are ignored. Raises HparamError."""
+def apply_sampling(
+    cfg: SamplingSettings, values: dict[str, HparamValue]
+) -> tuple[SamplingSettings, dict[str, HparamValue]]:
+    """`cfg` with the workers' values (all or nothing; learner names are ignored): (the new settings, what
+    is now in force for those names). Raises HparamError."""
     _, mine = split(values)
     problems = check(mine, None)
     if problems:
         raise HparamError(problems)
-    for name, value in mine.items():
-        setattr(cfg, name, value)
-    return {name: getattr(cfg, name) for name in mine}
+    new = replaced(cfg, mine)
+    return new, {name: getattr(new, name) for name in mine}
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def replaced(model: M, values: dict[str, Any]) -> M:
+    """A copy of `model` with `values`, validated as a new one is (types coerced, validators run): the
+    fields it was built with are kept as they are, the rest keep their defaults."""
+    kept = {name: getattr(model, name) for name in model.model_fields_set}
+    return type(model).model_validate(kept | values)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from sparkrl.services.common.losses import LossSettings, LpRegLoss, loss_spec
 from sparkrl.services.common.settings.learner_knobs import (
@@ -21,6 +21,10 @@ MAX_STALENESS = 100_000  # versions; more is the same as never dropping a group
 
 class LearnerSettings(Section):
     """The DeepSpeed learner: batches, loss, optimizer, staleness, checkpoints."""
+
+    # Frozen: a live change (hparams.apply_learner) is a new value, which the learner's loop puts in place
+    # at a step boundary and hands to whatever reads it, never an assignment another holder would see.
+    model_config = ConfigDict(frozen=True)
 
     loss: LossSettings = Field(default_factory=LpRegLoss, description="Policy loss, chosen by `name`.")
     proxy_source: Literal["topk", "logits"] = Field(
