@@ -169,7 +169,7 @@ def _random_batch(seed: int, B: int = 4, T: int = 64) -> dict[str, torch.Tensor]
 
 
 def _reference_lp_reg(batch: dict[str, torch.Tensor], logp: torch.Tensor, **hp: float) -> torch.Tensor:
-    """DESIGN.md read literally, one token at a time."""
+    """docs/architecture.md's "Lp-Reg, exactly" read literally, one token at a time."""
     flat = {k: v.reshape(-1) for k, v in batch.items()}
     lp = logp.reshape(-1)
     lp_value = lp.detach()

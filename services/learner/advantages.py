@@ -3,7 +3,8 @@
 GRPO's std is the *unbiased* one (Bessel's correction, n − 1), as verl's `compute_grpo_outcome_advantage`
 uses `torch.std` — in the Lp-Reg authors' fork as in upstream verl. One deliberate difference: verl gives
 a lone response (group of size 1) mean 0 and std 1, i.e. advantage = its raw reward; here it gets 0, since
-a group of one carries no relative signal (DESIGN.md: reward minus group mean).
+a group of one carries no relative signal (docs/architecture.md, "A step's update": reward minus group
+mean).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Loss aggregation (`learner.loss_aggregation`): how a step's per-token losses become one number.
 
-Every loss is written as a token mean (`masked_mean`, as the paper and DESIGN.md define them). The other
-modes are that token mean over re-weighted tokens: with N tokens and S sequences in the update (a
-sequence: a completion with at least one token; ℓ_i its length, L a constant), token t of sequence i gets
+Every loss is written as a token mean (`masked_mean`, as the paper and docs/architecture.md ("Lp-Reg,
+exactly") define them). The other modes are that token mean over re-weighted tokens: with N tokens and S
+sequences in the update (a sequence: a completion with at least one token; ℓ_i its length, L a
+constant), token t of sequence i gets
 
     token_mean           w = 1                 → Σ_t loss_t / N
     seq_mean_token_sum   w = N / S             → (1/S) Σ_i Σ_t loss_t

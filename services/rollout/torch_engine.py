@@ -4,7 +4,7 @@ Why not `model.generate`: the loop is as fast on CPU and hands us the raw logits
 sampled token's log-prob and the top-k come out of one distribution, `log_softmax(logits / T)`.
 Top-p only restricts what is *sampled*; the recorded log-probs stay those of the temperature-scaled
 distribution before truncation, which is what the learner recomputes (`old_logp`) and what the Lp-Reg
-proxy is built from (DESIGN.md: π_old at the sampling temperature).
+proxy is built from (docs/architecture.md, "Lp-Reg, exactly": π_old at the sampling temperature).
 """
 
 from __future__ import annotations
