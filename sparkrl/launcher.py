@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -24,9 +23,8 @@ import redis
 from sparkrl.dead_letters import save_dead_letters
 from sparkrl.plan import STOP_TIERS, Role, ServiceSpec, StackPlan, plan_stack, write_configs
 from sparkrl.processes import is_ready, kill_group, spawn
-from sparkrl.proto import LearnerStatus
+from sparkrl.proto import LearnerStatus, WorkerStatus
 from sparkrl.run_report import (
-    STARTUP_FILE,
     OpState,
     progress_line,
     startup_facts,
@@ -38,6 +36,7 @@ from sparkrl.services.common.bus import BusError, RedisBus
 from sparkrl.services.common.paths import cache_dir
 from sparkrl.services.common.settings import BusSettings, SparkSettings
 from sparkrl.services.common.telemetry import Telemetry
+from sparkrl.session import Session
 from sparkrl.supervision import Restarts, failure, logtail_bytes, on_exit, record_end
 from sparkrl.terminal import Terminal, header
 from sparkrl.torchrun import is_torchrun, rank_zero
@@ -105,6 +104,7 @@ class Stack:
         self.restarts = Restarts(plan.settings.supervision)
         self.end_reason = None
         self.started_at: float | None = None  # when start() began, until the start-up is said
+        self.session: Session | None = None  # this start, from start(): which records are its own
 
     def start(self) -> None:
         """Spawn each service from its written config: Redis first (until it answers PING: everyone talks
@@ -112,6 +112,7 @@ class Stack:
         client retries until the service answers); then wait for the reward and control /healthz."""
         atexit.register(self.kill_all)  # last resort if the caller's finally never runs
         self.started_at = time.monotonic()
+        self.session = Session(self.plan.run_dir)
         for spec in self.specs:
             if not spec.config_path.is_file():
                 raise FileNotFoundError(f"{spec.config_path} is missing: write_configs(plan) before starting")
@@ -201,14 +202,18 @@ class Stack:
             self.telemetry = Telemetry(RedisBus(_quick(self.plan.settings)))
         settings = self.plan.settings
         try:
-            learner = self.telemetry.learner()  # its max_steps: where the data ends the run, if sooner
+            learner, row = self.telemetry.learner(), self.telemetry.last_step()
+            if self.session is not None:  # after --resume, the start before's status and rows are not ours
+                learner, row = self.session.learner(learner), self.session.step(row)
+                for said in self.session.commands(self.telemetry):
+                    self.report(said)
             total = learner.max_steps if learner is not None else settings.learner.max_steps
-            line = progress_line(self.telemetry.last_step(), total)
+            line = progress_line(row, total)  # its max_steps: where the data ends the run, if sooner
             if line is not None and self.started_at is not None and learner and learner.startup_s:
                 self._say_startup(learner)
             if line is not None or self.started_at is None:
                 return line
-            workers = {w: s.state for w, s in self.telemetry.workers().items()}
+            workers = {w: s.state for w, s in self._own_workers().items()}
         except (BusError, redis.RedisError):
             return None
         state = learner.state if learner is not None else None
@@ -219,12 +224,17 @@ class Stack:
         """At the first step: how long each service's start took (their heartbeats), said once, kept in
         RUN_DIR/startup.json for the summary."""
         assert self.telemetry is not None and self.started_at is not None
-        workers = {w: s.startup_s for w, s in self.telemetry.workers().items()}
+        workers = {w: s.startup_s for w, s in self._own_workers().items()}
         facts = startup_facts(time.monotonic() - self.started_at, learner.startup_s, workers)
         self.started_at = None  # said: the start-up is over
         self.report(startup_text(facts))
-        with contextlib.suppress(OSError):
-            (self.plan.run_dir / STARTUP_FILE).write_text(json.dumps(facts, indent=2))
+        if self.session is not None:
+            self.session.started(facts)
+
+    def _own_workers(self) -> dict[str, WorkerStatus]:
+        assert self.telemetry is not None
+        workers = self.telemetry.workers()
+        return self.session.workers(workers) if self.session is not None else workers
 
     def shutdown(self) -> None:
         """SIGTERM tier by tier (plan.STOP_TIERS), each given `grace_s`; SIGKILL what is left."""

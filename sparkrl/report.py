@@ -315,7 +315,7 @@ def _summary(run: _Run) -> list[str]:
     hparams = ", ".join(f"{key}={_hparam_text(value)}" for key, value in sorted(last.hparams.items()))
     table = [
         ("steps", f"{len(run.rows)} (steps {first.step}–{last.step}{resumed})"),
-        ("wall time", wall_text(*wall_time(run.run_dir, first.time, last.time))),  # as the summary says
+        ("wall time", wall_text(wall_time(run.run_dir, [row.time for row in run.rows]))),  # the summary's
         ("reward mean", f"first {count} steps {fmt(early, '.3f')} → last {count} steps {fmt(late, '.3f')}"),
         ("final entropy", fmt(last_present(run.steps.series("loss/entropy")))),
         ("final policy version", str(last.policy_version)),

@@ -122,17 +122,52 @@ def count_by_stream(records: list[DeadLetterRecord]) -> dict[str, int]:
     return {"prompts": len(ids["prompts"]), "groups": len(ids["trajectories"])}
 
 
-def wall_time(run_dir: Path, first_step_at: float, last_step_at: float) -> tuple[float, float | None]:
-    """(wall seconds, start-up seconds): from the launch — the learner's config is written just before
-    the first spawn — to the last step row, and from the launch to the first. Without the config, from
-    the first step (start-up unknown). The summary and the report both say this one figure."""
-    try:
-        launched = (run_dir / "config" / "learner.yaml").stat().st_mtime
-    except FileNotFoundError:
-        return max(0.0, last_step_at - first_step_at), None
-    if launched > first_step_at:  # a resume rewrote the config: this session's start is unknown
-        return max(0.0, last_step_at - first_step_at), None
-    return last_step_at - launched, first_step_at - launched
+STARTUP_FILE = "startup.json"  # the last start of the run, as `sparkrl up` tells it (sparkrl/session.py)
+
+
+def read_session(run_dir: Path) -> dict[str, Any]:
+    """`startup.json`: `launched_at`, the start-up's story, `paused` intervals; empty when there is none."""
+    with contextlib.suppress(OSError, ValueError):
+        facts = json.loads((run_dir / STARTUP_FILE).read_text())
+        if isinstance(facts, dict):
+            return facts
+    return {}
+
+
+def paused_within(paused: list[list[float | None]], start: float, end: float) -> float:
+    """Seconds of the paused intervals between `start` and `end` (one still open runs to `end`)."""
+    total = 0.0
+    for began, ended in paused:
+        if began is not None:
+            total += max(0.0, min(end, ended if ended is not None else end) - max(start, began))
+    return total
+
+
+@dataclass(frozen=True)
+class Wall:
+    """The wall time of the run's last start: launch → its last step row."""
+
+    total_s: float
+    startup_s: float | None  # launch → its first step row; None: the launch is not known
+    paused_s: float  # the learner paused (control commands) between its first and last step row
+    steps: int  # step rows this start wrote
+
+
+def wall_time(run_dir: Path, times: list[float]) -> Wall:
+    """From the step rows' times (in step order). The launch is `startup.json`'s `launched_at` (sparkrl
+    up writes it as it starts: after `--resume` only this start's rows count); a run without it, from the
+    learner's config (written just before the first spawn). Without either, from the first row. The
+    summary and the report both say this one figure."""
+    session = read_session(run_dir)
+    launched = session.get("launched_at")
+    if not isinstance(launched, (int, float)):
+        with contextlib.suppress(FileNotFoundError):
+            launched = (run_dir / "config" / "learner.yaml").stat().st_mtime
+    own = [t for t in times if isinstance(launched, (int, float)) and t >= launched]
+    if not own:  # no launch known, or this start trained nothing: the rows' span, start-up unknown
+        return Wall(max(0.0, times[-1] - times[0]) if times else 0.0, None, 0.0, 0)
+    paused = paused_within(session.get("paused") or [], own[0], own[-1])
+    return Wall(own[-1] - launched, own[0] - launched, paused, len(own))
 
 
 # ── values ────────────────────────────────────────────────────────────────────────────────────────────
@@ -177,8 +212,11 @@ def duration(seconds: float) -> str:
     return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
 
 
-def wall_text(total_s: float, startup_s: float | None) -> str:
-    """`3m 33s (start-up 13.4 s, training 3m 19s)`."""
-    if startup_s is None:
-        return duration(total_s)
-    return f"{duration(total_s)} (start-up {duration(startup_s)}, training {duration(total_s - startup_s)})"
+def wall_text(wall: Wall) -> str:
+    """`3m 33s (start-up 13.4 s, training 3m 19s)`, `… paused 40.0 s)` when the learner was paused."""
+    if wall.startup_s is None:
+        return duration(wall.total_s)
+    training = wall.total_s - wall.startup_s - wall.paused_s
+    paused = f", paused {duration(wall.paused_s)}" if wall.paused_s > 0.05 else ""
+    parts = f"start-up {duration(wall.startup_s)}, training {duration(training)}{paused}"
+    return f"{duration(wall.total_s)} ({parts})"

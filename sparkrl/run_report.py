@@ -11,11 +11,13 @@ from typing import Any, Literal
 from sparkrl.proto import StepMetrics
 from sparkrl.run_files import (
     SUMMARY_FILE,
+    Wall,
     count_by_stream,
     fmt,
     last_present,
     load_dead_letters,
     read_ended,
+    read_session,
     read_steps,
     reward_halves,
     wall_text,
@@ -88,9 +90,6 @@ def startup_line(
     return " | ".join(parts)
 
 
-STARTUP_FILE = "startup.json"  # in the run directory: what `startup_facts` found at the first step
-
-
 def startup_facts(
     first_step_s: float, learner: dict[str, float] | None, workers: dict[str, dict[str, float]]
 ) -> dict[str, Any]:
@@ -123,16 +122,17 @@ def _dead_text(counts: dict[str, int] | None, run_dir: Path) -> str:
 def summarize(run_dir: Path | str) -> str:
     """A few lines on the run from its files; the same facts go to `RUN_DIR/summary.json`."""
     run_dir = Path(run_dir)
-    summary = _facts(run_dir)
+    summary, wall = _facts(run_dir)
     (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
-    wall = ""
-    if summary["wall_seconds"] is not None:
-        wall = f" in {wall_text(summary['wall_seconds'], summary['startup_seconds'])}"
+    said = f" in {wall_text(wall)}" if summary["steps"] else ""
+    this_start = summary["steps_this_start"]
+    if summary["steps"] and this_start is not None and this_start < summary["steps"]:  # a resumed run
+        said = f" ({this_start} in this start){said}"
     versions = _versions_text(summary["worker_versions"]) or "none reported"
     stale = summary["groups_dropped_stale"]
     return "\n".join(
         [
-            f"run {run_dir}: {summary['steps']} steps{wall}",
+            f"run {run_dir}: {summary['steps']} steps{said}",
             f"  reward mean: {fmt(summary['reward_mean_first_20pct'], '.3f')} (first 20% of steps)"
             f" → {fmt(summary['reward_mean_last_20pct'], '.3f')} (last 20%)",
             f"  final entropy: {fmt(summary['final_entropy'], '.3f')}",
@@ -151,20 +151,23 @@ def summarize(run_dir: Path | str) -> str:
     )
 
 
-def _facts(run_dir: Path) -> dict[str, Any]:
+def _facts(run_dir: Path) -> tuple[dict[str, Any], Wall]:
     """What summary.json holds: the step rows' story (the report tells the same one), the checkpoints,
     what was set aside and why the run ended."""
     steps = read_steps(run_dir)
     rows = steps.rows
     _, early, late = reward_halves(steps)
-    total, startup = wall_time(run_dir, rows[0].time, rows[-1].time) if rows else (None, None)
+    wall = wall_time(run_dir, [row.time for row in rows])
     dead = load_dead_letters(run_dir)
     checkpoints = run_dir / "checkpoints"
     return {
         "run_dir": str(run_dir),
         "steps": rows[-1].step if rows else 0,
-        "wall_seconds": None if total is None else round(total, 1),
-        "startup_seconds": None if startup is None else round(startup, 1),
+        # Of the last start (after --resume, this one's): launch → its first step row → its last.
+        "wall_seconds": round(wall.total_s, 1) if rows else None,
+        "startup_seconds": None if wall.startup_s is None or not rows else round(wall.startup_s, 1),
+        "paused_seconds": round(wall.paused_s, 1),
+        "steps_this_start": wall.steps if wall.startup_s is not None else None,
         "reward_mean_first_20pct": early,
         "reward_mean_last_20pct": late,
         "final_entropy": last_present(steps.series("loss/entropy")),
@@ -176,12 +179,5 @@ def _facts(run_dir: Path) -> dict[str, Any]:
         "groups_dropped_stale": int(rows[-1].value("rollout/dropped_stale_total") or 0) if rows else 0,
         "dead_lettered": None if dead is None else count_by_stream(dead),  # None: the run left no record
         "ended": read_ended(run_dir).get("reason"),
-        "startup": _json_or_none(run_dir / STARTUP_FILE),
-    }
-
-
-def _json_or_none(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+        "startup": read_session(run_dir) or None,
+    }, wall
