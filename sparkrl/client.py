@@ -2,11 +2,15 @@
 
 Where to call and with which token, highest priority first: `--url` / `--token`; the environment
 (`SPARKRL_CONTROL__URL`, `SPARKRL_CONTROL__TOKEN`, `SPARKRL_CONTROL__TOKEN_FILE`); the run directory
-(`--run-dir`: its `config/control.yaml` and `control-token`, as `sparkrl up` wrote them); the defaults.
+(`--run-dir`: its `config/control.yaml` and `control-token`, as `sparkrl up` wrote them); without any of
+them, the newest live run under the working directory (`./`, `./*/`, `./runs/*/`: a `run.lock` whose
+`sparkrl up` still runs). A run directory that no live `sparkrl up` holds is not dialled: the client says
+why the run ended (its `ended.json`) instead of "cannot reach".
 """
 
 from __future__ import annotations
 
+import difflib
 import math
 import os
 from dataclasses import dataclass
@@ -16,19 +20,24 @@ from typing import Any
 import httpx
 import yaml
 
-from sparkrl.run_files import MISSING, fmt
-
-DEFAULT_URL = "http://127.0.0.1:8200"
+from sparkrl.proto.control import HyperparameterPatch
+from sparkrl.run_files import MISSING, fmt, read_ended
+from sparkrl.run_lock import LOCK_FILE, live_holder, read_lock
 
 
 class ClientError(RuntimeError):
     """The API could not be reached or answered an error; the message says what to do."""
 
 
+class RunEnded(ClientError):
+    """The run directory's run is over: no control service to call. The message says when and why."""
+
+
 @dataclass(frozen=True)
 class Endpoint:
     url: str
     token: str | None
+    found: Path | None = None  # the live run found under the working directory (none was named)
 
 
 def _run_dir_endpoint(run_dir: Path) -> tuple[str | None, str | None]:
@@ -43,15 +52,47 @@ def _run_dir_endpoint(run_dir: Path) -> tuple[str | None, str | None]:
 
 def resolve_endpoint(url: str | None, token: str | None, run_dir: Path | None) -> Endpoint:
     env = os.environ
+    url = url or env.get("SPARKRL_CONTROL__URL")
+    found = None
+    if url is None and run_dir is None:
+        run_dir = found = newest_live_run(Path.cwd())
+    if url is None and run_dir is not None:
+        refuse_ended(run_dir)
     from_dir: tuple[str | None, str | None] = _run_dir_endpoint(run_dir) if run_dir else (None, None)
     token_file = env.get("SPARKRL_CONTROL__TOKEN_FILE")
     env_token = env.get("SPARKRL_CONTROL__TOKEN") or (
         Path(token_file).read_text().strip() if token_file and Path(token_file).is_file() else None
     )
-    return Endpoint(
-        url=(url or env.get("SPARKRL_CONTROL__URL") or from_dir[0] or DEFAULT_URL).rstrip("/"),
-        token=token or env_token or from_dir[1],
-    )
+    if url is None and from_dir[0] is None:
+        raise ClientError(f"{run_dir}/config/control.yaml names no control.url: pass --url")
+    return Endpoint((url or from_dir[0] or "").rstrip("/"), token or env_token or from_dir[1], found)
+
+
+def newest_live_run(where: Path) -> Path:
+    """The run directory under `where` (itself, `*/`, `runs/*/`) that a live `sparkrl up` took last."""
+    candidates = [where, *where.glob("*/"), *where.glob("runs/*/")]
+    live = [d for d in candidates if (d / "config" / "control.yaml").is_file() and live_holder(d) is not None]
+    if not live:
+        raise ClientError(
+            f"no live run under {where} (looked for a live {LOCK_FILE} in ./, ./*/ and ./runs/*/): pass "
+            "--run-dir RUN_DIR (the one `sparkrl up` printed), or --url for a control service elsewhere"
+        )
+    newest = max(live, key=lambda d: read_lock(d).since if read_lock(d) else 0.0)  # type: ignore[union-attr]
+    return Path(os.path.relpath(newest, where)) if newest.is_relative_to(where) else newest
+
+
+def refuse_ended(run_dir: Path) -> None:
+    """RunEnded (or ClientError) when no live `sparkrl up` holds `run_dir`: its ended.json says why."""
+    if not (run_dir / "config").is_dir() or live_holder(run_dir) is not None:
+        return  # not a run directory (said when its config is read), or live: call it
+    ended = read_ended(run_dir)
+    if not ended:
+        raise RunEnded(
+            f"the run in {run_dir} is not running (no live `sparkrl up` holds it) and wrote no ended.json: "
+            f"it was killed; `sparkrl up --resume --run-dir {run_dir}` continues it"
+        )
+    at = f" at step {ended['step']}" if isinstance(ended.get("step"), int) else ""
+    raise RunEnded(f"the run in {run_dir} ended{at}: {ended.get('reason') or 'no reason recorded'}")
 
 
 def call(endpoint: Endpoint, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -61,7 +102,8 @@ def call(endpoint: Endpoint, method: str, path: str, body: dict[str, Any] | None
         # The server waits up to control.command_timeout_s for every target; do not give up before it.
         response = httpx.request(method, endpoint.url + path, json=body, headers=headers, timeout=3600)
     except httpx.HTTPError as exc:
-        raise ClientError(f"cannot reach the control service at {endpoint.url}: {exc}") from exc
+        where = f" (the run in {endpoint.found} is live: it may still be starting)" if endpoint.found else ""
+        raise ClientError(f"cannot reach the control service at {endpoint.url}{where}: {exc}") from exc
     try:
         answer = response.json()
     except ValueError:
@@ -88,8 +130,22 @@ def parse_assignments(pairs: list[str]) -> dict[str, int | float]:
         name, sep, raw = pair.partition("=")
         if not sep or not name.strip():
             raise ClientError(f"{pair!r} is not name=value (e.g. lr=2e-6)")
-        values[name.strip()] = _number(name.strip(), raw.strip())
+        values[_live_name(name.strip())] = _number(name.strip(), raw.strip())
     return values
+
+
+def _live_name(name: str) -> str:
+    """`name` if the control API takes it live (HyperparameterPatch's fields), else ClientError with the
+    closest names and the whole list: the API would only answer a bare 422."""
+    live = list(HyperparameterPatch.model_fields)
+    if name in live:
+        return name
+    close = difflib.get_close_matches(name, live, n=2, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+    raise ClientError(
+        f"{name}: not a live-settable name{hint}; live-settable: {', '.join(live)} (a loss's own parameters "
+        "only while that loss runs; everything else is set at start: `sparkrl up --set learner.NAME=...`)"
+    )
 
 
 def _number(name: str, raw: str) -> int | float:

@@ -21,14 +21,24 @@ _SAID: set[str] = set()  # the control API URLs this process said it talks to
 def _client_call(
     url: str | None, token: str | None, run_dir: Path | None, method: str, path: str, body: dict | None = None
 ) -> dict:
-    from sparkrl.client import ClientError, call, resolve_endpoint
+    from sparkrl.client import ClientError, RunEnded, call, resolve_endpoint
 
     try:
         endpoint = resolve_endpoint(url, token, run_dir)
         if endpoint.url not in _SAID:  # every client says where it connects (stderr: --json stays clean)
             _SAID.add(endpoint.url)
-            typer.echo(f"control API {endpoint.url}", err=True)
+            found = f" (the live run {endpoint.found})" if endpoint.found else ""
+            typer.echo(f"control API {endpoint.url}{found}", err=True)
         return call(endpoint, method, path, body)
+    except RunEnded as exc:
+        if path == "/api/v1/status":  # a status of a run that is over: said, and not an error
+            typer.echo(f"{exc} (its summary: {Path(run_dir or '.') / 'summary.json'})")
+            raise typer.Exit(0) from exc
+        typer.echo(
+            f"error: {exc}; nothing to send it: `sparkrl up --resume --run-dir {run_dir}` continues it",
+            err=True,
+        )
+        raise typer.Exit(1) from exc
     except ClientError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from exc
