@@ -23,7 +23,7 @@ from sparkrl.services.common.bus import Entry, RedisBus
 from sparkrl.services.common.feeder import feed_held
 from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner.data_end import Fed, Progress, Tally, count_prompts, end_reason, feed_done
-from sparkrl.services.learner.ledger import Batch, trained
+from sparkrl.services.learner.ledger import Batch, trained_among
 from sparkrl.services.learner.validate import ModelLimits, group_problem
 
 CONSUMER = "learner"
@@ -169,8 +169,12 @@ class BatchCollector:
         return ahead > 0
 
     def _read(self, version: int, count: int, block_ms: int | None, max_staleness: int) -> None:
-        for entry, group in self.bus.read_decoded("trajectories", CONSUMER, count, decode_group, block_ms):
-            self._take(entry, group, version)
+        read = self.bus.read_decoded("trajectories", CONSUMER, count, decode_group, block_ms)
+        # The trained marks of the whole read in one round trip: looked up group by group, each lookup
+        # waited its turn in Redis behind the fleet's publishes, which capped the intake (ledger.py).
+        replays = trained_among(self.bus, [group.group_id for _, group in read])
+        for entry, group in read:
+            self._take(entry, group, version, group.group_id in replays)
         # Held groups age as the version moves on: those past reach are sent back to be made again.
         stale = [
             i for i, g in enumerate(self.groups) if too_stale(_oldest(g, version), version, max_staleness)
@@ -213,14 +217,15 @@ class BatchCollector:
         """Entries held across reads (or a pause) would otherwise be reclaimed and re-delivered when idle."""
         self.bus.touch("trajectories", CONSUMER, [e.entry_id for e in self.entries])
 
-    def _take(self, entry: Entry, group: TrajectoryGroup, version: int) -> None:
+    def _take(self, entry: Entry, group: TrajectoryGroup, version: int, replay: bool) -> None:
+        """Hold a group read off the stream; `replay`: a step trained on it already (its mark is set)."""
         if group.group_id in self.seen:
             return
         problem = group_problem(group, self.limits) or self._from_another_lineage(group, version)
         if problem is not None:
             self.dead_lettered += self.bus.dead_letter("trajectories", entry, problem)
             return
-        if trained(self.bus, group.group_id):
+        if replay:
             self.acked += self.bus.ack("trajectories", [entry.entry_id])  # a replay: trained already
             return
         self.seen.add(group.group_id)

@@ -63,6 +63,16 @@ def trained(bus: RedisBus, group_id: str) -> bool:
     return bus.get_value(TRAINED_PREFIX + group_id) is not None
 
 
+def trained_among(bus: RedisBus, group_ids: list[str]) -> set[str]:
+    """The ids of `group_ids` a step already trained on, in one round trip. The collector asks once per
+    read: asked group by group, each lookup waited its turn in Redis behind the fleet's publishes, and
+    that wait, not the learner's CPU, capped the groups it took per second (bench/fleet_scale.py)."""
+    if not group_ids:
+        return set()
+    marks = bus.get_values([TRAINED_PREFIX + group_id for group_id in group_ids])
+    return {group_id for group_id, mark in zip(group_ids, marks, strict=True) if mark is not None}
+
+
 class Journal:
     """`RUN_DIR/journal/`: one file per step since the newest checkpoint."""
 
