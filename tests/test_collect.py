@@ -28,8 +28,8 @@ def sampled_by(seed: int, version: int) -> TrajectoryGroup:
 STALENESS = 2  # learner.max_staleness in force: what the loop hands the collector at each read
 
 
-def collector(bus: RedisBus) -> BatchCollector:
-    return BatchCollector(bus, LearnerSettings(prompts_per_step=4), LIMITS)
+def collector(bus: RedisBus, batch: str = "grow") -> BatchCollector:
+    return BatchCollector(bus, LearnerSettings(prompts_per_step=4, batch=batch), LIMITS)
 
 
 def test_a_burst_at_the_edge_of_reach_joins_the_step(bus_settings: BusSettings) -> None:
@@ -48,6 +48,28 @@ def test_a_burst_at_the_edge_of_reach_joins_the_step(bus_settings: BusSettings) 
         assert bus.pending_info("trajectories").lag == 4  # the rest wait in the stream
         nxt = c.fill(3, STALENESS, lambda: False)
         assert nxt is not None and {g.group_id for g in nxt.groups} == {g.group_id for g in new[:4]}
+
+
+def test_a_fixed_batch_is_prompts_per_step_groups_and_the_rest_is_made_again(
+    bus_settings: BusSettings,
+) -> None:
+    """(issue 36, item 5) learner.batch fixed: the burst of the test above gives steps of exactly 4
+    groups; the old groups that cannot wait for a later step are sent back, not trained in a bigger step."""
+    with RedisBus(bus_settings.model_copy(update={"trajectory_maxlen": 64})) as bus:
+        old = [sampled_by(i, 0) for i in range(10)]
+        new = [sampled_by(100 + i, 2) for i in range(6)]
+        for g in new[:2] + old + new[2:]:
+            assert bus.publish_prompt(g.prompt.prompt_id, b"as fed")
+            assert bus.publish_group(g.group_id, encode_group(g))
+        bus.ack("prompts", [e.entry_id for e in bus.read("prompts", "worker", 16)])  # sampled, published
+        c = collector(bus, batch="fixed")
+        batch = c.fill(2, STALENESS, lambda: False)
+        assert batch is not None and len(batch.groups) == 4  # the 4 oldest
+        assert {g.group_id for g in batch.groups} <= {g.group_id for g in old}
+        nxt = c.fill(3, STALENESS, lambda: False)  # at version 3 the other 6 old ones are past reach
+        assert nxt is not None and len(nxt.groups) == 4 and nxt.dropped_stale == 6
+        assert {g.group_id for g in nxt.groups} == {g.group_id for g in new[:4]}
+        assert bus.pending_info("prompts").lag == 6  # their prompts are fed again, to be made anew
 
 
 def test_groups_past_reach_are_sent_back_to_be_made_again(bus_settings: BusSettings) -> None:

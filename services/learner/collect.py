@@ -1,4 +1,5 @@
-"""Batch assembly from the trajectory stream: `prompts_per_step` fresh, untrained groups per step.
+"""Batch assembly from the trajectory stream: `prompts_per_step` fresh, untrained groups per step (with
+`learner.batch: grow`, more when held groups would go stale before the next step; see `fill`).
 
 A collector keeps what it has gathered when it is interrupted (a pause, a control command, a stop) and
 goes on from there, so an interruption never drops or re-reads a group. While it holds entries it keeps
@@ -65,7 +66,8 @@ class BatchCollector:
         `interrupted()` says so, keeping what was gathered. `max_staleness`: the one in force.
 
         Whatever is waiting is read ahead and the oldest groups go first: the ones nearest to going stale
-        are trained while they still can be (those that could not wait for the next step join this one),
+        are trained while they still can be (with `batch: grow`, those that could not wait for the next
+        step join this one),
         so a burst of groups (after a stalled broadcast, at start-up) is worked through instead of dropped.
         Held groups are kept alive, never reclaimed from us.
         """
@@ -91,12 +93,14 @@ class BatchCollector:
             # this step, when the oldest of it may be past reach.
             self.read_ahead(version, max_staleness)
         order = sorted(range(len(self.groups)), key=lambda i: (_oldest(self.groups[i], version), i))
-        # A held group that would be too stale for the next step joins this one instead (the step grows
-        # to at most what read-ahead holds): data that arrived in a burst is trained, not dropped.
+        # learner.batch grow: a held group that would be too stale for the next step joins this one (the
+        # step grows to at most what read-ahead holds): a burst is trained, not made again. fixed: it
+        # stays held, and the next read sends it back (its prompt fed again): every step is `need` groups.
         doomed = [
             i for i in order[need:] if too_stale(_oldest(self.groups[i], version), version + 1, max_staleness)
         ]
-        cut = need + min(len(doomed), self.reach(max_staleness) - need)
+        grown = min(len(doomed), self.reach(max_staleness) - need) if self.cfg.batch == "grow" else 0
+        cut = need + grown
         chosen, kept = order[:cut], sorted(order[cut:])
         lags = [version - _oldest(self.groups[i], version) for i in chosen]
         batch = Batch(

@@ -149,7 +149,17 @@ class LearnerSettings(Section):
         description="A start (model load, DeepSpeed's first op build) taking longer ends with an error "
         "naming what it waits on.",
     )
-    prompts_per_step: int = Field(256, ge=1, description="Groups per optimizer step.")
+    prompts_per_step: int = Field(
+        256, ge=1, description="Groups per optimizer step: exactly (batch: fixed), or at least (grow)."
+    )
+    batch: Literal["fixed", "grow"] = Field(
+        "fixed",
+        description="fixed: every step trains exactly prompts_per_step groups (the last one of finite "
+        "data fewer), so lr is tuned against one batch size; a held group that would be too stale for the "
+        "next step is sent back, its prompt fed again. grow: such groups join this step instead (up to "
+        "max_staleness + 1 steps' worth), so a burst of groups is trained rather than made again and steps "
+        "vary in size.",
+    )
     micro_batch_tokens: int = Field(8192, ge=16, description="Token budget of one forward/backward.")
     max_staleness: int = Field(
         4,
