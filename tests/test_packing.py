@@ -123,7 +123,7 @@ def test_packing_leaves_the_gradient_unchanged(
 @pytest.mark.parametrize(
     ("overrides", "says"),
     [
-        (["learner.loss.name=gspo"], "GSPO averages over each row"),
+        (["learner.loss.name=gspo"], "gspo averages over each row"),
         (["learner.loss_aggregation=seq_mean_token_mean"], "use token_mean or unset pack_length"),
     ],
 )
