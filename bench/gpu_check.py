@@ -145,7 +145,7 @@ def check_learner_step(model_dir: Path, device: torch.device) -> Check:
         _sync(device)
         started = time.perf_counter()
         olds = [old_policy(engine.module, mb, cfg) for mb in batches]
-        stats, _ = apply_update(engine, batches, olds, cfg)
+        stats, _, _ = apply_update(engine, batches, olds, cfg)
         _sync(device)
         seconds.append(time.perf_counter() - started)
         losses.append(float(stats["loss"]))

@@ -102,7 +102,8 @@ def main() -> None:
                 _restore(engine, start)
                 settings = trainer.cfg.model_copy(update=variants[name])
                 began = time.perf_counter()
-                stats, seconds = run_updates(engine, groups, settings, trainer.pad_id, step=1)
+                done = run_updates(engine, groups, settings, trainer.pad_id, step=1)
+                stats, seconds = done.row(), done.seconds
                 if index >= 3:
                     seen[name].append(
                         {"update": time.perf_counter() - began, **seconds, **{k: stats[k] for k in _WORK}}

@@ -61,7 +61,7 @@ def main() -> None:
         return
     size = world()[1]
     trainer = trainer_for(cfg, load(cfg, resume=False))
-    stats, _ = trainer.update(Batch(fixed_groups(), []), 1, cfg.learner)
+    stats = trainer.update(Batch(fixed_groups(), []), 1, cfg.learner).row()
     weights = trainer.weights()  # under ZeRO-3 across ranks, a gather every rank takes part in
     trainer.close()  # the other ranks' `follow` ends
     torch.save({"stats": stats, "weights": weights, "size": size}, Path(args.out))

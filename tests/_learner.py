@@ -70,7 +70,7 @@ def gradient_and_stats(trainer: Trainer, groups: list[TrajectoryGroup], **cfg: o
     engine.step = recording_step  # type: ignore[method-assign]
     try:
         settings = trainer.cfg.model_copy(update=cfg)
-        stats, _ = run_updates(engine, groups, settings, trainer.pad_id, 1, trainer.reference)
+        stats = run_updates(engine, groups, settings, trainer.pad_id, 1, trainer.reference).row()
     finally:
         engine.step = step  # type: ignore[method-assign]
         engine.optimizer.load_state_dict(optimizer)

@@ -101,13 +101,13 @@ def test_an_update_whose_loss_is_not_finite_is_not_applied(
     cfg = settings(tiny_model_dir, tmp_path, *overrides)
     trainer = one_rank(cfg)
     before = trainer.weights()
-    stats, _ = trainer.update(Batch([group(1), group(2, logprob=FAR_OUT)], []), 1, cfg.learner)
+    stats = trainer.update(Batch([group(1), group(2, logprob=FAR_OUT)], []), 1, cfg.learner).row()
     assert stats["updates_skipped"] == 1.0 and stats["updates"] == 0.0
     assert not math.isfinite(stats["skipped_loss"])
     after = trainer.weights()
     assert all(torch.equal(after[name], before[name]) for name in before), "a non-finite update was applied"
 
-    stats, _ = trainer.update(Batch([group(3)], []), 1, cfg.learner)
+    stats = trainer.update(Batch([group(3)], []), 1, cfg.learner).row()
     assert "updates_skipped" not in stats and stats["updates"] == 1.0
     assert math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
     fresh = one_rank(cfg)

@@ -92,7 +92,7 @@ def test_bf16_autocast_trains_close_to_float32(tiny_model_dir: Path, tmp_path: P
     # bf16 matmuls: a few per cent on the log-probs (more on rare tokens, whose log-probs are large).
     torch.testing.assert_close(mixed[batches[0].mask], exact[batches[0].mask], atol=0.05, rtol=0.05)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    stats, _ = trainer.update(Batch(groups, []), 1, trainer.cfg)
+    stats = trainer.update(Batch(groups, []), 1, trainer.cfg).row()
     assert np.isfinite(stats["loss"]) and stats["grad_norm"] > 0
     assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
     assert not [n for n, p in model.named_parameters() if torch.equal(p, before[n])]
@@ -106,7 +106,7 @@ def test_two_steps_change_every_parameter(loss_name: str, tiny_model_dir: Path, 
     for step in (1, 2):
         groups = _groups(10 + step)
         assert len(micro_batches(samples_from_groups(groups), 256, pad_id=0)) > 1, "accumulate, please"
-        stats, _ = trainer.update(Batch(groups, []), step, trainer.cfg)
+        stats = trainer.update(Batch(groups, []), step, trainer.cfg).row()
         assert np.isfinite(stats["loss"]) and np.isfinite(stats["grad_norm"]) and stats["grad_norm"] > 0
     named = trainer.engine.module.named_parameters()
     unchanged = [name for name, p in named if torch.equal(p, before[name])]
@@ -119,7 +119,7 @@ def test_zero_stages_train_and_checkpoint(zero_stage: int, tiny_model_dir: Path,
         settings(tiny_model_dir, tmp_path, f"learner.zero_stage={zero_stage}", "learner.lr=1e-3")
     )
     before = trainer.weights()
-    stats, _ = trainer.update(Batch(_groups(20), []), 1, trainer.cfg)
+    stats = trainer.update(Batch(_groups(20), []), 1, trainer.cfg).row()
     assert np.isfinite(stats["loss"])
     after = trainer.weights()
     assert after.keys() == before.keys()

@@ -30,8 +30,8 @@ from sparkrl.services.common.bus.logs import START
 from sparkrl.services.common.control_channel import CONTROL_LOG
 from sparkrl.services.common.settings import BusSettings, LearnerSettings
 from sparkrl.services.learner.ledger import Batch
+from sparkrl.services.learner.stats import Updated
 from sparkrl.services.learner.trainer import OneRank, Trainer
-from sparkrl.services.learner.update import Stats
 
 LR, NEW_LR, WARMUP, STEPS, CHANGED_AFTER = 1e-4, 3e-4, 4, 4, 2
 
@@ -89,7 +89,7 @@ class Watched:
     def __getattr__(self, name: str) -> object:
         return getattr(self.trainer, name)
 
-    def update(self, batch: Batch, step: int, cfg: LearnerSettings) -> tuple[Stats, Stats]:
+    def update(self, batch: Batch, step: int, cfg: LearnerSettings) -> Updated:
         before = len(self.writes)
         done = self.trainer.update(batch, step, cfg)
         self.updates.append(Update(step, cfg.lr, before, self.writes[before:]))

@@ -118,7 +118,7 @@ def test_losses_with_terms_on_zero_advantage_tokens_run_every_row(
 ) -> None:
     trainer = one_rank(settings(tiny_model_dir, tmp_path, f"learner.loss.name={loss_name}"))
     assert trainer.cfg.skip_zero_advantage
-    stats, _ = run_updates(trainer.engine, _groups(3), trainer.cfg, trainer.pad_id, step=1)
+    stats = run_updates(trainer.engine, _groups(3), trainer.cfg, trainer.pad_id, step=1).row()
     assert stats["skipped_tokens"] == 0
 
 

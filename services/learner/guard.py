@@ -28,8 +28,9 @@ from sparkrl.services.learner.control import LearnerControl, LiveChange
 from sparkrl.services.learner.ledger import Batch
 from sparkrl.services.learner.metrics import LearnerMetrics
 from sparkrl.services.learner.state import TrainState
+from sparkrl.services.learner.stats import NotApplied, Updated
 from sparkrl.services.learner.trainer import Trainer
-from sparkrl.services.learner.update import Stats, split_applied
+from sparkrl.services.learner.update import split_applied
 
 log = logging.getLogger("sparkrl.learner")
 
@@ -66,13 +67,12 @@ def likely_cause(change: LiveChange | None) -> str:
     )
 
 
-def skipped_line(step: int, stats: dict[str, float], back: int, streak: Streak) -> str:
+def skipped_line(step: int, update: NotApplied, back: int, streak: Streak) -> str:
     """The error line of one update not applied."""
-    loss, norm = stats.get("skipped_loss"), stats.get("skipped_grad_norm")
     return (
-        f"step {step}: loss {loss}, gradient norm {norm}: not finite, the update is not applied (its "
-        f"gradients are dropped; {back} groups go back); {streak.count} in a row, the run stops at "
-        f"{streak.limit} (learner.max_nonfinite_steps)"
+        f"step {step}: loss {update.loss}, gradient norm {update.grad_norm}: not finite, the update is not "
+        f"applied (its gradients are dropped; {back} groups go back); {streak.count} in a row, the run "
+        f"stops at {streak.limit} (learner.max_nonfinite_steps)"
     )
 
 
@@ -158,26 +158,29 @@ class StepGuard:
             back[1].append(entry)
         self.collector.give_back(*back)
 
-    def checked(self, batch: Batch, stats: Stats, journaled: bool, cfg: LearnerSettings) -> Batch | None:
-        """The part of `batch` the step's applied updates (under `cfg`) trained: all of it when none was
-        skipped (the streak of steps not applied ends), else what `not_applied` leaves; None when nothing
+    def checked(self, batch: Batch, updated: Updated, journaled: bool, cfg: LearnerSettings) -> Batch | None:
+        """The part of `batch` the step's applied updates (under `cfg`) trained: all of it when each was
+        applied (the streak of steps not applied ends), else what `not_applied` leaves; None when nothing
         was trained."""
-        if stats.get("updates_skipped"):
-            return self.not_applied(batch, stats, journaled, cfg)
+        if updated.not_applied is not None:
+            return self.not_applied(batch, updated.applied, updated.not_applied, journaled, cfg)
         self.streak.reset()
         self.metrics.nonfinite_in_a_row.set(0)
         return batch
 
-    def not_applied(self, batch: Batch, stats: Stats, journaled: bool, cfg: LearnerSettings) -> Batch | None:
-        """An update of the step was not applied: its loss or gradient norm was not finite. The groups no
-        applied update trained go back, but one whose loss alone is not finite is dead-lettered; a step
-        without such a culprit counts toward `learner.max_nonfinite_steps`. Returns the part that was
-        trained (to commit), None when none was. `journaled`: a replay, whose groups cannot go back."""
-        trained, left = split_applied(batch.groups, cfg, int(stats.get("updates", 0)))
+    def not_applied(
+        self, batch: Batch, applied: int, update: NotApplied, journaled: bool, cfg: LearnerSettings
+    ) -> Batch | None:
+        """An update of the step was not applied (`update`), after `applied` were: its loss or gradient
+        norm was not finite. The groups no applied update trained go back, but one whose loss alone is not
+        finite is dead-lettered; a step without such a culprit counts toward `learner.max_nonfinite_steps`.
+        Returns the part that was trained (to commit), None when none was. `journaled`: a replay, whose
+        groups cannot go back."""
+        trained, left = split_applied(batch.groups, cfg, applied)
         self.state.nonfinite_skipped += 1
         self.metrics.nonfinite_skipped.inc()
         if journaled:
-            log.error("%s", skipped_line(self.state.step + 1, stats, 0, self.streak))
+            log.error("%s", skipped_line(self.state.step + 1, update, 0, self.streak))
             return None
         culprits = self.culprits([batch.groups[i] for i in left], cfg)
         for i in (left[n] for n in culprits):
@@ -189,7 +192,7 @@ class StepGuard:
         if not culprits and self.streak.add():
             self.stop = nonfinite_stop(self.streak, self.state.step, self.blame())
         self.metrics.nonfinite_in_a_row.set(self.streak.count)
-        log.error("%s", skipped_line(self.state.step + 1, stats, len(back), self.streak))
+        log.error("%s", skipped_line(self.state.step + 1, update, len(back), self.streak))
         if self.stop is not None:
             log.error("the run stops: %s", self.stop)
         if not trained:

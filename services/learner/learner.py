@@ -52,10 +52,10 @@ from sparkrl.services.learner.fleet import Fleet
 from sparkrl.services.learner.guard import StepGuard, broken_start, final_checkpoint_failed
 from sparkrl.services.learner.ledger import Batch, Ledger
 from sparkrl.services.learner.ranks import RankLost
-from sparkrl.services.learner.reporting import Reports, write_ended
+from sparkrl.services.learner.reporting import Reports, StepTaken, write_ended
 from sparkrl.services.learner.state import TrainState
+from sparkrl.services.learner.stats import Updated
 from sparkrl.services.learner.trainer import Trainer
-from sparkrl.services.learner.update import Stats
 
 log = logging.getLogger("sparkrl.learner")
 
@@ -163,7 +163,7 @@ class Learner:
         updated = self.update(batch, journaled, live)
         if updated is None:
             return None
-        batch, stats, seconds = updated
+        batch, done = updated
         with clock.timed("copy_weights"):
             weights = self.trainer.weights()
         if not self.guard.publishable(weights, self.ledger.saved_step):
@@ -176,29 +176,25 @@ class Learner:
         if state.step == live.max_steps:
             self.fleet.settle(state.policy_version)
         hparams = hparams_in_force(self.trainer.lr(), live, batch.groups)  # the lr the update set
-        timings = (waited or {}) | seconds | clock.seconds
-        seconds_taken = time.monotonic() - started
-        row = self.reports.step(
-            batch, stats, state, seconds_taken, self.fleet.last_sync, hparams, timings, acked, live
-        )
+        timings = (waited or {}) | done.seconds | clock.seconds
+        took = StepTaken(batch, done.row(), time.monotonic() - started, timings, hparams, acked)
+        row = self.reports.step(took, state, self.fleet.last_sync, live)
         if state.step % live.checkpoint_every == 0:
             self.checkpoint_or_log()
         return row
 
-    def update(
-        self, batch: Batch, journaled: bool, live: LearnerSettings
-    ) -> tuple[Batch, Stats, Stats] | None:
-        """The step's updates under `live`: (the part of `batch` they trained, statistics, seconds by
-        part); None when they trained nothing (the guard sent the groups back, or dead-lettered them)."""
+    def update(self, batch: Batch, journaled: bool, live: LearnerSettings) -> tuple[Batch, Updated] | None:
+        """The step's updates under `live`: (the part of `batch` they trained, what they did); None when
+        they trained nothing (the guard sent the groups back, or dead-lettered them)."""
         try:
-            stats, seconds = self.trainer.update(batch, self.state.step + 1, live)
+            updated = self.trainer.update(batch, self.state.step + 1, live)
         except RankLost:
             raise
         except Exception as exc:  # a bad batch must cost its step, not the process (and every restart)
             self.guard.failed_step(batch, exc, live)
             return None
-        trained = self.guard.checked(batch, stats, journaled, live)
-        return None if trained is None else (trained, stats, seconds)
+        trained = self.guard.checked(batch, updated, journaled, live)
+        return None if trained is None else (trained, updated)
 
     def replay(self) -> int:
         """Redo the steps the journal holds after the checkpoint, in order, as the same steps: their

@@ -43,8 +43,9 @@ from sparkrl.services.learner.checkpoint import cpu_weights, join_gather, save_c
 from sparkrl.services.learner.ledger import Batch
 from sparkrl.services.learner.startup import watchdog
 from sparkrl.services.learner.state import TrainState
+from sparkrl.services.learner.stats import GLOBAL, Stats, Updated
 from sparkrl.services.learner.trainer import Loaded, OneRank, Trainer, load
-from sparkrl.services.learner.update import GLOBAL, Stats, run_updates
+from sparkrl.services.learner.update import run_updates
 
 log = logging.getLogger("sparkrl.learner")
 
@@ -126,10 +127,10 @@ class ManyRanks:
     saved_step: int  # the newest checkpoint's step: where `--resume` goes on from
     lost: str | None = None
 
-    def update(self, batch: Batch, step: int, cfg: LearnerSettings) -> tuple[Stats, Stats]:
+    def update(self, batch: Batch, step: int, cfg: LearnerSettings) -> Updated:
         local = self.local
 
-        def run() -> tuple[Stats, Stats]:
+        def run() -> Updated:
             order = RankOrder(
                 kind="train",
                 step=step,

@@ -195,6 +195,18 @@ def write_ended(run_dir: Path, reason: str, step: int, prompts: PromptCounts | N
     (run_dir / ENDED_FILE).write_text(json.dumps(ended))
 
 
+@dataclass(frozen=True)
+class StepTaken:
+    """A step as the loop took it, for its row."""
+
+    batch: Batch  # the groups it trained
+    stats: dict[str, float]  # the updates' statistics (stats.Updated.row): the row's loss/*
+    seconds: float  # the step's wall time
+    timings: dict[str, float]  # seconds by part (waits, the update's parts, copy, bookkeeping, publish)
+    hparams: dict[str, HparamValue]  # in force for it
+    acked: int  # stream entries acknowledged with it
+
+
 @dataclass
 class Reports:
     """Where the learner's account of itself goes: each step's row (`step`), its phase and hyperparameters
@@ -208,30 +220,23 @@ class Reports:
     tracker: Tracker | None = None  # learner.tracking's backends
 
     def step(
-        self,
-        batch: Batch,
-        stats: dict[str, float],
-        state: TrainState,
-        seconds: float,
-        sync: SyncEvent | None,
-        hparams: dict[str, HparamValue],
-        timings: dict[str, float],
-        acked: int,
-        cfg: LearnerSettings,
+        self, took: StepTaken, state: TrainState, sync: SyncEvent | None, cfg: LearnerSettings
     ) -> StepMetrics:
-        """The step's row, written and sent everywhere; `acked`: the entries acknowledged with it."""
+        """The step's row (`took`, after `state` counted it; `sync`: the last broadcast), written and sent
+        everywhere."""
+        batch = took.batch
         depth = (self.telemetry.bus.pending_info("trajectories"), self.telemetry.bus.pending_info("prompts"))
         fleet = self.telemetry.live_workers()
         row = step_row(
             batch,
-            stats,
+            took.stats,
             state,
-            seconds,
+            took.seconds,
             sync,
             {w: s.policy_version for w, s in fleet.items()},
             depth,
-            hparams,
-            timings | fleet_timings(fleet.values()),
+            took.hparams,
+            took.timings | fleet_timings(fleet.values()),
             exploration_stats(batch.groups, cfg.proxy_kappa),
             self.top_sparks(batch),
         )
@@ -240,7 +245,7 @@ class Reports:
         if self.tracker is not None:
             self.tracker.log(row)
         self.telemetry.append(row)
-        self.metrics.observe_step(row, len(batch.groups), acked)
+        self.metrics.observe_step(row, len(batch.groups), took.acked)
         self.heartbeat.update(row=row)
         return row
 

@@ -35,7 +35,8 @@ from sparkrl.services.learner.logprobs import token_logp_and_entropy
 from sparkrl.services.learner.reference import frozen_copy
 from sparkrl.services.learner.startup import pin_build_tools
 from sparkrl.services.learner.state import TrainState
-from sparkrl.services.learner.update import Stats, loss_is_finite, old_policy, run_updates
+from sparkrl.services.learner.stats import Updated
+from sparkrl.services.learner.update import loss_is_finite, old_policy, run_updates
 
 log = logging.getLogger("sparkrl.learner")
 
@@ -45,11 +46,11 @@ class Trainer(Protocol):
 
     lost: str | None  # why the learner's ranks cannot go on (a collective failed); one rank: never
 
-    def update(self, batch: Batch, step: int, cfg: LearnerSettings) -> tuple[Stats, Stats]:
+    def update(self, batch: Batch, step: int, cfg: LearnerSettings) -> Updated:
         """Step `step`'s updates on `batch` (update.py) under `cfg`, the learner's settings in force (the
-        live changes in them; the learning rate is set from them here, once per step): (statistics,
-        seconds by part). An update that is not finite is not applied (`updates_skipped`); one that raises
-        drops its gradients and raises (on N ranks as `RankLost`: the run cannot go on)."""
+        live changes in them; the learning rate is set from them here, once per step): what they did. An
+        update that is not finite is not applied (`Updated.not_applied`); one that raises drops its
+        gradients and raises (on N ranks as `RankLost`: the run cannot go on)."""
         ...
 
     def lr(self) -> float | None:
@@ -94,7 +95,7 @@ class OneRank:
     def pad_id(self) -> int:
         return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
 
-    def update(self, batch: Batch, step: int, cfg: LearnerSettings) -> tuple[Stats, Stats]:
+    def update(self, batch: Batch, step: int, cfg: LearnerSettings) -> Updated:
         try:
             return run_updates(self.engine, batch.groups, cfg, self.pad_id, step, self.reference)
         except Exception:

@@ -58,15 +58,9 @@ from sparkrl.services.learner.prompt_sharing import collator
 from sparkrl.services.learner.proxy import proxy_logp_from_topk
 from sparkrl.services.learner.reference import kl_to_reference
 from sparkrl.services.learner.schedule import lr_factor
+from sparkrl.services.learner.stats import COUNTS, NotApplied, Stats, Updated, merge
 
 T = TypeVar("T")
-Stats = dict[str, float]  # an update's statistics by name (`loss`, `grad_norm`, ...): the step row's loss/*
-
-# How an update's statistics combine, said once for the micro-batches, the updates and the ranks: counts
-# add up; every other statistic is a token-share-weighted part of a mean. GLOBAL ones are the whole
-# update's on every rank already (its token count, the norm of the reduced gradient): ranks keep one copy.
-COUNTS = frozenset({"reg_tokens", "reg_tokens_pos", "proxy_inexact", "tokens", "tis_capped_tokens"})
-GLOBAL = frozenset({"grad_norm", "tokens"})
 
 
 class Share(Protocol):
@@ -102,10 +96,10 @@ def run_updates(
     step: int,
     reference: nn.Module | None = None,
     ranks: Share = ALONE,
-) -> tuple[Stats, Stats]:
-    """The step's updates on `groups` (`step`: the one being taken, 1-based, for the lr schedule). Returns
-    (the statistics, merged over the updates applied; the seconds of `collate`, `old_policy`,
-    `forward_backward` and `optimizer`, summed over the updates)."""
+) -> Updated:
+    """The step's updates on `groups` (`step`: the one being taken, 1-based, for the lr schedule): their
+    statistics merged over the updates applied, the seconds by part summed over them, and the update that
+    was not applied, if one was not (the later ones are then not taken)."""
     started = time.perf_counter()
     adv = cfg.advantage
     kept = [g for g in groups if not (adv.drop_equal_groups and _equal_rewards(g))]
@@ -142,29 +136,24 @@ def run_updates(
         seconds["entropy_of_skipped"] = time.perf_counter() - measured
     set_lr(engine, cfg.lr * lr_factor(step, cfg.schedule, cfg.max_steps))  # the one place the lr is set
     if not minis:  # every group had equal rewards and was left out: nothing to learn from
-        return extra | {"tokens": 0.0, "updates": 0.0}, seconds
+        return Updated(extra | {"tokens": 0.0}, seconds, applied=0)
     norm = max(g.sampling.max_new_tokens for g in kept)  # Dr. GRPO's constant length
     applied: list[Stats] = []
-    skipped: Stats = {}
     for index, (micro, old, total) in enumerate(zip(minis, olds, totals, strict=True)):
-        stats, parts = apply_update(engine, micro, old, cfg, total, norm)
+        stats, parts, was_applied = apply_update(engine, micro, old, cfg, total, norm)
         if skipped_entropy:  # the mean over the tokens run becomes the mean over all of the update's
             run = max(total.tokens if total.trained is None else total.trained, 1)
             stats["entropy"] = (stats["entropy"] * run + skipped_entropy[index]) / max(total.tokens, 1)
         stats = ranks.sum_stats(stats)  # every rank applies or skips alike (`apply_gradients`)
         for part, spent in parts.items():
             seconds[part] = seconds.get(part, 0.0) + spent
-        if stats.pop("skipped", 0.0):
-            # Not applied: the later updates are not taken either, so what was applied is a prefix of the
-            # step's groups (`split_applied`) and the rest can go back whole.
-            skipped = {
-                "updates_skipped": 1.0,
-                "skipped_loss": stats["loss"],
-                "skipped_grad_norm": stats["grad_norm"],
-            }
-            break
+        if not was_applied:
+            # The later updates are not taken either, so what was applied is a prefix of the step's
+            # groups (`split_applied`) and the rest can go back whole.
+            skipped = NotApplied(loss=stats["loss"], grad_norm=stats["grad_norm"])
+            return Updated(merge(applied) | extra, seconds, len(applied), skipped)
         applied.append(stats)
-    return _merge(applied) | extra | {"updates": float(len(applied))} | skipped, seconds
+    return Updated(merge(applied) | extra, seconds, len(applied))
 
 
 def set_lr(engine: deepspeed.DeepSpeedEngine, lr: float) -> None:
@@ -192,12 +181,13 @@ def apply_update(
     cfg: LearnerSettings,
     totals: Totals | None = None,
     norm_length: int | None = None,
-) -> tuple[Stats, Stats]:
+) -> tuple[Stats, Stats, bool]:
     """One update: forward/backward every micro-batch, then the optimizer step. Returns (its statistics,
-    the seconds of `forward_backward` and `optimizer`). `totals`: the update's counts when `micro` is this
+    the seconds of `forward_backward` and `optimizer`, whether it was applied: not when its loss or
+    gradient norm is not finite). `totals`: the update's counts when `micro` is this
     rank's share of it (a data-parallel learner: each rank's loss is then scaled by the DP size, which
     DeepSpeed's gradient averaging divides out again) or lacks its A = 0 rows. `norm_length`: Dr. GRPO's
-    constant. `skipped` is 1 when the update was not applied: its loss or gradient norm was not finite."""
+    constant."""
     started = time.perf_counter()
     if totals is None:
         totals = Totals(sum(mb.num_tokens for mb in micro), sum(sequences(mb.mask) for mb in micro))
@@ -235,9 +225,9 @@ def apply_update(
                 sums[key] += float(value) * (1.0 if key in COUNTS else weight)
     stepped = time.perf_counter()
     sums["grad_norm"], applied = apply_gradients(engine)
-    sums["skipped"] = 0.0 if applied else 1.0
     sums["tokens"] = float(total_tokens)
-    return dict(sums), {"forward_backward": stepped - started, "optimizer": time.perf_counter() - stepped}
+    seconds = {"forward_backward": stepped - started, "optimizer": time.perf_counter() - stepped}
+    return dict(sums), seconds, applied
 
 
 @dataclass(frozen=True)
@@ -409,14 +399,3 @@ def loss_is_finite(
 
 def _equal_rewards(group: TrajectoryGroup) -> bool:
     return len(set(group.rewards)) <= 1
-
-
-def _merge(stats: list[Stats]) -> Stats:
-    """Counts add up over the updates; rates and losses are averaged by token share."""
-    total = sum(s.get("tokens", 0.0) for s in stats) or 1.0
-    merged: Stats = {}
-    for s in stats:
-        weight = s.get("tokens", 0.0) / total
-        for key, value in s.items():
-            merged[key] = merged.get(key, 0.0) + (value if key in COUNTS else value * weight)
-    return merged
