@@ -49,7 +49,10 @@ def _model(cfg: SparkSettings) -> tuple[list[Problem], dict | None, object | Non
         fix = "point model at a Hugging Face model directory"
         if path.name == "tiny-countdown":
             fix = "build it first: sparkrl build-tiny-model --out " + str(path.parent)
-        return [Problem("model", f"{path}{where} has no config.json: {fix}")], None, None
+        what = (
+            "has no config.json (not a Hugging Face model directory)" if path.is_dir() else "does not exist"
+        )
+        return [Problem("model", f"{path}{where} {what}: {fix}")], None, None
     config = json.loads((path / "config.json").read_text())
     try:
         if (path / "tokenizer.json").is_file():  # the fast tokenizer alone: no transformers import (~4 s)
@@ -66,7 +69,7 @@ def _model(cfg: SparkSettings) -> tuple[list[Problem], dict | None, object | Non
 
 
 def _prompt_texts(cfg: SparkSettings) -> tuple[list[Problem], list[str]]:
-    from sparkrl.services.common.tasks.datasets import DatasetError, iter_prompts
+    from sparkrl.services.common.tasks.datasets import DatasetError, MalformedFile, iter_prompts
 
     p = cfg.prompts
     if p.task == "math" and p.path is None:
@@ -80,6 +83,8 @@ def _prompt_texts(cfg: SparkSettings) -> tuple[list[Problem], list[str]]:
             if index >= CONTEXT_SAMPLE:
                 break
             texts.append(prompt.text or "\n".join(m.content for m in prompt.messages or []))
+    except MalformedFile as exc:
+        return [Problem("prompts.path", f"{exc}: each line must be one JSON object (jsonl)")], []
     except DatasetError as exc:
         return [Problem("prompts.prompt_field / prompts.answer_field", f"{exc}: map the file's fields")], []
     return [], texts
@@ -273,6 +278,38 @@ def _vllm_transfer(cfg: SparkSettings) -> list[Problem]:
             Problem("sync.backend", f"vllm_nccl: vLLM is not installed in {sys.executable}: {fix}")
         )
     return problems
+
+
+def warnings(cfg: SparkSettings) -> list[Problem]:
+    """What would run but likely not as meant: said before the start, nothing refused."""
+    said = []
+    if cfg.rollout.sampling.n == 1 and cfg.learner.advantage.level == "group":
+        said.append(
+            Problem(
+                "rollout.sampling.n",
+                "1 completion a prompt: every group's advantage is 0 (a reward minus its group's mean), so "
+                "nothing is learned; sample n >= 2 (the paper: 8), or set learner.advantage.level=batch",
+            )
+        )
+    p = cfg.prompts
+    if p.path is not None and Path(p.path).is_file():
+        from sparkrl.services.common.tasks.datasets import DatasetError, iter_prompts
+
+        try:
+            count = sum(1 for _ in zip(range(CONTEXT_SAMPLE), iter_prompts(p), strict=False))
+        except DatasetError:
+            count = CONTEXT_SAMPLE  # said by check()
+        steps = -(-count * p.epochs // cfg.learner.prompts_per_step)
+        if count < CONTEXT_SAMPLE and steps <= 2:
+            said.append(
+                Problem(
+                    "prompts.epochs",
+                    f"{count} prompts × {p.epochs} epoch(s) make {steps} step(s) of up to "
+                    f"{cfg.learner.prompts_per_step} groups (learner.prompts_per_step), then the run ends: "
+                    "`--epochs N` passes over the data N times, or lower learner.prompts_per_step",
+                )
+            )
+    return said
 
 
 def check(cfg: SparkSettings) -> list[Problem]:

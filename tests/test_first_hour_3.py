@@ -4,7 +4,9 @@
 row, a start-up line while it starts, and a summary that splits start-up, training and paused time; the
 console says when the run is paused, resumed and re-tuned. (4) The control clients on a run that ended
 say why it ended, find the newest live run without `--run-dir`, and answer a misspelled name with the
-names that are live-settable.
+names that are live-settable. (7) `sparkrl check` takes `up`'s flags and warns where a run would learn
+nothing (n = 1) or end after a step or two (a small file: `--epochs`); a malformed line and a missing
+model directory are called what they are.
 """
 
 from __future__ import annotations
@@ -164,3 +166,56 @@ def test_4_clients_on_an_ended_run_say_why_it_ended(resumed: Resumed) -> None:
     # Without --run-dir and no live run under the working directory: it says to pass one.
     done = _cli("status", cwd=resumed.run_dir.parent)
     assert done.returncode == 1 and "no live run" in _said(done) and "--run-dir" in _said(done)
+
+
+def _check(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return _cli("check", "--preset", "demo", *args, cwd=cwd, timeout=120)
+
+
+def test_7_check_takes_ups_flags(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    rows = [{"prompt": f"What is {i} + 1?", "answer": str(i + 1)} for i in range(40)]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    flags = ["--model", str(tiny_model_dir), "--dataset", str(data), "--workers", "2", "--epochs", "3"]
+    done = _check(*flags, "--run-dir", str(tmp_path / "run"))
+    assert done.returncode == 0, done.stderr
+    assert f"ok: model {tiny_model_dir}, math prompts" in done.stdout  # --dataset implies task math
+    assert not (tmp_path / "run").exists()  # a check starts nothing
+
+
+def test_7_check_warns_where_a_run_would_learn_nothing_or_end_at_once(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    one = _check("--set", f"model={tiny_model_dir}", "--set", "rollout.sampling.n=1")
+    assert one.returncode == 0  # a warning, not a refusal
+    assert "warning: rollout.sampling.n: 1 completion a prompt: every group's advantage is 0" in _said(one)
+    batch = _check("--set", f"model={tiny_model_dir}", "--set", "rollout.sampling.n=1",
+                   "--set", "learner.advantage.level=batch")  # fmt: skip
+    assert "rollout.sampling.n" not in batch.stderr  # batch-level advantages learn from one sample
+    data = tmp_path / "small.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{i} + 1?", "answer": str(i + 1)}) + "\n" for i in range(10))
+    )
+    small = _check("--model", str(tiny_model_dir), "--dataset", str(data))
+    assert "warning: prompts.epochs: 10 prompts × 1 epoch(s) make 1 step(s) of up to 16 groups" in _said(
+        small
+    )
+    assert "`--epochs N`" in _said(small)
+    assert "prompts.epochs" not in _said(_check("--model", str(tiny_model_dir), "--dataset", str(data),
+                                                "--epochs", "5"))  # fmt: skip
+
+
+def test_7_a_malformed_line_and_a_missing_model_are_called_what_they_are(tmp_path: Path) -> None:
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "1 + 1?", "answer": "2"}\n{"prompt": "2 + 2?", "answer": \n')
+    done = _check("--dataset", str(data))
+    said = _said(done)
+    assert done.returncode == 2 and f"error: prompts.path: {data}:2: not JSON" in said, said
+    assert "each line must be one JSON object" in said and "map the file's fields" not in said
+    assert f"error: model: {tmp_path / 'none'} does not exist" in _said(
+        _check("--model", str(tmp_path / "none"))
+    )
+    (tmp_path / "empty").mkdir()
+    empty = _said(_check("--model", str(tmp_path / "empty")))
+    assert "empty has no config.json (not a Hugging Face model directory)" in empty

@@ -31,7 +31,7 @@ def test_the_demo_passes(tiny_model_dir: Path) -> None:  # noqa: F811
 
 def test_each_problem_names_its_setting(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
     missing = check(_settings(tmp_path / "nope"))
-    assert _named(missing) == ["model"] and "has no config.json" in missing[0].message
+    assert _named(missing) == ["model"] and "nope does not exist" in missing[0].message
     long = check(_settings(tiny_model_dir, "rollout.sampling.max_new_tokens=300"))
     assert _named(long) == ["rollout.sampling.max_new_tokens"] and "context (256)" in long[0].message
     topk = check(_settings(tiny_model_dir, "rollout.sampling.topk_logprobs=1000"))
@@ -61,7 +61,7 @@ def test_up_stops_before_spawning_anything(tmp_path: Path) -> None:
         [*command, "--set", "model=/models/nope"], capture_output=True, text=True, timeout=120, env=env
     )
     assert done.returncode == 2
-    assert "error: model: /models/nope has no config.json" in done.stderr
+    assert "error: model: /models/nope does not exist" in done.stderr
     assert "Traceback" not in done.stderr and not run_dir.exists()  # nothing was started
 
 
@@ -76,7 +76,7 @@ def test_up_shortcuts_set_model_dataset_and_output_dir(tmp_path: Path) -> None:
         env=env,
     )
     assert done.returncode == 2  # the preflight names what the shortcuts set:
-    assert "error: model: /models/m has no config.json" in done.stderr
+    assert "error: model: /models/m does not exist" in done.stderr
     assert "error: prompts.path: d.jsonl" in done.stderr and not (tmp_path / "out").exists()
 
 

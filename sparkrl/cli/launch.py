@@ -125,9 +125,12 @@ def _refuse_conflicts(
 
 
 def _preflight(cfg: SparkSettings) -> None:
-    """Exit 2 with one line per problem, before anything is spawned."""
+    """Exit 2 with one line per problem, before anything is spawned; warnings said, not refused."""
     from sparkrl.preflight import check as find_problems
+    from sparkrl.preflight import warnings
 
+    for warning in warnings(cfg):
+        typer.echo(f"warning: {warning}", err=True)
     problems = find_problems(cfg)
     for problem in problems:
         typer.echo(f"error: {problem}", err=True)
@@ -139,9 +142,21 @@ def _preflight(cfg: SparkSettings) -> None:
 
 
 @commands.command()
-def check(preset: Preset = None, overrides: Overrides = None) -> None:
-    """What `sparkrl up` checks before it starts anything: model, data, context, engine, GPUs, sync."""
-    cfg = settings(preset, overrides)
+def check(
+    preset: Preset = None,
+    overrides: Overrides = None,
+    workers: Workers = None,
+    run_dir: RunDir = None,
+    model: Model = None,
+    dataset: Dataset = None,
+    epochs: Epochs = None,
+) -> None:
+    """What `sparkrl up` checks before it starts anything: model, data, context, engine, GPUs, sync. Takes
+    `up`'s flags, so the same line with `check` for `up` checks that run."""
+    shortcuts = _shortcuts(run_dir, model, dataset, epochs, overrides or [])
+    cfg = settings(preset, [*(overrides or []), *shortcuts])
+    if workers is not None:
+        cfg = cfg.model_copy(update={"workers": workers})
     _preflight(cfg)
     typer.echo(f"ok: model {cfg.model}, {cfg.prompts.task} prompts, {cfg.rollout.engine.kind} engine, "
                f"{cfg.sync.backend} sync — `sparkrl up` would start")  # fmt: skip

@@ -26,13 +26,18 @@ class DatasetError(ValueError):
     """A prompt file that cannot be read as asked: the message names the file, the row and the field."""
 
 
+class MalformedFile(DatasetError):
+    """A line of the file is not a JSON object (or the file cannot be read at all): the file is wrong, not
+    the field names asked of it."""
+
+
 def read_rows(path: Path) -> Iterator[dict[str, Any]]:
     """Rows of a jsonl or parquet file, as dicts."""
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError as exc:
-            raise DatasetError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from exc
+            raise MalformedFile(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from exc
         yield from pq.read_table(path).to_pylist()
         return
     with path.open() as lines:
@@ -42,9 +47,9 @@ def read_rows(path: Path) -> Iterator[dict[str, Any]]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path}:{number}: not JSON ({exc})") from exc
+                raise MalformedFile(f"{path}:{number}: not JSON ({exc})") from exc
             if not isinstance(row, dict):
-                raise DatasetError(f"{path}:{number}: a row must be a JSON object")
+                raise MalformedFile(f"{path}:{number}: a row must be a JSON object")
             yield row
 
 
