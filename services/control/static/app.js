@@ -230,6 +230,18 @@ async function pollMetrics(status) {
   if (page.rows.length > MAX_ROWS) page.rows.splice(0, page.rows.length - MAX_ROWS);
 }
 
+// The status is the learner's heartbeat (every 2 s), the step rows are written as each step ends: where
+// the newest row is ahead of the status, the header shows that row, never a step behind the charts.
+function renderNewestRow(status) {
+  const row = page.rows.at(-1);
+  if (!row || row.step <= status.step) return;
+  $("step").textContent = String(row.step);
+  $("version").textContent = String(row.policy_version);
+  $("last-loss").textContent = fmtNum(row.metrics["loss/value"] ?? null);
+  $("last-reward").textContent = fmtNum(row.metrics["rollout/reward_mean"] ?? null);
+  $("last-entropy").textContent = fmtNum(row.metrics["loss/entropy"] ?? null);
+}
+
 async function pollEvals() {
   const data = await api("GET", "/api/v1/evals?limit=500");
   page.evals = data.items.map((e) => ({ step: e.policy_version, metrics: { "eval/pass@1": e.pass_at["1"] } }));
@@ -264,6 +276,7 @@ async function tick() {
     renderWorkers(workers);
     renderWeights(weights);
     await pollMetrics(status);
+    renderNewestRow(status);
     await pollEvals();
     drawCharts();
     page.authFailed = false;

@@ -46,15 +46,18 @@ class LineChart {
     if (x0 === x1) [x0, x1] = [x0 - 1, x1 + 1];
     const pad = y0 === y1 ? Math.abs(y0) * 0.1 || 1 : 0; // a flat line sits mid-chart
     [y0, y1] = [y0 - pad, y1 + pad];
-    const m = { left: 52, right: 10, top: 8, bottom: 20 };
+    // Grid and labels: four bands are enough to read a trend, and cheap to redraw every second.
+    const ticks = [0, 1, 2, 3, 4].map((i) => y0 + ((y1 - y0) * i) / 4);
+    // The widest label sets the left margin: with a fixed one, a long negative tick ("-7.15e-5") was
+    // drawn past the canvas's edge and lost its minus sign.
+    const widest = Math.max(...ticks.map((y) => ctx.measureText(fmtNum(y)).width));
+    const m = { left: Math.max(40, Math.ceil(widest) + 10), right: 10, top: 8, bottom: 20 };
     const sx = (x) => m.left + ((x - x0) / (x1 - x0)) * (w - m.left - m.right);
     const sy = (y) => h - m.bottom - ((y - y0) / (y1 - y0)) * (h - m.top - m.bottom);
 
-    // Grid and labels: four bands are enough to read a trend, and cheap to redraw every second.
     Object.assign(ctx, { strokeStyle: INK.grid, fillStyle: INK.axis, lineWidth: 1, textAlign: "right" });
     ctx.textBaseline = "middle";
-    for (let i = 0; i <= 4; i++) {
-      const y = y0 + ((y1 - y0) * i) / 4;
+    for (const y of ticks) {
       const py = Math.round(sy(y)) + 0.5;
       ctx.beginPath(), ctx.moveTo(m.left, py), ctx.lineTo(w - m.right, py), ctx.stroke();
       ctx.fillText(fmtNum(y), m.left - 6, py);

@@ -1,0 +1,92 @@
+"""The live page's charts and header in a real browser (Debian's chromium through playwright, as
+test_control_page.py drives it), issue 36, item 7: a chart's y-axis labels stay on the canvas whatever
+their width (the left margin was fixed at 52 px, and a long negative tick such as the demo's loss,
+`-7.15e-5`, lost its minus sign past the canvas's edge); the header shows the newest step row when the
+learner's status (a heartbeat every 2 s) is behind it, never a step behind the charts. The page's own
+index.html, charts.js and app.js are loaded as they are served, but for the scripts' `setup`, which runs
+on DOMContentLoaded (passed by then), so nothing polls."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+from test_control_page import browser  # noqa: F401  (fixture: skips without chromium or playwright)
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Browser, Page
+
+pytestmark = pytest.mark.slow
+
+STATIC = Path(__file__).resolve().parents[1] / "services" / "control" / "static"
+
+DRAW = """(points) => {
+  const drawn = [];
+  const fillText = CanvasRenderingContext2D.prototype.fillText;
+  CanvasRenderingContext2D.prototype.fillText = function (text, x, y) {
+    const width = this.measureText(text).width;
+    const left = this.textAlign === "right" ? x - width : this.textAlign === "center" ? x - width / 2 : x;
+    drawn.push({ text: String(text), left, right: left + width, canvas: this.canvas.clientWidth });
+    return fillText.call(this, text, x, y);
+  };
+  const chart = new LineChart(document.getElementById("charts"), { id: "loss", title: "loss" });
+  chart.draw([{ name: "loss", color: PALETTE[0], points }]);
+  return drawn;
+}"""
+
+
+def _page(browser: Browser) -> Page:  # noqa: F811
+    """index.html's body as served, with the page's scripts loaded after it."""
+    page = browser.new_page()
+    html = re.sub(r"<script[^>]*></script>", "", (STATIC / "index.html").read_text())
+    page.set_content(html)
+    page.add_script_tag(content=(STATIC / "charts.js").read_text())
+    page.add_script_tag(content=(STATIC / "app.js").read_text())
+    return page
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        [-7.15e-05, -1.2e-04, -3.0e-05],  # the demo's loss near its end: `-1.2e-4`
+        [-123456.0, -98765.0, -45678.0],  # `-123,456`
+        [-1234.5, -999.9, 0.5],  # `-1234.5`
+        [0.25, 0.5, 0.75],  # short positive ticks keep a compact margin
+    ],
+)
+def test_every_tick_label_is_drawn_whole_on_the_canvas(browser: Browser, values: list[float]) -> None:  # noqa: F811
+    page = _page(browser)
+    try:
+        drawn = page.evaluate(DRAW, [[step + 1, value] for step, value in enumerate(values)])
+    finally:
+        page.close()
+    ticks = [d for d in drawn if not d["text"].startswith("step") and not d["text"].isdigit()]
+    assert len(ticks) == 5, drawn
+    for tick in ticks:
+        assert 0 <= tick["left"] and tick["right"] <= tick["canvas"], tick
+    if min(values) < 0:
+        assert any(t["text"].startswith("-") for t in ticks), ticks
+
+
+def test_the_header_is_never_a_step_behind_the_charts(browser: Browser) -> None:  # noqa: F811
+    page = _page(browser)
+    try:
+        row = {"step": 12, "policy_version": 12, "metrics": {"loss/value": -0.5, "rollout/reward_mean": 0.25}}
+        said = page.evaluate(
+            """(row) => {
+              page.rows = [row];
+              $("step").textContent = "11";  // what the status said
+              renderNewestRow({ step: 11 });
+              const ahead = [$("step").textContent, $("version").textContent, $("last-loss").textContent,
+                             $("last-reward").textContent];
+              $("step").textContent = "12";
+              renderNewestRow({ step: 13 });  // a status ahead of the rows is kept
+              return [ahead, $("step").textContent];
+            }""",
+            row,
+        )
+    finally:
+        page.close()
+    assert said == [["12", "12", "-0.5", "0.25"], "12"]
