@@ -49,10 +49,13 @@ lint: install
 	ln -s $(CURDIR)/proto $(CURDIR)/services $(IMPORT_TREE)/sparkrl/
 	cd $(IMPORT_TREE) && $(abspath $(VENV))/bin/lint-imports --no-logo --no-cache $(CURDIR)/pyproject.toml
 
+# fleet_scale.py: the bus, the intake, the broadcast and the control plane against a simulated fleet
+# (≈ 10 min); BASELINE=<commit> also runs that commit's intake, per fleet size, before this one's.
 bench: install
 	$(PY) bench/loss_bench.py
 	$(VENV)/bin/sparkrl build-tiny-model --out .cache
 	$(PY) bench/update_bench.py
+	$(PY) bench/fleet_scale.py $(if $(BASELINE),--baseline $(BASELINE))
 
 # sparkrl against TRL's GRPOTrainer on the demo's work, one after the other (bench/e2e_bench.py); TRL runs
 # in its own environment, with sparkrl's core for the shared countdown task.

@@ -1,0 +1,284 @@
+"""Part 1 of bench/fleet_scale.py, the driver's side: one fleet size measured (`measure`), a py-spy profile
+read back (`profile_summary`). The processes it drives are in fleet_intake.py.
+
+A point runs `warmup` + `seconds`; every figure is over the last `seconds` (the window): groups/s and MB/s
+published (in) and collated (out), Redis' memory above its empty state and the stream's length, sampled
+every 0.25 s, CPU seconds of each process (psutil), Redis' own time per command (`INFO commandstats`,
+reset at the window's start), and for the groups published in the window the time to be read off the
+stream and to be collated (p50/p99).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import redis
+from fleet_intake import MB, Phases, Published, Redis, Run, Taken, publisher_main, scratch
+
+INTAKE_SCRIPT = Path(__file__).with_name("fleet_intake.py")
+
+
+def _pct(values: list[float], q: float) -> float:
+    return round(float(np.percentile(values, q)), 1) if values else float("nan")
+
+
+def _cpu_s(pid: int) -> float:
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+class Intake:
+    """The intake's process (`python fleet_intake.py`), kept across fleet sizes; with `pythonpath` first
+    on its path, another commit's code (bench/e2e_baseline.py)."""
+
+    proc: subprocess.Popen[str]
+    pid: int
+
+    def __init__(self, pythonpath: Path | None = None) -> None:
+        env = dict(os.environ)
+        if pythonpath is not None:
+            env = {k: v for k, v in env.items() if not k.startswith("SPARKRL_")}
+            env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), *filter(None, [env.get("PYTHONPATH")])])
+        args = [sys.executable, str(INTAKE_SCRIPT)]
+        self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.pid = int(self._line()["ready"])
+
+    def prepare(self, run: Run, run_dir: str) -> None:
+        """Connect a fresh collector and ledger for `run`; returns once they are ready."""
+        self._send(json.dumps({"run": run.to_json(), "run_dir": run_dir}))
+        self._line()
+
+    def start(self, stop_at: float) -> None:
+        """Drain from now until `stop_at`."""
+        self._send(str(stop_at))
+
+    def result(self) -> tuple[list[Taken], Phases]:
+        """What it took, once `stop_at` passed."""
+        line = self._line()
+        return [Taken(*row) for row in line["taken"]], Phases(**line["phases"])
+
+    def _send(self, text: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(text + "\n")
+        self.proc.stdin.flush()
+
+    def _line(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        text = self.proc.stdout.readline()
+        if not text:
+            raise RuntimeError(f"the intake process exited ({self.proc.wait()}) before answering")
+        return json.loads(text)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+
+class Publishers:
+    """The simulated workers' processes (fleet_intake.publisher_main), kept across fleet sizes."""
+
+    busy: int  # processes with workers in the current fleet size
+
+    def __init__(self, processes: int) -> None:
+        self.busy = 0
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.commands = [ctx.Queue() for _ in range(processes)]
+        self.procs = [
+            ctx.Process(target=publisher_main, args=(commands, self.results), daemon=True)
+            for commands in self.commands
+        ]
+        for proc in self.procs:
+            proc.start()
+
+    def prepare(self, run: Run, workers: int) -> list[int]:
+        """Share `workers` among the processes (at most one each per worker); their pids once ready."""
+        shares = [list(range(workers))[i :: len(self.procs)] for i in range(min(len(self.procs), workers))]
+        for i, share in enumerate(shares):
+            self.commands[i].put((run, share, 1 + i))
+        self.busy = len(shares)
+        return [self.results.get(timeout=300)[1] for _ in range(self.busy)]
+
+    def start(self, start_at: float, stop_at: float) -> None:
+        for commands in self.commands[: self.busy]:
+            commands.put((start_at, stop_at))
+
+    def published(self) -> list[Published]:
+        out: list[Published] = []
+        for _ in range(self.busy):
+            kind, items = self.results.get(timeout=300)
+            assert kind == "published", kind
+            out.extend(items)
+        return out
+
+    def close(self) -> None:
+        for commands in self.commands:
+            commands.put(None)
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def measure(
+    server: Redis,
+    publishers: Publishers,
+    intake: Intake,
+    run: Run,
+    workers: int,
+    window: tuple[float, float],
+    profile: Path | None = None,
+) -> dict[str, Any]:
+    """`workers` simulated workers for `warmup` + `seconds` (`window`), the intake draining; figures over
+    the last `seconds`. `profile`: py-spy samples the intake over them, idle time included (its wall
+    time, not only its CPU), into that file."""
+    warmup, seconds = window
+    client = server.client()
+    client.flushall()
+    run_dir = scratch("fleet-intake-")
+    try:
+        pids = publishers.prepare(run, workers)
+        intake.prepare(run, str(run_dir))
+        base_memory = int(client.info("memory")["used_memory"])
+        start_at = time.time() + 0.2
+        w0, w1 = start_at + warmup, start_at + warmup + seconds
+        publishers.start(start_at, w1)
+        intake.start(w1)
+        time.sleep(max(0.0, w0 - time.time()))
+        spy = _start_py_spy(intake.pid, seconds, profile) if profile else None
+        cpu0 = {pid: _cpu_s(pid) for pid in [*pids, intake.pid, server.proc.pid]}
+        client.config_resetstat()
+        memory, stream = _sample_redis(client, run, w1)
+        cpu = {pid: _cpu_s(pid) - before for pid, before in cpu0.items()}
+        stats = client.info("commandstats")
+        published = publishers.published()
+        taken, phases = intake.result()
+        if spy is not None:
+            spy.wait(timeout=60)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    figures = _figures(run, workers, (w0, w1), published, taken, phases)
+    simulator = sum(c for pid, c in cpu.items() if pid in pids)
+    cpu_s = {"intake": cpu[intake.pid], "redis": cpu[server.proc.pid], "simulator": simulator}
+    # The intake's CPU per group it collated; Redis' and the simulator's per group published.
+    per = {"intake": figures["groups_out"], "redis": figures["groups_in"], "simulator": figures["groups_in"]}
+    usec = {name.removeprefix("cmdstat_"): (int(s["calls"]), float(s["usec"])) for name, s in stats.items()}
+    return figures | {
+        "redis_memory_mb": _mb(np.mean(memory) - base_memory) if memory else 0.0,
+        "redis_memory_mb_max": _mb(max(memory) - base_memory) if memory else 0.0,
+        "stream_max": max(stream, default=0),
+        "cpu_ms_per_group": {name: round(1e3 * s / max(per[name], 1), 2) for name, s in cpu_s.items()},
+        "cpu_share": {name: round(s / seconds, 2) for name, s in cpu_s.items()},
+        "redis_ms": {name: round(u / 1e3, 1) for name, (_, u) in usec.items() if "config" not in name},
+        "redis_calls": {name: calls for name, (calls, _) in usec.items() if "config" not in name},
+    }
+
+
+def _mb(nbytes: float) -> float:
+    return round(nbytes / MB, 1)
+
+
+def _sample_redis(client: redis.Redis, run: Run, until: float) -> tuple[list[int], list[int]]:
+    """Redis' memory and the trajectory stream's length, every 0.25 s until `until`."""
+    memory, stream = [], []
+    key = f"{run.namespace}:trajectories"
+    while time.time() < until:
+        memory.append(int(client.info("memory")["used_memory"]))
+        stream.append(int(client.xlen(key)))
+        time.sleep(min(0.25, max(0.0, until - time.time())))
+    return memory, stream
+
+
+def _start_py_spy(pid: int, seconds: float, out: Path) -> subprocess.Popen[bytes]:
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    args = [spy, "record", "--pid", str(pid), "--duration", str(max(1, int(seconds))), "--rate", "100"]
+    args += ["--format", "raw", "--output", str(out), "--nonblocking", "--idle"]
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _figures(
+    run: Run,
+    workers: int,
+    window: tuple[float, float],
+    published: list[Published],
+    taken: list[Taken],
+    phases: Phases,
+) -> dict[str, Any]:
+    w0, w1 = window
+    seconds = w1 - w0
+    sent = [p for p in published if w0 <= p.at < w1]
+    out = [t for t in taken if w0 <= t.collated < w1]
+    # Ages of the groups collated in the window: behind a backlog they grow with it.
+    read = [1e3 * (t.read - t.published) for t in out]
+    collated = [1e3 * (t.collated - t.published) for t in out]
+    return {
+        "workers": workers,
+        "step_gps": round(run.prompts_per_step / seconds, 2),  # one step's groups over the window
+        "offered_gps": round(workers * run.rate if run.rate else len(sent) / seconds, 2),
+        "in_gps": round(len(sent) / seconds, 2),
+        "out_gps": round(len(out) / seconds, 2),
+        "in_mbps": _mb(sum(p.nbytes for p in sent) / seconds),
+        "out_mbps": _mb(sum(t.nbytes for t in out) / seconds),
+        "groups_in": len(sent),
+        "groups_out": len(out),
+        "read_ms": (_pct(read, 50), _pct(read, 99)),
+        "collated_ms": (_pct(collated, 50), _pct(collated, 99)),
+        "publish_call_ms": _pct([1e3 * p.seconds for p in sent], 50),
+        "sim_late_ms": _pct([1e3 * p.late_s for p in sent], 99),
+        "phases_s": {"fill": phases.fill, "collate": phases.collate, "commit": phases.commit},
+        "steps": phases.steps,
+    }
+
+
+# Frames that name where the intake's wall time goes, outermost first; a sample counts for the first
+# (innermost) one on its stack.
+PROFILE_CALLS = (
+    ("trained", "trained mark lookups (Redis)"),
+    ("trained_among", "trained mark lookups (Redis)"),
+    ("StreamCommands.xreadgroup", "XREADGROUP (read new entries)"),
+    ("StreamCommands.xautoclaim", "XAUTOCLAIM (reclaim)"),
+    ("StreamCommands.xclaim", "XCLAIM (keep held entries alive)"),
+    ("decode_group", "decode_group (codec + validation)"),
+    ("samples_from_groups", "samples_from_groups"),
+    ("update_micro_batches", "collate (update_micro_batches)"),
+    ("Journal.write", "journal write + fsync"),
+    ("Ledger.commit", "trained marks + ack"),
+    ("BatchCollector.fill", "fill, elsewhere"),
+)
+
+
+def profile_summary(path: Path, top: int = 8) -> dict[str, Any]:
+    """A py-spy raw profile read back: the share of samples under each of PROFILE_CALLS (the innermost
+    named frame wins), and the hottest leaf functions."""
+    calls: collections.Counter[str] = collections.Counter()
+    leaves: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if "intake_main" not in stack:
+            continue  # the pipe's feeder thread and interpreter start-up
+        frames = [frame.split(" (")[0] for frame in stack.split(";")]
+        n = int(count)
+        total += n
+        named = [label for frame in reversed(frames) for name, label in PROFILE_CALLS if frame == name]
+        calls[named[0] if named else "intake loop, elsewhere"] += n
+        leaves[frames[-1]] += n
+    share = {name: round(c / max(total, 1), 3) for name, c in calls.most_common()}
+    hottest = {name: round(c / max(total, 1), 3) for name, c in leaves.most_common(top)}
+    return {"samples": total, "calls": share, "leaves": hottest}
