@@ -11,6 +11,7 @@ checkpoints, then the workers, then Serve.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -112,9 +113,21 @@ def _actor_configs(s: SparkSettings) -> dict[str, LearnerConfig | RolloutConfig]
     return {"learner": LearnerConfig.of(s), "rollout": RolloutConfig.of(s)}
 
 
+def _ray_said(address: str | None) -> str:
+    """One line on the Ray the run uses, and its token authentication (Ray's default)."""
+    where = f"the cluster at {address}" if address else "a local cluster for this run"
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        auth = "token authentication on (its token: RAY_AUTH_TOKEN, or ~/.ray/auth_token)"
+    else:
+        auth = "token authentication off (RAY_AUTH_MODE)"
+    return f"Ray: {where}, {auth}"
+
+
 def start_reward(cfg: SparkSettings, timeout_s: float = 180.0) -> str:
     """Deploy the reward service on Serve (proxy on reward.host:reward.port); its URL once healthy."""
     from ray import serve
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its INFO lines are Serve's bookkeeping
 
     rs, opts = cfg.reward, cfg.ray.reward
     serve.start(http_options={"host": rs.host, "port": rs.port}, detached=False)
@@ -200,13 +213,19 @@ class RayStack:
 
         s = self.plan.settings
         self.beside.start()
+        address = self.address or s.ray.address
         ray.init(
-            address=self.address or s.ray.address,
-            num_cpus=s.ray.num_cpus if (self.address or s.ray.address) is None else None,
+            address=address,
+            num_cpus=s.ray.num_cpus if address is None else None,
             include_dashboard=False,
             runtime_env={"env_vars": _actor_env()},
             log_to_driver=False,  # each actor writes RUN_DIR/logs/<name>.log
+            # Ray's own start-up lines (a token "enabled ... to opt out" warning, "Started a local Ray
+            # instance") alarmed more than they told: said once below, in the run's terms.
+            logging_level=logging.ERROR,
         )
+        logging.getLogger("ray").setLevel(logging.WARNING)  # what goes wrong later is still said
+        self.beside.report(_ray_said(address))
         # ray.init installs its own SIGTERM handler (a stack dump, then abort): take it back, so SIGTERM is
         # the ordered stop Ctrl-C is (learner's step and checkpoint, workers, Serve) and ends in a summary.
         signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -298,9 +317,9 @@ class RayStack:
             if self.learner is not None:
                 self._stop(["learner"], [self.learner])
             self._stop(list(self.workers), list(self.workers.values()))
-            from ray import serve
-
-            serve.shutdown()
+            # No serve.shutdown(): Serve was started for this job (detached=False), so ray.shutdown ends
+            # it with the job; its own graceful shutdown raced its controller's kill and printed a
+            # "(raylet) Task ServeController.graceful_shutdown failed" line at every clean end.
         except KeyboardInterrupt:
             self.beside.report("interrupted again: tearing Ray down now")
         finally:
@@ -311,16 +330,21 @@ class RayStack:
         import ray
 
         refs = [self.runs[n] for n in names]
+        stops = []
         for name, handle in zip(names, handles, strict=True):
             try:
-                handle.stop.remote()
+                stops.append(handle.stop.remote())
             except ray.exceptions.RayError as exc:
                 self.beside.report(f"{name} is gone already: {exc}")
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=STOP_GRACE_S)
+        # The stop calls end too before anything is killed: one killed while its stop() was still queued
+        # made Ray print "(raylet) Task ServiceActor.stop failed ... killed by ray.kill" at a clean end.
+        # An actor that stopped is left to ray.shutdown (its job's end), only a stuck one is killed.
+        ray.wait(stops, num_returns=len(stops), timeout=5.0)
         for name, handle, ref in zip(names, handles, refs, strict=True):
             if ref in pending:
                 self.beside.report(f"{name} did not stop within {STOP_GRACE_S:g}s: killing it")
-            ray.kill(handle, no_restart=True)
+                ray.kill(handle, no_restart=True)
 
     def _log(self, name: str) -> str:
         return f"last lines of {self.plan.run_dir / 'logs' / f'{name}.log'}:\n" + logtail_bytes(

@@ -122,6 +122,9 @@ def test_a_run_with_default_requests_finishes_on_two_cpus(tiny_model_dir: Path, 
     text = done.stdout + done.stderr
     assert done.returncode == 0, f"{text[-3000:]}\n{_logs(run_dir)}"
     assert "Ray cluster of 2 CPUs: requests fitted" in text
+    # (issue 36, item 7) Ray said in one line of the run's, not its own alarming start and end lines.
+    assert "Ray: a local cluster for this run, token authentication off (RAY_AUTH_MODE)" in text
+    assert "Started a local Ray instance" not in text and "(raylet)" not in text, text[-3000:]
     assert [r["step"] for r in _read_jsonl(run_dir / "metrics.jsonl")][-1] == 4
 
 
