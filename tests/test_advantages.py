@@ -1,4 +1,4 @@
-"""GRPO group-normalized advantages and truncated importance-sampling weights."""
+"""GRPO group-normalized advantages."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from sparkrl.services.learner.advantages import group_advantages, truncated_is_metrics, truncated_is_weights
+from sparkrl.services.learner.advantages import group_advantages
 
 
 def test_group_advantages_hand_case_with_unbiased_std() -> None:
@@ -34,23 +34,3 @@ def test_group_of_one_gets_zero_advantage() -> None:
 def test_rewards_that_do_not_split_into_groups_are_rejected(group_size: int) -> None:
     with pytest.raises(ValueError, match="groups"):
         group_advantages(torch.zeros(6), group_size=group_size)
-
-
-def test_truncated_is_weights_hand_case() -> None:
-    # Token 0: old − rollout = log 0.5 → w = 0.5. Token 1: log 3 → 3 capped to 2.
-    # Token 2: masked (and −inf padding) → 0.
-    old = torch.tensor([[math.log(0.5), math.log(3.0), -math.inf]])
-    rollout = torch.tensor([[0.0, 0.0, -math.inf]])
-    mask = torch.tensor([[1, 1, 0]])
-    assert_close(truncated_is_weights(old, rollout, mask, cap=2.0), torch.tensor([[0.5, 2.0, 0.0]]))
-    stats = truncated_is_metrics(old, rollout, mask, cap=2.0)
-    assert stats["capped_tokens"] == 1
-    assert_close(stats["capped_frac"], torch.tensor(0.5))
-    assert_close(stats["weight_mean"], torch.tensor(1.25))
-
-
-def test_truncated_is_weights_are_detached_and_never_overflow() -> None:
-    old = torch.tensor([[500.0, 0.0]], requires_grad=True)
-    w = truncated_is_weights(old, torch.tensor([[-500.0, 0.0]]), torch.ones(1, 2))
-    assert not w.requires_grad
-    assert_close(w, torch.tensor([[2.0, 1.0]]))

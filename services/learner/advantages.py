@@ -1,4 +1,5 @@
-"""Per-response advantages (GRPO group normalization) and per-token truncated importance-sampling weights.
+"""Per-response advantages (GRPO group normalization). The importance weights against the rollout engine's
+numbers are in services/common/losses/mismatch.py.
 
 GRPO's std is the *unbiased* one (Bessel's correction, n − 1), as verl's `compute_grpo_outcome_advantage`
 uses `torch.std` — in the Lp-Reg authors' fork as in upstream verl. One deliberate difference: verl gives
@@ -8,8 +9,6 @@ mean).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import Tensor
@@ -48,45 +47,3 @@ def step_advantages(
     every = torch.cat(rewards)
     std = every.std() if len(every) > 1 else torch.tensor(0.0)
     return [c / (std + eps) for c in centered]
-
-
-def _log_is_ratio(learner_old_logp: Tensor, rollout_logp: Tensor, valid: Tensor) -> Tensor:
-    """log(π_learner_old / π_rollout) [B, T] in float32, 0 on masked tokens (padding may hold −inf)."""
-    log_w = learner_old_logp.detach().float() - rollout_logp.detach().float()
-    return torch.where(valid, log_w, torch.zeros_like(log_w))
-
-
-@torch.no_grad()
-def truncated_is_weights(
-    learner_old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float = 2.0
-) -> Tensor:
-    """Truncated importance sampling (TIS) weights w_t = min(exp(old_logp_t − rollout_logp_t), cap).
-
-    learner_old_logp: π_old as the learner recomputes it; rollout_logp: what the rollout engine reported
-    for the same tokens; both [B, T] → w [B, T] float32, detached, 0 on masked tokens. They correct for
-    the rollout engine's numerics (and staleness) differing from the learner's.
-    """
-    if cap <= 0.0:
-        raise ValueError(f"cap must be > 0, got {cap}")
-    valid = mask.bool()
-    # Bound the exponent just above log(cap) so exp never overflows, then cap exactly.
-    log_w = _log_is_ratio(learner_old_logp, rollout_logp, valid).clamp(max=math.log(cap) + 1.0)
-    w = torch.exp(log_w).clamp(max=cap)
-    return torch.where(valid, w, torch.zeros_like(w))
-
-
-@torch.no_grad()
-def truncated_is_metrics(
-    learner_old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, cap: float = 2.0
-) -> dict[str, Tensor]:
-    """How much TIS truncated, as detached 0-d tensors: `capped_tokens` (valid tokens whose raw weight
-    exceeded `cap`), `capped_frac`, `weight_mean` (mean truncated weight over valid tokens)."""
-    valid = mask.bool()
-    capped = valid & (_log_is_ratio(learner_old_logp, rollout_logp, valid) > math.log(cap))
-    weights = truncated_is_weights(learner_old_logp, rollout_logp, mask, cap)
-    n_valid = valid.sum().clamp(min=1)
-    return {
-        "capped_tokens": capped.sum(),
-        "capped_frac": capped.sum() / n_valid,
-        "weight_mean": weights.sum() / n_valid,
-    }

@@ -5,13 +5,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sparkrl.services.common.losses.mismatch import COUNT_STATS, MEAN_STATS
+
 Stats = dict[str, float]  # statistics by name (`loss`, `grad_norm`, …): the step row's loss/*
 
 # How an update's statistics combine, said once for the micro-batches, the updates and the ranks: counts
 # add up; every other statistic is a token-share-weighted part of a mean. GLOBAL ones are the whole
 # update's on every rank already (its token count, the norm of the reduced gradient): ranks keep one copy.
-COUNTS = frozenset({"reg_tokens", "reg_tokens_pos", "proxy_inexact", "tokens", "tis_capped_tokens"})
+COUNTS = frozenset({"reg_tokens", "reg_tokens_pos", "proxy_inexact", "tokens", *COUNT_STATS})
 GLOBAL = frozenset({"grad_norm", "tokens"})
+
+
+def add_mismatch(sums: Stats, measured: dict[str, float], weight: float) -> None:
+    """One micro-batch's mismatch statistics (losses/mismatch.py) into the update's `sums`: counts add up,
+    token means weighted by the micro-batch's share of the tokens run (`weight`)."""
+    for key in COUNT_STATS:
+        sums[key] = sums.get(key, 0.0) + measured[key]
+    for key in MEAN_STATS:
+        sums[key] = sums.get(key, 0.0) + measured[key] * weight
 
 
 def merge(stats: list[Stats]) -> Stats:
@@ -49,6 +60,9 @@ class Updated:
         """The statistics as the step row carries them (loss/*): with `updates` and, when one was not
         applied, `updates_skipped`, `skipped_loss` and `skipped_grad_norm`."""
         row = self.stats | {"updates": float(self.applied)}
+        if self.stats.get("is_seqs"):  # sequences, not tokens: a share of the counts, not a token mean
+            for kind in ("capped", "masked"):
+                row[f"is_{kind}_seq_share"] = self.stats[f"is_{kind}_seqs"] / self.stats["is_seqs"]
         if self.not_applied is not None:
             skipped = self.not_applied
             row |= {"updates_skipped": 1.0, "skipped_loss": skipped.loss}

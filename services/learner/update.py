@@ -39,9 +39,9 @@ from torch import Tensor, nn
 
 from sparkrl.proto import TrajectoryGroup
 from sparkrl.services.common.losses import LossInputs, loss_spec, policy_loss
+from sparkrl.services.common.losses.mismatch import Correction, correction_weights
 from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner import logprobs
-from sparkrl.services.learner.advantages import truncated_is_metrics, truncated_is_weights
 from sparkrl.services.learner.aggregation import aggregation_weights, sequences
 from sparkrl.services.learner.batch import (
     MicroBatch,
@@ -58,7 +58,7 @@ from sparkrl.services.learner.prompt_sharing import collator
 from sparkrl.services.learner.proxy import proxy_logp_from_topk
 from sparkrl.services.learner.reference import kl_to_reference
 from sparkrl.services.learner.schedule import lr_factor
-from sparkrl.services.learner.stats import COUNTS, NotApplied, Stats, Updated, merge
+from sparkrl.services.learner.stats import COUNTS, NotApplied, Stats, Updated, add_mismatch, merge
 
 T = TypeVar("T")
 
@@ -217,9 +217,8 @@ def apply_update(
         sums["loss"] += float(loss.detach()) * share
         sums["entropy"] += float((entropy.detach() * mb.mask).sum()) / trained_tokens
         sums["proxy_inexact"] += old.proxy_inexact
-        if old.tis is not None:  # how much truncated IS corrected the rollout engine's numbers
-            sums["tis_capped_tokens"] += old.tis["capped_tokens"]
-            sums["tis_weight_mean"] += old.tis["weight_mean"] * weight
+        if old.tis is not None:  # how much IS corrected (capped, masked) the rollout engine's numbers
+            add_mismatch(sums, old.tis, weight)
         for key, value in stats.items():
             if key != "entropy":  # measured above over every token; entropy_bonus reports its own copy
                 sums[key] += float(value) * (1.0 if key in COUNTS else weight)
@@ -239,7 +238,7 @@ class OldPolicy:
     is_weights: Tensor | None
     proxy_inexact: int  # positions where the top-k proxy is only approximate
     ref_logp: Tensor | None = None  # the frozen reference's log-probs (learner.kl), else None
-    tis: dict[str, float] | None = None  # truncated IS: `capped_tokens`, `weight_mean` (with is_weights)
+    tis: dict[str, float] | None = None  # the mismatch correction's statistics (a recomputed π_old)
 
 
 @torch.no_grad()
@@ -263,10 +262,8 @@ def old_policy(
     is_weights, tis = None, None
     if cfg.old_logp_source == "recompute":
         old_logp = learner_logp
-        if cfg.tis_cap is not None:
-            is_weights = truncated_is_weights(learner_logp, mb.rollout_logp, mb.mask, cap=cfg.tis_cap)
-            measured = truncated_is_metrics(learner_logp, mb.rollout_logp, mb.mask, cap=cfg.tis_cap)
-            tis = {name: float(measured[name]) for name in ("capped_tokens", "weight_mean")}
+        correction = Correction(cfg.tis_cap, cfg.tis_level, cfg.is_mask, cfg.is_mask_low, cfg.is_mask_high)
+        is_weights, tis = correction_weights(learner_logp, mb.rollout_logp, mb.mask, correction)
     else:
         old_logp = mb.rollout_logp
     ref_logp = None

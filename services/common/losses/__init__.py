@@ -6,8 +6,8 @@ hyperparameter with its default, bounds and description) and a pure function reg
     @register_loss(CispoLoss, zero_advantage_free=True)
     def cispo_loss(logp, old_logp, advantages, mask, cfg: CispoLoss, *, token_weights=None): ...
 
-Everything else is derived: the file is found here (every module of this folder but `ops`, `registry`
-and `section`), its settings class becomes a variant of `learner.loss` (so presets, `--set`, the settings
+Everything else is derived: the file is found here (every module of this folder but the shared pieces,
+`_SHARED`), its settings class becomes a variant of `learner.loss` (so presets, `--set`, the settings
 reference and the live checks of the control service know it), and the learner reads what it needs and
 allows from the registry (the optional inputs its signature names; whether A = 0 completions may be
 skipped). docs/architecture.md ("Adding a loss") walks through one.
@@ -35,7 +35,8 @@ from sparkrl.services.common.losses.registry import (
 )
 from sparkrl.services.common.losses.section import LossSection
 
-_SHARED = ("ops", "registry", "section")  # this room's shared pieces; every other module is a loss
+# This room's shared pieces (`mismatch`: the importance weights every loss takes); the rest are losses.
+_SHARED = ("ops", "registry", "section", "mismatch")
 # Lp-Reg first (the default, and first in the settings reference), then by name.
 for _module in sorted((m.name for m in pkgutil.iter_modules(__path__)), key=lambda n: (n != "lp_reg", n)):
     if _module not in _SHARED:

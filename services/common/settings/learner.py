@@ -47,7 +47,29 @@ class LearnerSettings(Section):
         description="old_logp from the rollout's log-probs, or recomputed by the learner (then truncated IS "
         "corrects rollout/learner mismatch).",
     )
-    tis_cap: float | None = Field(2.0, gt=0, description="Cap of truncated IS weights; None: no correction.")
+    tis_cap: float | None = Field(
+        2.0,
+        gt=0,
+        description="Cap C of truncated IS weights min(π_learner/π_rollout, C) (verl `rollout_is_threshold`, "
+        "TRL `vllm_importance_sampling_cap`); None: no truncation. With old_logp_source recompute only.",
+    )
+    tis_level: Literal["token", "sequence"] = Field(
+        "token",
+        description="The ratio tis_cap truncates: each token's, or its sequence's (the product over its "
+        "tokens, every token weighted alike; verl `rollout_is: token|sequence`, TRL token_truncate / "
+        "sequence_truncate). sequence: not with pack_length or share_prompts (a row is one sequence).",
+    )
+    is_mask: Literal["none", "token", "sequence"] = Field(
+        "none",
+        description="Masked IS: a token (token, IcePop) or a whole sequence (sequence) whose "
+        "π_learner/π_rollout leaves [is_mask_low, is_mask_high] gets weight 0, the rest keep their IS "
+        "weight (the raw ratio when tis_cap is None); masked tokens still count in the token mean's "
+        "divisor. verl `rollout_rs`, TRL token_mask / sequence_mask. Needs old_logp_source recompute.",
+    )
+    is_mask_low: float = Field(
+        0.5, ge=0, le=1, description="α: the band's lower end (IcePop's 0.5; 0: no lower end)."
+    )
+    is_mask_high: float = Field(5.0, ge=1, le=1e6, description="β: the band's upper end (IcePop's 5).")
     lr: float = Field(
         1e-6,
         ge=1e-10,
@@ -232,6 +254,21 @@ class LearnerSettings(Section):
             raise ValueError(
                 f"learner.pack_length: loss_aggregation {self.loss_aggregation} counts each row as one "
                 "sequence, which packed rows are not; use token_mean or unset pack_length"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _mismatch_needs_the_learners_old_policy(self) -> LearnerSettings:
+        if self.is_mask != "none" and self.old_logp_source != "recompute":
+            raise ValueError(
+                f"learner.is_mask {self.is_mask} masks by π_learner/π_rollout, which only a recomputed "
+                "π_old gives: set learner.old_logp_source recompute, or is_mask none"
+            )
+        shared_rows = self.pack_length is not None or self.share_prompts
+        if "sequence" in (self.is_mask, self.tis_level) and shared_rows:
+            raise ValueError(
+                "learner.tis_level / is_mask sequence take each row as one sequence, which packed or shared "
+                "rows are not: unset pack_length and share_prompts, or use the token level"
             )
         return self
 
