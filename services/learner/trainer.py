@@ -30,6 +30,7 @@ from sparkrl.services.common.settings.roles import LearnerConfig
 from sparkrl.services.common.start_clock import StartClock
 from sparkrl.services.learner.batch import micro_batches, samples_from_groups
 from sparkrl.services.learner.checkpoint import cpu_weights, restore, save_checkpoint
+from sparkrl.services.learner.fp32_head import install_fp32_head
 from sparkrl.services.learner.ledger import Batch
 from sparkrl.services.learner.logprobs import token_logp_and_entropy
 from sparkrl.services.learner.reference import frozen_copy
@@ -161,20 +162,30 @@ def load(cfg: LearnerConfig, resume: bool, clock: StartClock | None = None) -> L
     init_distributed(lc, cfg.sync.host)
     clock.mark("comm")  # DeepSpeed compiles its op here on a first run: a phase of its own
     tokenizer = load_tokenizer(cfg.model)
-    model = load_model(cfg.model, lc.dtype, _device(lc), lc.attention)
+    model = learner_model(cfg.model, lc)
     # The KL reference is the initial model (cfg.model), also when resuming: copied before the checkpoint,
     # and before DeepSpeed, whose ZeRO-3 would leave a copy of the engine's module only its partitions.
     reference = frozen_copy(model) if lc.kl.coef > 0 else None
     clock.mark("model")
     engine, state = build_engine(model, lc), None
     if resume:
-        rebuild = lambda: build_engine(load_model(cfg.model, lc.dtype, _device(lc), lc.attention), lc)  # noqa: E731
+        rebuild = lambda: build_engine(learner_model(cfg.model, lc), lc)  # noqa: E731
         engine, state, checkpoint = restore(engine, Path(cfg.run_dir), rebuild)
         if checkpoint is None:
             log.warning("--resume: no checkpoint under %s loads; starting from %s", cfg.run_dir, cfg.model)
     clock.mark("engine")
     resumed = state is not None
     return Loaded(engine, tokenizer, state or TrainState(started_at=time.time()), resumed, reference)
+
+
+def learner_model(path: str, lc: LearnerSettings) -> torch.nn.Module:
+    """The model as the learner trains it: its dtype, device and attention kernel, and with
+    `learner.fp32_lm_head` its output projection in float32 (fp32_head.py)."""
+    model = load_model(path, lc.dtype, _device(lc), lc.attention)
+    if not lc.fp32_lm_head:
+        return model
+    log.info("learner.fp32_lm_head: the output projection's matmul runs in float32")
+    return install_fp32_head(model)
 
 
 def _device(lc: LearnerSettings) -> str:

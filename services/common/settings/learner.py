@@ -154,6 +154,13 @@ class LearnerSettings(Section):
         "float32 (on a CPU with AVX512-BF16 a quarter faster; log-probs a little noisier). `auto`: bf16 "
         "where the hardware runs it natively (oneDNN's bf16 on a CPU, a bf16-capable GPU), else off.",
     )
+    fp32_lm_head: bool = Field(
+        False,
+        description="The output projection's matmul in float32 on a bf16 model (dtype bfloat16 or bf16 "
+        "autocast), as ScaleRL's recipe (`fp32_lm_head` in NeMo-RL): logits, log-probs and the ratio with "
+        "less rounding, the head's compute in float32. Off: bf16 matmul, upcast after. Its weights stay "
+        "in the model's dtype.",
+    )
     attention: Literal["sdpa", "eager"] | None = Field(
         None,
         description="The model's attention kernel (transformers' attn_implementation); None: its default. "
