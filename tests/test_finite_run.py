@@ -188,5 +188,6 @@ def test_4_dead_on_an_ended_run_answers_from_what_it_left(finished_run: Finished
         list(p) == ["imports", "engine", "ready"] for p in startup["workers"].values()
     )
     assert startup["learner"]["imports"] > 0.5 and startup["to_first_step_s"] > startup["learner"]["imports"]
-    assert re.search(r"^started in [\d.]+ s \| learner: imports [\d.]+ s, model", run.stdout, re.MULTILINE)
+    said = r"^started in [\d.]+ s \| learner: imports [\d.]+ s, comm [\d.]+ s, model"
+    assert re.search(said, run.stdout, re.MULTILINE)
     assert "dead-lettered: 4 prompts (by the workers), 0 groups (by the learner)" in run.stdout
