@@ -54,8 +54,15 @@ class TrajectoryGroup(WireModel):
     )
     rewards: list[float] = Field(
         description="Scalar reward of each completion, same order, finite; usually "
-        "`reward_details[i].score`, possibly shaped by the worker. Writer: rollout worker. Reader: learner "
-        "(group-normalized advantages)."
+        "`reward_details[i].score`, possibly shaped by the worker (then `reward_details[i].score + "
+        "overlong_penalties[i]`). Writer: rollout worker. Reader: learner (group-normalized advantages)."
+    )
+    overlong_penalties: list[float] | None = Field(
+        default=None,
+        description="The over-long penalty the worker added to each completion's score (DAPO's soft "
+        "over-long punishment, `rollout.overlong_buffer`), same order, each in [−penalty_factor, 0]: 0 "
+        "up to max_new_tokens − len tokens, then falling linearly to −penalty_factor at max_new_tokens. "
+        "Writer: rollout worker. Readers: learner (metrics, samples.jsonl). None: no shaping.",
     )
     reward_details: list[RewardResult] = Field(
         description="The reward service's result for each completion, same order. Writer: rollout worker "
@@ -117,9 +124,11 @@ class TrajectoryGroup(WireModel):
     @model_validator(mode="after")
     def _check(self, info: ValidationInfo) -> "TrajectoryGroup":
         n = len(self.completions)
-        for name in ("rewards", "reward_details"):
-            if len(getattr(self, name)) != n:
+        for name in ("rewards", "reward_details", "overlong_penalties"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != n:
                 raise FieldError(name, f"has {len(getattr(self, name))} entries for {n} completions")
+        if any(p > 0 for p in self.overlong_penalties or ()):
+            raise FieldError("overlong_penalties", "a penalty is ≤ 0")
         if self.task != self.prompt.task:
             raise FieldError("task", f"{self.task!r} differs from prompt.task {self.prompt.task!r}")
         expected_id = group_id_for(self.prompt.prompt_id)

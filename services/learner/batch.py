@@ -34,6 +34,7 @@ class Sample:
     topk_logp: Tensor  # [T, K] float32
     advantage: float  # GRPO advantage, shared by every token of the completion
     temperature: float  # the sampling temperature; the learner's log-probs are taken at it
+    truncated: bool = False  # it hit max_new_tokens (finish_reason `length`): mask_truncated_completions
 
     @property
     def num_tokens(self) -> int:
@@ -122,6 +123,7 @@ def samples_from_groups(
                     topk_logp=torch.from_numpy(completion.topk_logprobs.copy()),
                     advantage=advantage,
                     temperature=group.sampling.temperature,
+                    truncated=completion.finish_reason == "length",
                 )
             )
     return samples

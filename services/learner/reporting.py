@@ -102,7 +102,7 @@ def step_row(
     metrics["rollout/dropped_stale_total"] = float(state.groups_dropped_stale)
     metrics["loss/nonfinite_skipped_total"] = float(state.nonfinite_skipped)  # updates not applied
     metrics["checkpoint/failures_total"] = float(state.checkpoint_failures)  # writes that failed, run goes on
-    metrics |= status_counts(batch.groups)
+    metrics |= status_counts(batch.groups) | length_stats(batch.groups)
     metrics |= {f"time/{part}_s": value for part, value in (timings or {}).items()}
     metrics |= exploration or {}
     return StepMetrics(
@@ -164,21 +164,41 @@ def status_counts(groups: list[TrajectoryGroup]) -> dict[str, float]:
     return {f"rollout/status_{status}": float(count) for status, count in counts.items()}
 
 
+def length_stats(groups: list[TrajectoryGroup]) -> dict[str, float]:
+    """`rollout/truncated_share`: the step's completions that hit max_new_tokens; with over-long shaping,
+    `rollout/overlong_penalty_mean` (over every completion) and `rollout/overlong_penalized` (how many got
+    a penalty below 0)."""
+    completions = [c for g in groups for c in g.completions]
+    truncated = sum(c.finish_reason == "length" for c in completions)
+    stats = {"rollout/truncated_share": truncated / max(len(completions), 1)}
+    penalties = [p for g in groups for p in g.overlong_penalties or ()]
+    if penalties:
+        stats["rollout/overlong_penalty_mean"] = sum(penalties) / len(penalties)
+        stats["rollout/overlong_penalized"] = float(sum(p < 0 for p in penalties))
+    return stats
+
+
 def sample_rows(step: int, groups: list[TrajectoryGroup], count: int) -> list[dict[str, object]]:
     """The first completion of each of the step's first `count` groups, for people to read: prompt,
-    completion, reward, verdict."""
+    completion, its length and how it ended, reward = the verifier's score + its over-long penalty (0
+    without shaping), verdict."""
     rows = []
     for group in groups[:count]:
         if not group.completions:
             continue
         detail = group.reward_details[0] if group.reward_details else None
+        completion = group.completions[0]
         rows.append(
             {
                 "step": step,
                 "group_id": group.group_id,
                 "prompt": group.prompt.text if group.prompt.text is not None else group.prompt.messages,
-                "completion": group.completions[0].text,
+                "completion": completion.text,
+                "tokens": completion.num_tokens,
+                "finish_reason": completion.finish_reason,
                 "reward": group.rewards[0],
+                "score": detail.score if detail is not None else None,
+                "overlong_penalty": group.overlong_penalties[0] if group.overlong_penalties else 0.0,
                 "status": detail.status if detail is not None else None,
                 "detail": detail.detail if detail is not None else None,
             }

@@ -103,9 +103,10 @@ def run_updates(
     started = time.perf_counter()
     adv = cfg.advantage
     kept = [g for g in groups if not (adv.drop_equal_groups and _equal_rewards(g))]
-    extra = {"equal_groups_dropped": float(len(groups) - len(kept))}
     # Advantages over the whole step (a batch-level std is the step's), then cut at group boundaries.
     samples = samples_from_groups(kept, std_normalize=adv.std_normalize, level=adv.level)
+    extra = {"equal_groups_dropped": float(len(groups) - len(kept))}
+    extra["truncated_masked"] = float(cfg.mask_truncated_completions and sum(s.truncated for s in samples))
     per_update = [m for m in mini_batches(samples, kept, cfg) if m]
     # The divisors count every token, those of completions left unrun for A = 0 included.
     totals = [Totals(sum(s.num_tokens for s in m), sum(s.num_tokens > 0 for s in m)) for m in per_update]
@@ -165,11 +166,13 @@ def set_lr(engine: deepspeed.DeepSpeedEngine, lr: float) -> None:
 def mini_batches(
     samples: list[Sample], groups: list[TrajectoryGroup], cfg: LearnerSettings
 ) -> list[list[Sample]]:
-    """`samples` (the groups' completions, in order) cut into one mini-batch per update."""
+    """`samples` (the groups' completions, in order) cut into one mini-batch per update; with
+    `learner.mask_truncated_completions`, without those that hit max_new_tokens (out of the loss and its
+    divisor; their group's advantages were computed with them)."""
     minis = []
     for part in split_groups(groups, cfg.updates_per_rollout):
         count = sum(len(group.completions) for group in part)
-        minis.append(samples[:count])
+        minis.append([s for s in samples[:count] if not (cfg.mask_truncated_completions and s.truncated)])
         samples = samples[count:]
     return minis
 

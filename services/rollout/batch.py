@@ -21,6 +21,7 @@ from sparkrl.services.common.modeling import apply_chat_template_if_any
 from sparkrl.services.common.reward_client import RewardClient
 from sparkrl.services.common.settings import RolloutSettings
 from sparkrl.services.rollout.engine import Engine
+from sparkrl.services.rollout.shaping import overlong_penalty
 
 
 @dataclass
@@ -84,7 +85,8 @@ def score_groups(
     worker_id: str,
 ) -> list[TrajectoryGroup]:
     """One scored group per prompt of `batch`, from its completions (one list per prompt, in order): every
-    completion of every group scored in one batched HTTP call, retried inside the client."""
+    completion of every group scored in one batched HTTP call, retried inside the client; with
+    `rollout.overlong_buffer`, each reward is the score plus its over-long penalty (shaping.py)."""
     created_at = time.time()
     items = [
         RewardItem(task=prompt.task, completion=c.text, answer=prompt.answer, task_data=prompt.task_data)
@@ -99,16 +101,19 @@ def score_groups(
         max_new_tokens=cfg.sampling.max_new_tokens,
     )
     groups = []
+    buffer = cfg.overlong_buffer
     for prompt, prompt_ids, group in zip(batch.prompts, batch.token_ids, completions, strict=True):
         details = [next(results) for _ in group]
+        penalties = [overlong_penalty(c.num_tokens, sampling.max_new_tokens, buffer) for c in group]
         groups.append(
             TrajectoryGroup(
                 group_id=group_id_for(prompt.prompt_id),
                 prompt=prompt,
                 prompt_token_ids=prompt_ids,
                 completions=group,
-                rewards=[d.score for d in details],
+                rewards=[d.score + penalty for d, penalty in zip(details, penalties, strict=True)],
                 reward_details=details,
+                overlong_penalties=penalties if buffer.len is not None else None,
                 task=prompt.task,
                 producer=worker_id,
                 vocab_size=engine.vocab_size,

@@ -125,6 +125,12 @@ class LearnerSettings(Section):
         "answers (short answers, many samples); the mask costs L² per row, so keep rows short. eager or "
         "sdpa attention, token_mean aggregation, not GSPO.",
     )
+    mask_truncated_completions: bool = Field(
+        False,
+        description="Leave completions that hit rollout.sampling.max_new_tokens (finish_reason length) out "
+        "of the loss and its divisor (DAPO's overlong filtering; TRL's name; `loss/truncated_masked`); "
+        "their group's advantages still count them. See also rollout.overlong_buffer.",
+    )
     updates_per_rollout: int = Field(
         1,
         ge=1,

@@ -4,12 +4,33 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from sparkrl.services.common.settings.engine import EngineSettings, SamplingSettings, TorchEngineSettings
 from sparkrl.services.common.settings.section import Section
 from sparkrl.services.common.settings.servers import MetricsEndpoint
 from sparkrl.services.common.settings.supervision import WorkerHealthSettings
+
+
+class OverlongBufferSettings(Section):
+    """DAPO's soft over-long punishment (arXiv 2503.14476, eq. 13), added by the worker to each completion's
+    score: 0 up to max_new_tokens − len tokens, then a linear ramp to −penalty_factor at max_new_tokens
+    (`rollout/overlong_penalty_mean`, and each sample's `overlong_penalty` in samples.jsonl). verl:
+    `reward_model.overlong_buffer.{enable, len, penalty_factor}`; TRL: `get_soft_overlong_punishment(
+    max_completion_len, soft_punish_cache)`."""
+
+    len: int | None = Field(
+        None,
+        ge=1,
+        description="L_cache, the tokens before rollout.sampling.max_new_tokens over which the penalty "
+        "ramps (verl overlong_buffer.len, TRL soft_punish_cache); None: no shaping.",
+    )
+    penalty_factor: float = Field(
+        1.0,
+        gt=0,
+        le=100,
+        description="The penalty at max_new_tokens (verl overlong_buffer.penalty_factor; DAPO's, TRL's 1).",
+    )
 
 
 class RolloutSettings(Section):
@@ -66,7 +87,22 @@ class RolloutSettings(Section):
         description="When the `model` directory is not there, how long to wait for the learner to announce "
         "its weight files (the model is fetched from it), seconds.",
     )
+    overlong_buffer: OverlongBufferSettings = Field(
+        default_factory=OverlongBufferSettings,
+        description="Over-long reward shaping of completions near max_new_tokens (`rollout.overlong` is "
+        "about prompts).",
+    )
     health: WorkerHealthSettings = Field(
         default_factory=WorkerHealthSettings, description="A sick model is not a bad prompt."
     )
     metrics: MetricsEndpoint = Field(default_factory=MetricsEndpoint, description="/metrics and /healthz.")
+
+    @model_validator(mode="after")
+    def _buffer_inside_the_budget(self) -> RolloutSettings:
+        budget, buffer = self.sampling.max_new_tokens, self.overlong_buffer.len
+        if buffer is not None and buffer >= budget:
+            raise ValueError(
+                f"rollout.overlong_buffer.len {buffer} must be below rollout.sampling.max_new_tokens "
+                f"({budget}): the penalty ramps over the last len tokens of the budget"
+            )
+        return self
