@@ -19,6 +19,7 @@ from redis.retry import Retry
 from sparkrl.services.common.bus._text import is_missing_group, mask_password, text
 from sparkrl.services.common.bus.logs import LogStreams
 from sparkrl.services.common.bus.lua import DEAD_LETTER_LUA, PUBLISH_LUA, REQUEUE_LUA, SEND_BACK_LUA
+from sparkrl.services.common.bus.reads import Reader
 from sparkrl.services.common.bus.records import (
     GROUPS,
     BusBackpressureTimeout,
@@ -52,6 +53,7 @@ class RedisBus:
     status_board: Statuses  # members' heartbeats
     values: NamedValues  # named values: announcement, control state, marks
     _redis: redis.Redis
+    _reader: Reader  # new entries, a large read over several connections
     _groups_ready: set[str]
     _publish_script: Script
     _dead_letter_script: Script
@@ -74,6 +76,7 @@ class RedisBus:
             socket_connect_timeout=settings.socket_timeout_s,
             retry=Retry(NoBackoff(), 0),
         )
+        self._reader = Reader(self._redis)
         self._groups_ready = set()
         self._publish_script = self._redis.register_script(PUBLISH_LUA)
         self._dead_letter_script = self._redis.register_script(DEAD_LETTER_LUA)
@@ -84,6 +87,7 @@ class RedisBus:
         self.values = NamedValues(self._redis, self._run, settings.namespace)
 
     def close(self) -> None:
+        self._reader.close()
         self._redis.close()
 
     def __enter__(self) -> RedisBus:
@@ -312,12 +316,8 @@ class RedisBus:
         return rows
 
     def _read_new(self, kind: StreamKind, consumer: str, count: int, block_ms: int | None) -> list[_Row]:
-        reply = self._redis.xreadgroup(
-            GROUPS[kind], consumer, {self.stream_key(kind): ">"}, count=count, block=block_ms
-        )
-        if isinstance(reply, dict):  # RESP3 answers a map
-            reply = list(reply.items())
-        return [(entry_id, fields, 1) for _, batch in reply or [] for entry_id, fields in batch]
+        rows = self._reader.read_new(GROUPS[kind], consumer, self.stream_key(kind), count, block_ms)
+        return [(entry_id, fields, 1) for entry_id, fields in rows]
 
     def _screen(self, kind: StreamKind, rows: list[_Row]) -> list[Entry]:
         """Rows → entries; dead-letter the over-delivered and the malformed instead of returning them."""
