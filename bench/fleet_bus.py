@@ -63,10 +63,10 @@ class Intake:
         """Drain from now until `stop_at`."""
         self._send(str(stop_at))
 
-    def result(self) -> tuple[list[Taken], Phases]:
-        """What it took, once `stop_at` passed."""
+    def result(self) -> tuple[list[Taken], Phases, list[tuple[float, float]]]:
+        """What it collated, its phases and every group it read (published, read), once `stop_at` passed."""
         line = self._line()
-        return [Taken(*row) for row in line["taken"]], Phases(**line["phases"])
+        return [Taken(*row) for row in line["taken"]], Phases(**line["phases"]), line["reads"]
 
     def _send(self, text: str) -> None:
         assert self.proc.stdin is not None
@@ -168,16 +168,16 @@ def measure(
         cpu = {pid: _cpu_s(pid) - before for pid, before in cpu0.items()}
         stats = client.info("commandstats")
         published = publishers.published()
-        taken, phases = intake.result()
+        taken, phases, reads = intake.result()
         if spy is not None:
             spy.wait(timeout=60)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
-    figures = _figures(run, workers, (w0, w1), published, taken, phases)
+    figures = _figures(run, workers, (w0, w1), published, (taken, reads), phases)
     simulator = sum(c for pid, c in cpu.items() if pid in pids)
     cpu_s = {"intake": cpu[intake.pid], "redis": cpu[server.proc.pid], "simulator": simulator}
-    # The intake's CPU per group it collated; Redis' and the simulator's per group published.
-    per = {"intake": figures["groups_out"], "redis": figures["groups_in"], "simulator": figures["groups_in"]}
+    # The intake's CPU per group it read; Redis' and the simulator's per group published.
+    per = {"intake": figures["groups_read"], "redis": figures["groups_in"], "simulator": figures["groups_in"]}
     usec = {name.removeprefix("cmdstat_"): (int(s["calls"]), float(s["usec"])) for name, s in stats.items()}
     return figures | {
         "redis_memory_mb": _mb(np.mean(memory) - base_memory) if memory else 0.0,
@@ -217,28 +217,33 @@ def _figures(
     workers: int,
     window: tuple[float, float],
     published: list[Published],
-    taken: list[Taken],
+    intake: tuple[list[Taken], list[tuple[float, float]]],
     phases: Phases,
 ) -> dict[str, Any]:
+    """Over the window: what was published (in), read off the stream by the collector and collated (out,
+    a step at a time: its rate moves in steps' worth), and the ages of what was read and collated."""
     w0, w1 = window
     seconds = w1 - w0
+    taken, reads = intake
     sent = [p for p in published if w0 <= p.at < w1]
+    read = [(pub, at) for pub, at in reads if w0 <= at < w1]
     out = [t for t in taken if w0 <= t.collated < w1]
-    # Ages of the groups collated in the window: behind a backlog they grow with it.
-    read = [1e3 * (t.read - t.published) for t in out]
-    collated = [1e3 * (t.collated - t.published) for t in out]
+    read_age = [1e3 * (at - pub) for pub, at in read]  # behind a backlog, ages grow with it
+    collated_age = [1e3 * (t.collated - t.published) for t in out]
     return {
         "workers": workers,
         "step_gps": round(run.prompts_per_step / seconds, 2),  # one step's groups over the window
         "offered_gps": round(workers * run.rate if run.rate else len(sent) / seconds, 2),
         "in_gps": round(len(sent) / seconds, 2),
+        "read_gps": round(len(read) / seconds, 2),
         "out_gps": round(len(out) / seconds, 2),
         "in_mbps": _mb(sum(p.nbytes for p in sent) / seconds),
         "out_mbps": _mb(sum(t.nbytes for t in out) / seconds),
         "groups_in": len(sent),
+        "groups_read": len(read),
         "groups_out": len(out),
-        "read_ms": (_pct(read, 50), _pct(read, 99)),
-        "collated_ms": (_pct(collated, 50), _pct(collated, 99)),
+        "read_ms": (_pct(read_age, 50), _pct(read_age, 99)),
+        "collated_ms": (_pct(collated_age, 50), _pct(collated_age, 99)),
         "publish_call_ms": _pct([1e3 * p.seconds for p in sent], 50),
         "sim_late_ms": _pct([1e3 * p.late_s for p in sent], 99),
         "phases_s": {"fill": phases.fill, "collate": phases.collate, "commit": phases.commit},

@@ -107,9 +107,10 @@ class Redis:
         shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
-def start_redis(aof: bool = True) -> Redis:
-    """A private redis-server on a free loopback port; with `aof`, the append-only file fsynced on every
-    write in a temporary folder on disk, as `sparkrl up`'s own Redis (sparkrl/plan.py)."""
+def start_redis(fsync: str = "always") -> Redis:
+    """A private redis-server on a free loopback port, as `sparkrl up` runs its own (sparkrl/plan.py): the
+    append-only file in a temporary folder on disk, fsynced as `bus.aof_fsync` says (`always`, its
+    default, or `everysec`)."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("redis-server is not on PATH; run `make test`, which installs it")
@@ -117,7 +118,7 @@ def start_redis(aof: bool = True) -> Redis:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     data_dir = scratch("fleet-redis-")
-    persistence = ["--appendonly", "yes", "--appendfsync", "always"] if aof else ["--appendonly", "no"]
+    persistence = ["--appendonly", "yes", "--appendfsync", fsync]
     args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--dir", str(data_dir)]
     proc = subprocess.Popen([*args, *persistence], stdout=subprocess.DEVNULL)
     server = Redis(proc, f"redis://127.0.0.1:{port}/0", data_dir)
@@ -250,11 +251,12 @@ def intake_main() -> None:
     print(json.dumps({"ready": os.getpid()}), flush=True)
     for line in sys.stdin:
         command = json.loads(line)
-        taken, phases = drain(Run.from_json(command["run"]), Path(command["run_dir"]))
-        print(json.dumps({"taken": [astuple(t) for t in taken], "phases": asdict(phases)}), flush=True)
+        taken, phases, reads = drain(Run.from_json(command["run"]), Path(command["run_dir"]))
+        answer = {"taken": [astuple(t) for t in taken], "phases": asdict(phases), "reads": reads}
+        print(json.dumps(answer), flush=True)
 
 
-def drain(run: Run, run_dir: Path) -> tuple[list[Taken], Phases]:
+def drain(run: Run, run_dir: Path) -> tuple[list[Taken], Phases, list[tuple[float, float]]]:
     from sparkrl.proto import decode_group
     from sparkrl.services.learner.batch import partition, samples_from_groups, update_micro_batches
     from sparkrl.services.learner.collect import BatchCollector
@@ -264,10 +266,12 @@ def drain(run: Run, run_dir: Path) -> tuple[list[Taken], Phases]:
     from sparkrl.services.learner.validate import ModelLimits
 
     read_at: dict[str, float] = {}
+    reads: list[tuple[float, float]] = []  # (published, read) of every group read, collated or not
 
     def stamped(data: bytes) -> TrajectoryGroup:  # the real decoder, plus when each group came off
         group = decode_group(data)
         read_at[group.group_id] = time.time()
+        reads.append((group.published_at, read_at[group.group_id]))
         return group
 
     class StampedBus(RedisBus):
@@ -305,7 +309,7 @@ def drain(run: Run, run_dir: Path) -> tuple[list[Taken], Phases]:
             for group, entry in zip(batch.groups, batch.entries, strict=True):
                 read = read_at.pop(group.group_id, collated)
                 taken.append(Taken(group.published_at, read, collated, committed, len(entry.payload)))
-    return taken, phases
+    return taken, phases, reads
 
 
 if __name__ == "__main__":  # `python bench/fleet_intake.py`: the intake's process (fleet_bus.Intake)

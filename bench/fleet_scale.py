@@ -66,7 +66,8 @@ def intake_sweep(server: Redis, args: argparse.Namespace, baseline: Path | None)
                 point["profile"] = fleet_bus.profile_summary(profile) if profile.exists() else {}
                 profile.unlink(missing_ok=True)
                 points[name].append(point)
-                print(f"  {name}, N = {workers or 'flat out'}: {point['out_gps']:.1f} groups/s", flush=True)
+                done = f"{point['read_gps']:.1f} groups/s read, {point['out_gps']:.1f} collated"
+                print(f"  {name}, N = {workers or 'flat out'}: {done}", flush=True)
     finally:
         publishers.close()
         for intake in intakes.values():
@@ -86,8 +87,8 @@ def table(headers: list[str], rows: list[list[Any]]) -> None:
 
 
 INTAKE_HEADERS = [
-    "intake", "N", "offered g/s", "in g/s", "out g/s", "in MB/s", "out MB/s", "Redis MB mean/max",
-    "stream max", "CPU ms/group: intake", "Redis", "simulator", "read age ms p50/p99",
+    "intake", "N", "offered g/s", "in g/s", "read g/s", "collated g/s", "in MB/s", "out MB/s",
+    "Redis MB mean/max", "stream max", "CPU ms/group: intake", "Redis", "simulator", "read age ms p50/p99",
     "collated age p50/p99", "publish ms p50",
 ]  # fmt: skip
 
@@ -99,6 +100,7 @@ def point_row(name: str, p: dict[str, Any]) -> list[Any]:
         p["workers"],
         "flat out" if p["flat_out"] else f"{p['offered_gps']:.1f}",
         f"{p['in_gps']:.1f}",
+        f"{p['read_gps']:.1f}",
         f"{p['out_gps']:.1f}",
         f"{p['in_mbps']:.1f}",
         f"{p['out_mbps']:.1f}",
@@ -114,22 +116,19 @@ def point_row(name: str, p: dict[str, Any]) -> list[Any]:
 
 
 def saturation(points: list[dict[str, Any]]) -> dict[str, Any]:
-    """The first fleet size whose groups the intake no longer collates as fast as they come (out short of
-    in by a tenth, or by more than a step's worth), else the flat-out run; with that run's profile. The
-    ceiling: the median flat-out round."""
+    """The first fleet size whose groups the intake no longer reads as fast as the workers offer them (a
+    tenth short), else the flat-out run; with that run's profile. The ceiling: the median flat-out
+    round's read rate."""
     paced = [p for p in points if not p["flat_out"]]
-    # A step collates its groups at once: out trails in by up to a step's worth over a short window.
-    first = next(
-        (p for p in paced if p["in_gps"] - p["out_gps"] > max(0.1 * p["in_gps"], p["step_gps"])), None
-    )
-    flats = sorted((p for p in points if p["flat_out"]), key=lambda p: p["out_gps"])
+    first = next((p for p in paced if p["read_gps"] < 0.9 * p["offered_gps"]), None)
+    flats = sorted((p for p in points if p["flat_out"]), key=lambda p: p["read_gps"])
     flat = flats[len(flats) // 2]
     at = first or flat
     busiest = max(at["cpu_share"], key=at["cpu_share"].get)
     return {
         "workers": at["workers"] if first else None,
-        "ceiling_gps": flat["out_gps"],
-        "ceiling_rounds_gps": [p["out_gps"] for p in flats],
+        "ceiling_gps": flat["read_gps"],
+        "ceiling_rounds_gps": [p["read_gps"] for p in flats],
         "ceiling_profile": flat["profile"],
         "busiest_process": busiest,
         "cpu_share": at["cpu_share"],
@@ -139,13 +138,11 @@ def saturation(points: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def print_saturation(name: str, s: dict[str, Any]) -> None:
-    where = f"at N = {s['workers']}" if s["workers"] else "not within the sizes run; flat out"
+    where = f"at N = {s['workers']}" if s["workers"] else "not within the sizes run"
     rounds = ", ".join(f"{g:.1f}" for g in s["ceiling_rounds_gps"])
-    print(
-        f"\n{name}: saturates {where}; flat out, {s['ceiling_gps']:.1f} groups/s collated (rounds: {rounds})"
-    )
+    print(f"\n{name}: saturates {where}; flat out it reads {s['ceiling_gps']:.1f} groups/s ({rounds})")
     print(f"  CPU share of a core: {s['cpu_share']}  (busiest: {s['busiest_process']})")
-    print(f"  intake's wall time by call (py-spy): {s['profile'].get('calls', {})}")
+    print(f"  the intake's wall time by call (py-spy), there: {s['profile'].get('calls', {})}")
     print(f"  flat out: {s['ceiling_profile'].get('calls', {})}")
     print(f"  Redis' time by command (ms in the window): {s['redis_ms']}")
 
@@ -206,23 +203,32 @@ def parse() -> argparse.Namespace:
     parser.add_argument(
         "--ceiling-rounds", type=int, help="flat-out runs per intake (default 3 with --baseline)"
     )
+    parser.add_argument("--step-groups", type=int, default=64, help="the intake's learner.prompts_per_step")
     parser.add_argument("--parts", default="intake,broadcast,control")
+    parser.add_argument(
+        "--aof-fsync", choices=["always", "everysec"], default="always", help="bus.aof_fsync of the Redis"
+    )
     parser.add_argument("--baseline", help="also run the intake of this commit, before this one's")
     args = parser.parse_args()
     if args.quick:
         args.sizes, args.seconds, args.warmup = [2], 2.0, 1.0
         args.receivers, args.repeats, args.control_workers, args.calls = [1, 2], 1, [4], 5
-    args.ceiling_rounds = args.ceiling_rounds or (3 if args.baseline and not args.quick else 1)
-    args.intake = (8, 16_384, 512)  # prompts per step, micro-batch tokens, bus.trajectory_maxlen
+        args.step_groups = 4
+    args.ceiling_rounds = args.ceiling_rounds or (4 if args.baseline and not args.quick else 1)
+    args.intake = (
+        args.step_groups,
+        16_384,
+        512,
+    )  # groups per step, micro-batch tokens, bus.trajectory_maxlen
     return args
 
 
 def main() -> None:
     args = parse()
     started = time.monotonic()
-    summary: dict[str, Any] = {"quick": args.quick}
+    summary: dict[str, Any] = {"quick": args.quick, "aof_fsync": args.aof_fsync}
     parts = set(args.parts.split(","))
-    server = start_redis()
+    server = start_redis(args.aof_fsync)
     workdir = scratch("fleet-baseline-") if args.baseline else None
     try:
         if "intake" in parts:

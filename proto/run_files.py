@@ -61,11 +61,17 @@ class DeadLetterRecord(WireModel):
 
 class PromptCounts(WireModel):
     """How the prompts of a run whose data ran out ended: `RUN_DIR/ended.json`'s `prompts`. Every prompt
-    fed is trained, dead-lettered or dropped. Writer: learner. Readers: people, scripts, tests."""
+    fed is trained, filtered, dead-lettered or dropped. Writer: learner. Readers: people, scripts, tests."""
 
     fed: int = Field(ge=0, description="Prompts fed, every epoch counted (`sparkrl prompts`' done mark).")
     epochs: int = Field(ge=1, description="Passes over the data.")
     trained: int = Field(ge=0, description="Prompts whose group was trained (the learner's groups trained).")
+    filtered: int = Field(
+        default=0,
+        ge=0,
+        description="Prompts whose group was filtered as uninformative (learner.filter_groups: all rewards "
+        "equal): used, never trained.",
+    )
     dead_lettered_prompts: int = Field(
         ge=0, description="Prompts the workers set aside (too long, failed generation, ...): `sparkrl dead`."
     )

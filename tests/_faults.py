@@ -1,9 +1,10 @@
 """Helpers of the fault-injection tests: start the real stack, break a part, check the invariant.
 
-The invariant, after the run (and any resume): the set of group ids the model was trained on equals the
-set of groups published, each exactly once, and the last checkpoint's `trainer_state` agrees. "Trained
-on" is the run's current history: `trained_groups.jsonl` keeps every step it did, including the ones a
-crash rolled back and the resume redid; for each step the last record is the one the model reflects.
+The invariant, after the run (and any resume): every group published was trained exactly once or
+filtered exactly once (`learner.filter_groups`: recorded, never trained), and the last checkpoint's
+`trainer_state` agrees. "Trained on" is the run's current history: `trained_groups.jsonl` keeps every
+step it did, including the ones a crash rolled back and the resume redid; for each step the last record
+is the one the model reflects.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -66,22 +67,30 @@ def kill9(stack: Stack, name: str) -> None:
 
 @dataclass(frozen=True)
 class History:
-    """The run's current history from its audit trail: step → group ids (the last record of each step)."""
+    """The run's current history from its audit trail: step → group ids trained, and filtered (the last
+    record of each step)."""
 
     steps: dict[int, list[str]]
     records: int  # records in the file (more than steps when a resume redid some)
+    filtered: dict[int, list[str]] = field(default_factory=dict)  # step → groups filtered, never trained
 
     @classmethod
     def read(cls, run_dir: Path) -> History:
         lines = [json.loads(line) for line in (run_dir / "trained_groups.jsonl").read_text().splitlines()]
         steps: dict[int, list[str]] = {}
+        filtered: dict[int, list[str]] = {}
         for record in lines:  # a later record of a step supersedes the one a crash rolled back
             steps[record["step"]] = record["group_ids"]
-        return cls(steps, len(lines))
+            filtered[record["step"]] = record.get("filtered_ids", [])
+        return cls(steps, len(lines), filtered)
 
     @property
     def group_ids(self) -> list[str]:
         return [gid for step in sorted(self.steps) for gid in self.steps[step]]
+
+    @property
+    def filtered_ids(self) -> list[str]:
+        return [gid for step in sorted(self.filtered) for gid in self.filtered[step]]
 
 
 def published_group_ids(cfg: SparkSettings) -> set[str]:
@@ -97,16 +106,20 @@ def assert_exactly_once(plan: StackPlan, expected_steps: int, groups: set[str] |
     """The invariant; `groups`: the published set when the bus's marks cannot tell (it lost them)."""
     history = History.read(plan.run_dir)
     assert sorted(history.steps) == list(range(1, expected_steps + 1)), "a step is missing from the history"
-    trained = history.group_ids
+    trained, filtered = history.group_ids, history.filtered_ids
     assert len(trained) == len(set(trained)), "a group was trained twice"
+    assert len(filtered) == len(set(filtered)), "a group was filtered twice"
+    assert not set(trained) & set(filtered), "a group was both trained and filtered"
+    used = set(trained) | set(filtered)
     published = groups if groups is not None else published_group_ids(plan.settings)
-    assert set(trained) == published, (
-        f"trained {len(set(trained))} of {len(published)} published groups; "
-        f"missing {sorted(published - set(trained))[:5]}, extra {sorted(set(trained) - published)[:5]}"
+    assert used == published, (
+        f"trained {len(set(trained))} and filtered {len(filtered)} of {len(published)} published groups; "
+        f"missing {sorted(published - used)[:5]}, extra {sorted(used - published)[:5]}"
     )
     latest = os.readlink(plan.run_dir / "checkpoints" / "latest")
     state = json.loads((plan.run_dir / "checkpoints" / latest / "trainer_state.json").read_text())
     assert (state["step"], state["groups_trained"]) == (expected_steps, len(trained))
+    assert state.get("groups_filtered", 0) == len(filtered)
     assert state["trained_group_ids"] == history.steps[expected_steps]
     return history
 

@@ -2,7 +2,7 @@
 
 The learner keeps an *incarnation* value in Redis. A Redis that comes back empty has none: the learner
 notices at its next step boundary, re-creates the trained marks from its audit trail
-(`RUN_DIR/trained_groups.jsonl`: every group id it ever trained), then sets a new incarnation. The
+(`RUN_DIR/trained_groups.jsonl`: every group id it ever trained or filtered), then sets a new incarnation. The
 feeder (`sparkrl prompts --watch`) waits for that new incarnation and feeds again every prompt whose
 group has no trained mark, so what the wipe took from the streams is generated again, and nothing that
 was trained is trained twice. With `appendonly yes` none of this is needed: nothing is lost.
@@ -52,7 +52,8 @@ def trained_ids(audit_trail: Path) -> Iterator[tuple[str, int]]:
                 record = json.loads(line)
             except ValueError:
                 continue
-            for group_id in record.get("group_ids", []):
+            # A filtered group was used too (never trained): its mark keeps it from being made again.
+            for group_id in record.get("group_ids", []) + record.get("filtered_ids", []):
                 yield group_id, int(record.get("step", 0))
 
 

@@ -8,6 +8,8 @@ cannot take (`validate.py`) is dead-lettered alone, with the reason, before it j
 of a failed step come back through `give_back`. A group that went stale in the stream or in hand is sent
 back: acknowledged and its prompt fed again (`RedisBus.send_back`), so finite data is made again with
 newer weights instead of lost; the run ends only once every prompt fed is trained or dead-lettered.
+With `learner.filter_groups`, a group whose rewards are all equal does not count toward a batch: it is
+held and goes with the next one as filtered, whatever its age (dynamic_sampling.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from sparkrl.services.common.bus import Entry, RedisBus
 from sparkrl.services.common.feeder import feed_held
 from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner.data_end import Fed, Progress, Tally, count_prompts, end_reason, feed_done
+from sparkrl.services.learner.dynamic_sampling import filtered
 from sparkrl.services.learner.ledger import Batch, trained_among
 from sparkrl.services.learner.validate import ModelLimits, group_problem
 
@@ -74,16 +77,16 @@ class BatchCollector:
         need = self.cfg.prompts_per_step
         self.read_ahead(version, max_staleness)
         since = said = checked = time.monotonic()
-        while len(self.groups) < need:
+        while self.informative < need:  # filtered groups (dynamic_sampling.py) do not fill a batch
             if interrupted():
                 return None
-            self._read(version, need - len(self.groups), None, max_staleness)
+            self._read(version, need - self.informative, None, max_staleness)
             if time.monotonic() - checked > EXHAUSTED_CHECK_S:
                 checked = time.monotonic()
                 self.ran_out = self._data_exhausted()
                 if self.ran_out is not None:  # the last, partial step: what is held (nothing: no step)
-                    need = len(self.groups)
-                    if not need:
+                    need = self.informative
+                    if not self.groups:
                         return None
                     break
             if time.monotonic() - said > STARVED_LOG_S:
@@ -92,7 +95,12 @@ class BatchCollector:
             # The rest of a worker's burst (its groups are published one by one) joins now, not after
             # this step, when the oldest of it may be past reach.
             self.read_ahead(version, max_staleness)
-        order = sorted(range(len(self.groups)), key=lambda i: (_oldest(self.groups[i], version), i))
+        aside = [i for i, g in enumerate(self.groups) if self._filtered(g)]  # all go with this step
+        informative = set(range(len(self.groups))) - set(aside)
+        order = sorted(
+            informative,
+            key=lambda i: (_oldest(self.groups[i], version), i),
+        )
         # learner.batch grow: a held group that would be too stale for the next step joins this one (the
         # step grows to at most what read-ahead holds): a burst is trained, not made again. fixed: it
         # stays held, and the next read sends it back (its prompt fed again): every step is `need` groups.
@@ -103,15 +111,25 @@ class BatchCollector:
         cut = need + grown
         chosen, kept = order[:cut], sorted(order[cut:])
         lags = [version - _oldest(self.groups[i], version) for i in chosen]
+        chosen += aside
         batch = Batch(
             [self.groups[i] for i in chosen],
             [self.entries[i] for i in chosen],
             self.dropped,
-            sum(lags) / len(lags),
+            sum(lags) / len(lags) if lags else 0.0,
+            frozenset(self.groups[i].group_id for i in aside),
         )
         self.groups, self.entries = [self.groups[i] for i in kept], [self.entries[i] for i in kept]
         self.seen, self.dropped = {g.group_id for g in self.groups}, 0
         return batch
+
+    @property
+    def informative(self) -> int:
+        """Held groups that count toward a batch: all but the filtered ones."""
+        return sum(not self._filtered(g) for g in self.groups)
+
+    def _filtered(self, group: TrajectoryGroup) -> bool:
+        return filtered(group, self.cfg)
 
     def _data_exhausted(self) -> Fed | None:
         """What was fed, once nothing more will come (else None): the feeder fed all it had, no prompt is
@@ -156,7 +174,7 @@ class BatchCollector:
     def reach(self, max_staleness: int) -> int:
         """How many groups are held at most: `max_staleness` + 1 steps' worth (the stream's length if
         shorter), as many as could still be trained before going stale."""
-        steps = max_staleness + 1
+        steps = max_staleness + 1  # counted in informative groups: filtered ones go with the next batch
         return max(
             self.cfg.prompts_per_step,
             min(self.bus.settings.trajectory_maxlen, steps * self.cfg.prompts_per_step),
@@ -166,7 +184,7 @@ class BatchCollector:
         """Take what is waiting, as far as groups can still be trained: `max_staleness` + 1 steps' worth
         (bounded, as a batch of long completions is gigabytes; what lies beyond would go stale in hand).
         False when that much is held already. Held groups are kept alive."""
-        ahead = self.reach(max_staleness) - len(self.groups)
+        ahead = self.reach(max_staleness) - self.informative
         self.keep_alive()
         if ahead > 0:
             self._read(version, ahead, 0, max_staleness)
@@ -179,9 +197,12 @@ class BatchCollector:
         replays = trained_among(self.bus, [group.group_id for _, group in read])
         for entry, group in read:
             self._take(entry, group, version, group.group_id in replays)
-        # Held groups age as the version moves on: those past reach are sent back to be made again.
+        # Held groups age as the version moves on: those past reach are sent back to be made again (not a
+        # filtered one: it is never trained, so never stale, and never made again).
         stale = [
-            i for i, g in enumerate(self.groups) if too_stale(_oldest(g, version), version, max_staleness)
+            i
+            for i, g in enumerate(self.groups)
+            if too_stale(_oldest(g, version), version, max_staleness) and not self._filtered(g)
         ]
         for i in reversed(stale):
             group = self.groups[i]

@@ -24,6 +24,7 @@ class Progress(Protocol):
 
     step: int
     groups_trained: int
+    groups_filtered: int  # uninformative groups used, not trained (learner.filter_groups)
     groups_dropped_stale: int  # stale groups sent back to be made again (their prompts fed again)
 
 
@@ -33,6 +34,7 @@ class Tally:
 
     step: int = 0
     groups_trained: int = 0
+    groups_filtered: int = 0
     groups_dropped_stale: int = 0
 
 
@@ -61,15 +63,16 @@ def count_prompts(bus: RedisBus, fed: Fed, progress: Progress) -> PromptCounts:
     for letter in letters:
         by_stream.get(letter.stream, set()).add(letter.item_id)
     prompts, groups = (len(ids) for ids in by_stream.values())
-    trained = progress.groups_trained
+    trained, filtered = progress.groups_trained, progress.groups_filtered
     return PromptCounts(
         fed=fed.prompts,
         epochs=fed.epochs,
         trained=trained,
+        filtered=filtered,
         dead_lettered_prompts=prompts,
         dead_lettered_groups=groups,
         dead_letters_trimmed=len(letters) >= bus.settings.dead_letter_maxlen,
-        dropped=max(0, fed.prompts - trained - prompts - groups),
+        dropped=max(0, fed.prompts - trained - filtered - prompts - groups),
         sampled_again=progress.groups_dropped_stale,
     )
 
@@ -80,12 +83,14 @@ def end_reason(counts: PromptCounts) -> str:
     again = counts.sampled_again
     stale = f"; {again} went stale first and were made again" if again else ""
     dead = counts.dead_lettered_prompts + counts.dead_lettered_groups
+    filtered = f" ({counts.filtered} filtered: all answers scored alike)" if counts.filtered else ""
     if not dead and not counts.dropped:
-        return f"the data ran out: all {counts.fed} prompts fed ({epochs}) were trained{stale}"
+        return f"the data ran out: all {counts.fed} prompts fed ({epochs}) were trained{filtered}{stale}"
     some = "at least " if counts.dead_letters_trimmed else ""
+    also = f"{counts.filtered} filtered, " if counts.filtered else ""
     return (
         f"the data ran out: of the {counts.fed} prompts fed ({epochs}), {counts.trained} were trained, "
-        f"{some}{dead} dead-lettered ({counts.dead_lettered_prompts} prompts by the workers, "
+        f"{also}{some}{dead} dead-lettered ({counts.dead_lettered_prompts} prompts by the workers, "
         f"{counts.dead_lettered_groups} groups by the learner; `sparkrl dead` lists them with the reason) "
         f"and {counts.dropped} dropped (neither trained nor dead-lettered){stale}"
     )
@@ -97,5 +102,6 @@ def steps_the_data_allows(bus: RedisBus, prompts_per_step: int, progress: Progre
     fed = feed_done(bus)
     if fed is None:
         return None
-    left = max(0, fed.prompts - progress.groups_trained - bus.dead_letter_count())
+    used = progress.groups_trained + progress.groups_filtered
+    left = max(0, fed.prompts - used - bus.dead_letter_count())
     return progress.step + math.ceil(left / prompts_per_step)

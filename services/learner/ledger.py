@@ -19,7 +19,10 @@ acknowledged that is neither in a checkpoint nor in the journal; the journal hol
 Two more ways the bus and the run can come to disagree, settled here too:
 
 - Redis lost its data (restarted empty): the marks are rebuilt from the audit trail,
-  `RUN_DIR/trained_groups.jsonl` (`rebuild_if_wiped`; common/recovery.py).
+  `RUN_DIR/trained_groups.jsonl` (`rebuild_if_wiped`; common/recovery.py), filtered groups' included.
+
+A group filtered as uninformative (`learner.filter_groups`, dynamic_sampling.py) goes through all of this
+with the step it is committed with, journal included, and is counted apart: never trained.
 - The journal was lost with its disk: versions announced past the checkpoint cannot be rebuilt. They are
   retired (`retire_lost_versions`): never produced again (the learner numbers on after them), and a
   group sampled by one of them is refused, since the weights that sampled it no longer exist.
@@ -56,6 +59,21 @@ class Batch:
     entries: list[Entry]
     dropped_stale: int = 0  # stale groups sent back (their prompts fed again) while gathering this batch
     staleness_mean: float = 0.0
+    # Of `groups`, the ids filtered as uninformative (dynamic_sampling.py): committed, never trained.
+    filtered_ids: frozenset[str] = frozenset()
+
+    @property
+    def trained_ids(self) -> list[str]:
+        """The ids of the groups the step trains (or leaves out of its loss), in order: all but the
+        filtered ones."""
+        return [g.group_id for g in self.groups if g.group_id not in self.filtered_ids]
+
+    def part(self, indexes: list[int]) -> Batch:
+        """The batch of `groups[i]` for i in `indexes` (what an update that was not applied leaves)."""
+        groups = [self.groups[i] for i in indexes]
+        filtered = self.filtered_ids & {g.group_id for g in groups}
+        entries = [self.entries[i] for i in indexes]
+        return Batch(groups, entries, self.dropped_stale, self.staleness_mean, filtered)
 
 
 def trained(bus: RedisBus, group_id: str) -> bool:
@@ -85,13 +103,15 @@ class Journal:
     def path(self, step: int) -> Path:
         return self.directory / f"step-{step:06d}.bin"
 
-    def write(self, step: int, entries: list[Entry]) -> None:
-        """Record a step's entries durably (temp file, fsync, rename, fsync of the folder)."""
+    def write(self, step: int, entries: list[Entry], filtered_ids: frozenset[str] = frozenset()) -> None:
+        """Record a step's entries, and which of their groups it filtered, durably (temp file, fsync,
+        rename, fsync of the folder)."""
         records = [
             {"entry_id": e.entry_id, "item_id": e.item_id, "payload": e.payload, "deliveries": e.deliveries}
             for e in entries
         ]
-        data = msgpack.packb({"step": step, "entries": records}, use_bin_type=True)
+        step_record = {"step": step, "entries": records, "filtered": sorted(filtered_ids)}
+        data = msgpack.packb(step_record, use_bin_type=True)
         tmp = self.directory / f".step-{step:06d}.{os.getpid()}.tmp"
         with tmp.open("wb") as file:
             file.write(data)
@@ -104,10 +124,16 @@ class Journal:
         return sorted(int(m.group(1)) for p in self.directory.iterdir() if (m := _NAME.match(p.name)))
 
     def read(self, step: int) -> list[Entry]:
+        return self.read_step(step)[0]
+
+    def read_step(self, step: int) -> tuple[list[Entry], frozenset[str]]:
+        """A step's entries and the ids of the groups it filtered (none in a journal written before)."""
         record = msgpack.unpackb(self.path(step).read_bytes(), raw=False)
         if record.get("step") != step:
             raise ValueError(f"{self.path(step)} holds step {record.get('step')}, not {step}")
-        return [Entry(r["entry_id"], r["item_id"], r["payload"], r["deliveries"]) for r in record["entries"]]
+        rows = record["entries"]
+        entries = [Entry(r["entry_id"], r["item_id"], r["payload"], r["deliveries"]) for r in rows]
+        return entries, frozenset(record.get("filtered", ()))
 
     def replayable(self, after: int) -> list[int]:
         """Steps after `after` that follow it without a gap (a gap ends the replay, loudly)."""
@@ -166,21 +192,24 @@ class Ledger:
         """The journaled steps after `after` (the checkpoint's), in order, each as its batch: their groups
         were acknowledged, so only training them again makes the resumed model reflect them."""
         for step in self.journal.replayable(after):
-            entries = self.journal.read(step)
-            yield step, Batch([decode_group(e.payload) for e in entries], entries)
+            entries, filtered = self.journal.read_step(step)
+            yield step, Batch([decode_group(e.payload) for e in entries], entries, filtered_ids=filtered)
 
     def commit(self, state: TrainState, batch: Batch, journaled: bool = False) -> int:
         """Step `state.step` trained `batch`: journal it, mark its groups trained, acknowledge its
         entries (in that order), and count it in `state`. `journaled`: a replay, in the journal already.
         Returns how many entries were acknowledged."""
-        if not journaled:
-            self.journal.write(state.step, batch.entries)  # durable before the bus hears it was used
+        if not journaled:  # durable before the bus hears it was used
+            self.journal.write(state.step, batch.entries, batch.filtered_ids)
+        # A filtered group is marked too: it was used (never to be trained), so a redelivery is acknowledged.
         marks = {TRAINED_PREFIX + group.group_id: str(state.step) for group in batch.groups}
         self.bus.set_values(marks, ttl_s=self.bus.settings.dedup_ttl_s)  # one round trip for the step
         acked = self.bus.ack("trajectories", [e.entry_id for e in batch.entries])
-        state.groups_trained += len(batch.groups)
+        state.trained_group_ids = batch.trained_ids
+        state.filtered_group_ids = sorted(batch.filtered_ids)
+        state.groups_trained += len(state.trained_group_ids)
+        state.groups_filtered += len(batch.filtered_ids)
         state.groups_dropped_stale += batch.dropped_stale
-        state.trained_group_ids = [g.group_id for g in batch.groups]
         return acked
 
     def checkpointed(self, step: int) -> None:

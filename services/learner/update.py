@@ -54,6 +54,7 @@ from sparkrl.services.learner.batch import (
     update_micro_batches,
     work_done,
 )
+from sparkrl.services.learner.dynamic_sampling import out_of_loss
 from sparkrl.services.learner.prompt_sharing import collator
 from sparkrl.services.learner.proxy import proxy_logp_from_topk
 from sparkrl.services.learner.reference import kl_to_reference
@@ -102,7 +103,7 @@ def run_updates(
     was not applied, if one was not (the later ones are then not taken)."""
     started = time.perf_counter()
     adv = cfg.advantage
-    kept = [g for g in groups if not (adv.drop_equal_groups and _equal_rewards(g))]
+    kept = [g for g in groups if not out_of_loss(g, cfg)]
     # Advantages over the whole step (a batch-level std is the step's), then cut at group boundaries.
     samples = samples_from_groups(kept, std_normalize=adv.std_normalize, level=adv.level)
     extra = {"equal_groups_dropped": float(len(groups) - len(kept))}
@@ -359,9 +360,8 @@ def split_applied(
     groups: list[TrajectoryGroup], cfg: LearnerSettings, updates: int
 ) -> tuple[list[int], list[int]]:
     """Indexes into `groups`: (those the first `updates` updates of `run_updates` trained, the rest). Groups
-    left out for equal rewards need no update: they go with the trained part, if any."""
-    adv = cfg.advantage
-    kept = [i for i, g in enumerate(groups) if not (adv.drop_equal_groups and _equal_rewards(g))]
+    left out for equal rewards (or filtered) need no update: they go with the trained part, if any."""
+    kept = [i for i, g in enumerate(groups) if not out_of_loss(g, cfg)]
     if updates == 0:
         return [], list(range(len(groups)))
     parts = split_groups(kept, cfg.updates_per_rollout)
@@ -395,7 +395,3 @@ def loss_is_finite(
     finally:
         engine.train()
     return True
-
-
-def _equal_rewards(group: TrajectoryGroup) -> bool:
-    return len(set(group.rewards)) <= 1

@@ -187,6 +187,14 @@ class LearnerSettings(Section):
     prompts_per_step: int = Field(
         256, ge=1, description="Groups per optimizer step: exactly (batch: fixed), or at least (grow)."
     )
+    filter_groups: Literal["none", "zero_variance"] = Field(
+        "none",
+        description="Dynamic sampling (DAPO; verl algorithm.filter_groups): zero_variance counts only groups "
+        "whose rewards differ toward prompts_per_step, the batch filled with informative groups while the "
+        "fleet keeps producing; a group whose rewards are all equal is filtered: acknowledged with the next "
+        "step and recorded (trained_groups.jsonl filtered_ids, rollout/groups_filtered), never trained nor "
+        "made again. Not with rollout.lockstep_groups.",
+    )
     batch: Literal["fixed", "grow"] = Field(
         "fixed",
         description="fixed: every step trains exactly prompts_per_step groups (the last one of finite "

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, EnvSettingsSource, SettingsConfigDict
 
 from sparkrl.services.common.losses import LossSettings, LpRegLoss
@@ -122,6 +122,18 @@ class SparkSettings(BaseSettings):
     @classmethod
     def _model_from_the_cache(cls, model: str) -> str:
         return resolve_model_path(model)  # `.cache/tiny-countdown` from any working directory
+
+    @model_validator(mode="after")
+    def _filtering_needs_workers_that_keep_producing(self) -> SparkSettings:
+        # A lockstep worker makes one step's share of groups per version, then waits for the next: the
+        # groups filtered out would leave every step short until rollout.lockstep_wait_s passes.
+        if self.learner.filter_groups != "none" and self.rollout.lockstep_groups is not None:
+            raise ValueError(
+                f"learner.filter_groups {self.learner.filter_groups} fills each batch with more groups than "
+                "a lockstep worker makes per version (rollout.lockstep_groups): unset lockstep_groups "
+                "(asynchronous workers keep producing) or set filter_groups none"
+            )
+        return self
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -261,7 +273,8 @@ def describe_settings_error(exc: Exception) -> str:
         got = error.get("input")
         shown = "" if isinstance(got, dict) or error["type"] == "missing" else f" (got {got!r})"
         hint = _did_you_mean(path) if error["type"] == "extra_forbidden" else ""
-        lines.append(f"  {path}: {error['msg']}{shown}{hint}")
+        where = f"{path}: " if path else ""  # a check across sections has no one path
+        lines.append(f"  {where}{error['msg']}{shown}{hint}")
     return "\n".join(lines)
 
 
