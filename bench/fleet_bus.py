@@ -1,5 +1,6 @@
-"""Part 1 of bench/fleet_scale.py, the driver's side: one fleet size measured (`measure`), a py-spy profile
-read back (`profile_summary`). The processes it drives are in fleet_intake.py.
+"""Part 1 of bench/fleet_scale.py, the driver's side: one fleet size measured (`measure`) on a variant's
+processes (`Side`: fleet_intake.py's intake and publishers), a py-spy profile read back
+(`profile_summary`).
 
 A point runs `warmup` + `seconds`; every figure is over the last `seconds` (the window): groups/s and MB/s
 published (in) and collated (out), Redis' memory above its empty state and the stream's length, sampled
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import json
-import multiprocessing as mp
 import os
 import shutil
 import subprocess
@@ -24,9 +24,9 @@ from typing import Any
 import numpy as np
 import psutil
 import redis
-from fleet_intake import MB, Phases, Published, Redis, Run, Taken, publisher_main, scratch
+from fleet_intake import MB, Phases, Published, Redis, Run, Taken, scratch
 
-INTAKE_SCRIPT = Path(__file__).with_name("fleet_intake.py")
+SCRIPT = Path(__file__).with_name("fleet_intake.py")
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -38,46 +38,32 @@ def _cpu_s(pid: int) -> float:
     return times.user + times.system
 
 
-class Intake:
-    """The intake's process (`python fleet_intake.py`), kept across fleet sizes; with `pythonpath` first
-    on its path, another commit's code (bench/e2e_baseline.py)."""
+class Child:
+    """A process of fleet_intake.py (`intake` or `publisher`) talking a JSON line each way, kept across
+    fleet sizes; with `pythonpath` first on its path, another commit's code (bench/e2e_baseline.py)."""
 
     proc: subprocess.Popen[str]
     pid: int
 
-    def __init__(self, pythonpath: Path | None = None) -> None:
+    def __init__(self, role: str, pythonpath: Path | None = None) -> None:
         env = dict(os.environ)
         if pythonpath is not None:
             env = {k: v for k, v in env.items() if not k.startswith("SPARKRL_")}
             env["PYTHONPATH"] = os.pathsep.join([str(pythonpath), *filter(None, [env.get("PYTHONPATH")])])
-        args = [sys.executable, str(INTAKE_SCRIPT)]
+        args = [sys.executable, str(SCRIPT), role]
         self.proc = subprocess.Popen(args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
-        self.pid = int(self._line()["ready"])
+        self.pid = int(self.answer()["ready"])
 
-    def prepare(self, run: Run, run_dir: str) -> None:
-        """Connect a fresh collector and ledger for `run`; returns once they are ready."""
-        self._send(json.dumps({"run": run.to_json(), "run_dir": run_dir}))
-        self._line()
-
-    def start(self, stop_at: float) -> None:
-        """Drain from now until `stop_at`."""
-        self._send(str(stop_at))
-
-    def result(self) -> tuple[list[Taken], Phases, list[tuple[float, float]]]:
-        """What it collated, its phases and every group it read (published, read), once `stop_at` passed."""
-        line = self._line()
-        return [Taken(*row) for row in line["taken"]], Phases(**line["phases"]), line["reads"]
-
-    def _send(self, text: str) -> None:
+    def send(self, text: str) -> None:
         assert self.proc.stdin is not None
         self.proc.stdin.write(text + "\n")
         self.proc.stdin.flush()
 
-    def _line(self) -> dict[str, Any]:
+    def answer(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
         text = self.proc.stdout.readline()
         if not text:
-            raise RuntimeError(f"the intake process exited ({self.proc.wait()}) before answering")
+            raise RuntimeError(f"a fleet_intake.py process exited ({self.proc.wait()}) before answering")
         return json.loads(text)
 
     def close(self) -> None:
@@ -90,56 +76,50 @@ class Intake:
             self.proc.wait(timeout=30)
 
 
-class Publishers:
-    """The simulated workers' processes (fleet_intake.publisher_main), kept across fleet sizes."""
+class Side:
+    """One variant's processes: the intake and the simulated workers, both of one commit's code (a group
+    one commit frames may carry fields another's decoder refuses)."""
 
-    busy: int  # processes with workers in the current fleet size
+    intake: Child
+    publishers: list[Child]
+    busy: int  # publishers with workers in the current fleet size
 
-    def __init__(self, processes: int) -> None:
+    def __init__(self, publishers: int, pythonpath: Path | None = None) -> None:
+        self.intake = Child("intake", pythonpath)
+        self.publishers = [Child("publisher", pythonpath) for _ in range(publishers)]
         self.busy = 0
-        ctx = mp.get_context("spawn")
-        self.results = ctx.Queue()
-        self.commands = [ctx.Queue() for _ in range(processes)]
-        self.procs = [
-            ctx.Process(target=publisher_main, args=(commands, self.results), daemon=True)
-            for commands in self.commands
-        ]
-        for proc in self.procs:
-            proc.start()
 
-    def prepare(self, run: Run, workers: int) -> list[int]:
-        """Share `workers` among the processes (at most one each per worker); their pids once ready."""
-        shares = [list(range(workers))[i :: len(self.procs)] for i in range(min(len(self.procs), workers))]
-        for i, share in enumerate(shares):
-            self.commands[i].put((run, share, 1 + i))
-        self.busy = len(shares)
-        return [self.results.get(timeout=300)[1] for _ in range(self.busy)]
+    def prepare(self, run: Run, workers: int, run_dir: Path) -> list[int]:
+        """A fresh collector and ledger for `run`, `workers` shared among the publishers (at most one
+        worker each); the publishers' pids once all are ready."""
+        shares = [list(range(workers))[i :: len(self.publishers)] for i in range(len(self.publishers))]
+        self.busy = min(len(self.publishers), workers)
+        for i, share in enumerate(shares[: self.busy]):
+            self.publishers[i].send(json.dumps({"run": run.to_json(), "workers": share, "seed": 1 + i}))
+        self.intake.send(json.dumps({"run": run.to_json(), "run_dir": str(run_dir)}))
+        pids = [child.answer()["ready"] for child in self.publishers[: self.busy]]
+        self.intake.answer()
+        return pids
 
     def start(self, start_at: float, stop_at: float) -> None:
-        for commands in self.commands[: self.busy]:
-            commands.put((start_at, stop_at))
+        for child in self.publishers[: self.busy]:
+            child.send(f"{start_at} {stop_at}")
+        self.intake.send(str(stop_at))
 
-    def published(self) -> list[Published]:
-        out: list[Published] = []
-        for _ in range(self.busy):
-            kind, items = self.results.get(timeout=300)
-            assert kind == "published", kind
-            out.extend(items)
-        return out
+    def results(self) -> tuple[list[Published], list[Taken], Phases, list[tuple[float, float]]]:
+        published = [Published(*row) for c in self.publishers[: self.busy] for row in c.answer()["published"]]
+        line = self.intake.answer()
+        reads = [(float(a), float(b)) for a, b in line["reads"]]
+        return published, [Taken(*row) for row in line["taken"]], Phases(**line["phases"]), reads
 
     def close(self) -> None:
-        for commands in self.commands:
-            commands.put(None)
-        for proc in self.procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+        for child in [self.intake, *self.publishers]:
+            child.close()
 
 
 def measure(
     server: Redis,
-    publishers: Publishers,
-    intake: Intake,
+    side: Side,
     run: Run,
     workers: int,
     window: tuple[float, float],
@@ -153,29 +133,27 @@ def measure(
     client.flushall()
     run_dir = scratch("fleet-intake-")
     try:
-        pids = publishers.prepare(run, workers)
-        intake.prepare(run, str(run_dir))
+        pids = side.prepare(run, workers, run_dir)
         base_memory = int(client.info("memory")["used_memory"])
         start_at = time.time() + 0.2
         w0, w1 = start_at + warmup, start_at + warmup + seconds
-        publishers.start(start_at, w1)
-        intake.start(w1)
+        side.start(start_at, w1)
         time.sleep(max(0.0, w0 - time.time()))
-        spy = _start_py_spy(intake.pid, seconds, profile) if profile else None
-        cpu0 = {pid: _cpu_s(pid) for pid in [*pids, intake.pid, server.proc.pid]}
+        spy = _start_py_spy(side.intake.pid, seconds, profile) if profile else None
+        cpu0 = {pid: _cpu_s(pid) for pid in [*pids, side.intake.pid, server.proc.pid]}
         client.config_resetstat()
         memory, stream = _sample_redis(client, run, w1)
         cpu = {pid: _cpu_s(pid) - before for pid, before in cpu0.items()}
         stats = client.info("commandstats")
-        published = publishers.published()
-        taken, phases, reads = intake.result()
+        published, taken, phases, reads = side.results()
         if spy is not None:
             spy.wait(timeout=60)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+    intake_pid = side.intake.pid
     figures = _figures(run, workers, (w0, w1), published, (taken, reads), phases)
     simulator = sum(c for pid, c in cpu.items() if pid in pids)
-    cpu_s = {"intake": cpu[intake.pid], "redis": cpu[server.proc.pid], "simulator": simulator}
+    cpu_s = {"intake": cpu[intake_pid], "redis": cpu[server.proc.pid], "simulator": simulator}
     # The intake's CPU per group it read; Redis' and the simulator's per group published.
     per = {"intake": figures["groups_read"], "redis": figures["groups_in"], "simulator": figures["groups_in"]}
     usec = {name.removeprefix("cmdstat_"): (int(s["calls"]), float(s["usec"])) for name, s in stats.items()}

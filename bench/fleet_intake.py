@@ -1,4 +1,4 @@
-"""The bus and the learner's intake under a simulated fleet (bench/fleet_scale.py, part 1).
+"""The bus and the learner's intake under a simulated fleet (bench/fleet_scale.py, part 1): the processes.
 
 Simulated workers publish real-shaped trajectory groups (the wire codec's frame around a validated
 template, a fresh prompt and group id and `published_at` each time) through the product's `RedisBus` into
@@ -26,7 +26,6 @@ import tempfile
 import time
 from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import redis
@@ -170,21 +169,23 @@ class Published:
     late_s: float
 
 
-def publisher_main(commands: Any, results: Any) -> None:
-    """A process of simulated workers, kept across fleet sizes: per size, (run, workers, seed), then the
-    window (start, stop) to publish in; each worker on its own schedule."""
+def publisher_main() -> None:
+    """A process of simulated workers, kept across fleet sizes, over stdin/stdout like the intake's: per
+    size, {"run", "workers", "seed"}; it answers ready, takes the window (start, stop), publishes in it,
+    each worker on its own schedule, and answers with what it published."""
     framers: dict[Shape, Framer] = {}
-    while (command := commands.get()) is not None:
-        run, workers, seed = command
+    print(json.dumps({"ready": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        run, workers, seed = Run.from_json(command["run"]), command["workers"], command["seed"]
         if run.shape not in framers:
             framers[run.shape] = Framer(template_group(run.shape, seed))
         with RedisBus(run.bus_settings()) as bus:
-            results.put(("ready", os.getpid()))
-            start_at, stop_at = commands.get()
-            published = publish(
-                bus, framers[run.shape], run, workers, random.Random(seed), (start_at, stop_at)
-            )
-        results.put(("published", published))
+            print(json.dumps({"ready": os.getpid()}), flush=True)
+            start_at, stop_at = map(float, sys.stdin.readline().split())
+            window = (start_at, stop_at)
+            published = publish(bus, framers[run.shape], run, workers, random.Random(seed), window)
+        print(json.dumps({"published": [astuple(p) for p in published]}), flush=True)
 
 
 def publish(
@@ -312,5 +313,5 @@ def drain(run: Run, run_dir: Path) -> tuple[list[Taken], Phases, list[tuple[floa
     return taken, phases, reads
 
 
-if __name__ == "__main__":  # `python bench/fleet_intake.py`: the intake's process (fleet_bus.Intake)
-    intake_main()
+if __name__ == "__main__":  # `python bench/fleet_intake.py intake|publisher`: a process of fleet_bus's
+    intake_main() if sys.argv[1] == "intake" else publisher_main()

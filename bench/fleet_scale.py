@@ -43,15 +43,14 @@ def intake_sweep(server: Redis, args: argparse.Namespace, baseline: Path | None)
     """Each fleet size at the workers' rate, then flat out; with `baseline`, REF's intake first each time."""
     shape = Shape()
     rate = args.rate or args.worker_tokens_per_s / shape.generated
-    publishers = fleet_bus.Publishers(processes=4)
-    intakes = {"baseline": fleet_bus.Intake(baseline)} if baseline else {}
-    intakes["this"] = fleet_bus.Intake()
-    points: dict[str, list[dict[str, Any]]] = {name: [] for name in intakes}
+    sides = {"baseline": fleet_bus.Side(4, baseline)} if baseline else {}
+    sides["this"] = fleet_bus.Side(4)
+    points: dict[str, list[dict[str, Any]]] = {name: [] for name in sides}
     profiles = scratch("fleet-profiles-")
     # Paced sizes once each; flat out `ceiling_rounds` times, the variants' order alternating per round
     # (a run right after another is not on the same footing: the machine is shared).
-    plan = [(w, list(intakes)) for w in args.sizes]
-    plan += [(0, list(intakes)[:: 1 if r % 2 == 0 else -1]) for r in range(args.ceiling_rounds)]
+    plan = [(w, list(sides)) for w in args.sizes]
+    plan += [(0, list(sides)[:: 1 if r % 2 == 0 else -1]) for r in range(args.ceiling_rounds)]
     try:
         for workers, order in plan:
             for name in order:
@@ -61,7 +60,7 @@ def intake_sweep(server: Redis, args: argparse.Namespace, baseline: Path | None)
                 profile = profiles / f"{name}-{workers}.txt"
                 window = (args.warmup, args.seconds)
                 size = workers or max(args.sizes)
-                point = fleet_bus.measure(server, publishers, intakes[name], run, size, window, profile)
+                point = fleet_bus.measure(server, sides[name], run, size, window, profile)
                 point["flat_out"] = not workers
                 point["profile"] = fleet_bus.profile_summary(profile) if profile.exists() else {}
                 profile.unlink(missing_ok=True)
@@ -69,9 +68,8 @@ def intake_sweep(server: Redis, args: argparse.Namespace, baseline: Path | None)
                 done = f"{point['read_gps']:.1f} groups/s read, {point['out_gps']:.1f} collated"
                 print(f"  {name}, N = {workers or 'flat out'}: {done}", flush=True)
     finally:
-        publishers.close()
-        for intake in intakes.values():
-            intake.close()
+        for side in sides.values():
+            side.close()
         shutil.rmtree(profiles, ignore_errors=True)
     print()
     table(INTAKE_HEADERS, [point_row(name, p) for name, rows in points.items() for p in rows])
