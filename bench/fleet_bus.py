@@ -235,6 +235,7 @@ PROFILE_CALLS = (
     ("trained", "trained mark lookups (Redis)"),
     ("trained_among", "trained mark lookups (Redis)"),
     ("StreamCommands.xreadgroup", "XREADGROUP (read new entries)"),
+    ("Reader.read_new", "XREADGROUP (read new entries)"),  # waiting on the parallel reads (bus/reads.py)
     ("StreamCommands.xautoclaim", "XAUTOCLAIM (reclaim)"),
     ("StreamCommands.xclaim", "XCLAIM (keep held entries alive)"),
     ("decode_group", "decode_group (codec + validation)"),
