@@ -5,7 +5,9 @@ a block of a megabyte or more: behind a fleet's publishes, which lengthen every 
 append-only-file write each), one connection drains a backlog at about one group per turn, however many
 its read asks for. That capped the learner's intake (bench/fleet_scale.py, docs/benchmarks.md). So a read
 takes a first chunk as before (blocking only when the stream is empty); if that chunk came back full,
-more are waiting, and the rest is read at once, without blocking, over `readers` connections.
+more are waiting, and the rest is read at once, without blocking, over `readers` connections. A read
+that fails part-way (the bus retries it whole) leaves what its other connections took pending: later
+reads reclaim it after `bus.claim_idle_ms`, as they do the entries of a reply lost on the way.
 """
 
 from __future__ import annotations
