@@ -176,6 +176,8 @@ def format_command(answer: dict[str, Any]) -> str:
 
 
 def format_status(status: dict[str, Any], workers: dict[str, Any]) -> str:
+    # The id column fits the longest id (a Ray worker's is `worker-N.<pid>`) and a space.
+    width = max([14, *(len(w["worker_id"]) + 2 for w in workers["workers"])])
     total = f"/{status['max_steps']}" if status.get("max_steps") else ""
     lines = [
         f"learner {status['state']} | step {status['step']}{total} | version {status['policy_version']}"
@@ -186,13 +188,13 @@ def format_status(status: dict[str, Any], workers: dict[str, Any]) -> str:
         + (" | PAUSED" if status["paused"] else ""),
         "hyperparameters: " + (" ".join(f"{k}={v}" for k, v in status["hyperparameters"].items()) or MISSING),
         "sampling: " + (" ".join(f"{k}={v}" for k, v in status["sampling"].items()) or MISSING),
-        f"{'worker':<14}{'state':<12}{'version':>8}{'lag':>5}{'sync s':>8}{'sync MB':>9}{'fails':>6}"
+        f"{'worker':<{width}}{'state':<12}{'version':>8}{'lag':>5}{'sync s':>8}{'sync MB':>9}{'fails':>6}"
         f"{'beat s':>8}{'tok/s':>8}{'in flight':>10}",
     ]
     for w in workers["workers"]:
         mb = None if w.get("last_sync_bytes") is None else w["last_sync_bytes"] / 1e6
         lines.append(
-            f"{w['worker_id']:<14}{w['state']:<12}"
+            f"{w['worker_id']:<{width}}{w['state']:<12}"
             f"{fmt(w.get('policy_version'), 'd'):>8}{fmt(w.get('lag'), 'd'):>5}"
             f"{fmt(w.get('last_sync_seconds'), '.2f'):>8}{fmt(mb, '.1f'):>9}{w['sync_failures']:>6}"
             f"{w['heartbeat_age_s']:>8.1f}{w['tokens_per_s']:>8.0f}{w['prompts_in_flight']:>10}"

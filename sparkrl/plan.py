@@ -129,9 +129,14 @@ def _resolve_root(cfg: SparkSettings, private_redis: bool, run_dir: Path, ports:
         # Absolute, so the resolved file works from any directory; abspath, not resolve(): a venv's
         # python is a symlink to the base interpreter, which knows none of the venv's packages.
         root.rollout.python = os.path.abspath(root.rollout.python)
+    if Path(root.model).is_dir():
+        # Absolute, as run_dir: a Ray actor starts in the directory `ray start` ran in on its node, not in
+        # the driver's, so a relative path would name another directory there.
+        root.model = os.path.abspath(root.model)
     if private_redis:
         # Its own password too: nothing else on the machine can read or write the run's bus.
-        root.bus.url = f"redis://:{secrets.token_urlsafe(24)}@127.0.0.1:{redis_port}/0"
+        host = _client_host(root.bus.host)
+        root.bus.url = f"redis://:{secrets.token_urlsafe(24)}@{host}:{redis_port}/0"
     if root.sync.secret is None:
         root.sync.secret = secrets.token_hex(32)  # signs the weight announcements
     if "port" not in cfg.reward.model_fields_set or cfg.reward.port == 0:
@@ -170,12 +175,13 @@ def _plan_token(cfg: SparkSettings, run_dir: Path) -> tuple[str | None, SparkSet
 def _redis_conf(bus: BusSettings, data_dir: Path) -> str:
     parts = urlsplit(bus.url)
     port, password = parts.port, parts.password
-    # The run's own bus, loopback only. Append-only file in the run directory: a crash or `--resume` finds
-    # the streams, acknowledgements, dedup and trained marks exactly as they were, so nothing is fed or
-    # trained twice. Redis writes the file before it replies, so a killed Redis loses nothing; fsync on
-    # every write (`bus.aof_fsync: always`) adds the machine's power loss, at a disk flush per command.
+    # The run's own bus, on bus.host only (loopback by default). Append-only file in the run directory: a
+    # crash or `--resume` finds the streams, acknowledgements, dedup and trained marks exactly as they
+    # were, so nothing is fed or trained twice. Redis writes the file before it replies, so a killed Redis
+    # loses nothing; fsync on every write (`bus.aof_fsync: always`) adds the machine's power loss, at a
+    # disk flush per command.
     return (
-        f'port {port}\nbind 127.0.0.1\nsave ""\nappendonly yes\nappendfsync {bus.aof_fsync}\n'
+        f'port {port}\nbind {bus.host}\nsave ""\nappendonly yes\nappendfsync {bus.aof_fsync}\n'
         f"daemonize no\ndir {data_dir}\n" + (f"requirepass {password}\n" if password else "")
     )
 

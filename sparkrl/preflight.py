@@ -14,11 +14,13 @@ workers' interpreter, is the dearest part: ~10 s).
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import json
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from sparkrl import ports
 from sparkrl.services.common.settings import SparkSettings
@@ -280,9 +282,55 @@ def _vllm_transfer(cfg: SparkSettings) -> list[Problem]:
     return problems
 
 
-def warnings(cfg: SparkSettings) -> list[Problem]:
-    """What would run but likely not as meant: said before the start, nothing refused."""
+def _this_machine_only(host: str) -> bool:
+    """Whether clients on other machines cannot dial `host`: loopback, or "every interface" (a client is
+    then told 127.0.0.1)."""
+    if host in ("", "localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False  # a name: whether other nodes resolve it is theirs to say
+    return address.is_loopback or address.is_unspecified
+
+
+def unreachable(cfg: SparkSettings) -> list[Problem]:
+    """What a worker actor Ray places on another node would fail to reach (`up --ray` joining a cluster):
+    every address it dials is a setting, and each left on this machine's loopback is one warning."""
     said = []
+    private = "url" not in cfg.bus.model_fields_set  # `up` starts its own Redis, on bus.host
+    bus = ("bus.host", cfg.bus.host) if private else ("bus.url", urlsplit(cfg.bus.url).hostname or "")
+    dialled = [
+        (*bus, "Redis (the bus)"),
+        ("reward.host", cfg.reward.host, "the reward service"),
+        ("sync.host", cfg.sync.host, "the learner's weight broadcast and weight files (model, snapshots)"),
+    ]
+    for setting, host, what in dialled:
+        if _this_machine_only(host):
+            said.append(
+                Problem(
+                    setting,
+                    f"{host or 'every interface'} is this machine alone: a worker on another node of the Ray "
+                    f"cluster would fail to reach {what}; set it to an address of this machine the other "
+                    "nodes reach (docs/deployment.md, Several nodes)",
+                )
+            )
+    if not _this_machine_only(cfg.sync.host) and not cfg.ray.learner.resources:
+        said.append(
+            Problem(
+                "ray.learner.resources",
+                f"none: Ray may place the learner on any node, and it binds sync.host ({cfg.sync.host}) "
+                "there; pin it to that address's node with a resource only that node offers (`ray start "
+                "--resources '{\"learner\": 1}'`, ray.learner.resources={learner: 1})",
+            )
+        )
+    return said
+
+
+def warnings(cfg: SparkSettings, cluster: bool = False) -> list[Problem]:
+    """What would run but likely not as meant: said before the start, nothing refused. `cluster`: `up
+    --ray` joins a Ray cluster, whose other nodes must reach what the workers dial."""
+    said = unreachable(cfg) if cluster else []
     if cfg.rollout.sampling.n == 1 and cfg.learner.advantage.level == "group":
         said.append(
             Problem(

@@ -117,7 +117,7 @@ def _ray_said(address: str | None) -> str:
     """One line on the Ray the run uses, and its token authentication (Ray's default)."""
     where = f"the cluster at {address}" if address else "a local cluster for this run"
     if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
-        auth = "token authentication on (its token: RAY_AUTH_TOKEN, or ~/.ray/auth_token)"
+        auth = "token authentication on (its token: RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)"
     else:
         auth = "token authentication off (RAY_AUTH_MODE)"
     return f"Ray: {where}, {auth}"
@@ -130,8 +130,11 @@ def start_reward(cfg: SparkSettings, timeout_s: float = 180.0) -> str:
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # its INFO lines are Serve's bookkeeping
 
     rs, opts = cfg.reward, cfg.ray.reward
-    serve.start(http_options={"host": rs.host, "port": rs.port}, detached=False)
-    options: dict[str, Any] = {"name": "reward", "ray_actor_options": {"num_cpus": opts.num_cpus}}
+    # One proxy, on the head: by default Serve runs one on every node that holds a replica, and each binds
+    # reward.host, which is one machine's address (the workers call reward.url, the head's).
+    serve.start(proxy_location="HeadOnly", http_options={"host": rs.host, "port": rs.port}, detached=False)
+    replica = {"num_cpus": opts.num_cpus, **({"resources": opts.resources} if opts.resources else {})}
+    options: dict[str, Any] = {"name": "reward", "ray_actor_options": replica}
     if opts.autoscaling is not None:
         a = opts.autoscaling
         options["autoscaling_config"] = {
@@ -205,7 +208,7 @@ class RayStack:
         self.learner: Any = None
         self.workers: dict[str, Any] = {}
         self.runs: dict[str, Any] = {}  # name → the ObjectRef of its run()
-        self.placing: dict[str, tuple[Any, float]] = {}  # name → (its pid() ref, CPUs asked): not placed yet
+        self.placing: dict[str, tuple[Any, str]] = {}  # name → (its pid() ref, what it asks): not placed yet
         self.started_at = time.monotonic()
 
     def start(self) -> None:
@@ -249,6 +252,7 @@ class RayStack:
                 name=f"sparkrl-{spec.name}",
                 num_cpus=res.num_cpus,
                 num_gpus=res.num_gpus,
+                resources=res.resources or None,  # custom resources: which nodes may hold it
                 max_restarts=res.max_restarts,
                 max_task_retries=-1,  # run() goes on in the restarted actor
                 max_concurrency=2,  # stop() arrives while run() loops
@@ -257,7 +261,8 @@ class RayStack:
                 self.learner = handle
             else:
                 self.workers[spec.name] = handle
-            self.placing[spec.name] = (handle.pid.remote(), res.num_cpus)
+            asks = ", ".join([f"{res.num_cpus:g} CPU", *(f"{k} {v:g}" for k, v in res.resources.items())])
+            self.placing[spec.name] = (handle.pid.remote(), asks)
             self.runs[spec.name] = handle.run.remote()
         self.started_at = time.monotonic()
 
@@ -274,10 +279,11 @@ class RayStack:
         if not self.placing or time.monotonic() - self.started_at < after_s:
             return
         free, total = ray.available_resources().get("CPU", 0.0), ray.cluster_resources().get("CPU", 0.0)
-        for name, (_, cpus) in sorted(self.placing.items()):
+        for name, (_, asks) in sorted(self.placing.items()):
             self.beside.report(
-                f"{name} not schedulable yet: asks for {cpus:g} CPU, the cluster has {free:g} of {total:g} "
-                "free (ray.learner / ray.rollout .num_cpus; other jobs on a shared cluster count too)"
+                f"{name} not schedulable yet: asks for {asks}, the cluster has {free:g} of {total:g} CPUs "
+                "free (ray.learner / ray.rollout .num_cpus and .resources, which only nodes started with "
+                "`ray start --resources` offer; other jobs on a shared cluster count too)"
             )
         self.placing.clear()
 

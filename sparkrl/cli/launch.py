@@ -75,7 +75,7 @@ def up(
     except RunDirLive as exc:
         raise typer.BadParameter(str(exc), param_hint="--run-dir") from exc
     with lock:  # held until the run is over and summarized
-        _preflight(cfg)
+        _preflight(cfg, cluster=ray and (address or cfg.ray.address) is not None)
         try:
             prepare_run_dir(Path(cfg.run_dir), resume, overwrite)
         except ValueError as exc:
@@ -124,12 +124,13 @@ def _refuse_conflicts(
         )
 
 
-def _preflight(cfg: SparkSettings) -> None:
-    """Exit 2 with one line per problem, before anything is spawned; warnings said, not refused."""
+def _preflight(cfg: SparkSettings, cluster: bool = False) -> None:
+    """Exit 2 with one line per problem, before anything is spawned; warnings said, not refused (`cluster`:
+    also what the nodes of the Ray cluster `up --ray` joins would fail to reach)."""
     from sparkrl.preflight import check as find_problems
     from sparkrl.preflight import warnings
 
-    for warning in warnings(cfg):
+    for warning in warnings(cfg, cluster):
         typer.echo(f"warning: {warning}", err=True)
     problems = find_problems(cfg)
     for problem in problems:

@@ -13,6 +13,12 @@ class BusSettings(Section):
     """Redis Streams that carry prompts, trajectory groups and dead letters."""
 
     url: str = Field("redis://127.0.0.1:6379/0", description="Redis URL shared by every service.")
+    host: str = Field(
+        "127.0.0.1",
+        description="Interface `sparkrl up`'s private Redis binds, and the host its bus.url names: an "
+        "address of this machine the workers' nodes reach when they run elsewhere (`--ray` on a "
+        "cluster). Unused with a bus.url of your own.",
+    )
     namespace: str = Field(
         "sparkrl", min_length=1, description="Prefix of every key, so runs can share a Redis."
     )

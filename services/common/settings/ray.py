@@ -19,6 +19,12 @@ class ActorResources(Section):
     max_restarts: int = Field(
         -1, ge=-1, description="Restarts of the actor when its process dies; -1: without limit."
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources the actor reserves, e.g. {rollout: 1}: it is placed only on nodes "
+        "that offer them (`ray start --resources '{\"rollout\": 1}'`), and a node offering 1 holds one "
+        "such actor. Empty: any node with the CPUs and GPUs.",
+    )
 
 
 class ServeAutoscaling(Section):
@@ -38,6 +44,11 @@ class ServeSettings(Section):
     autoscaling: ServeAutoscaling | None = Field(None, description="Scale the replicas with the load.")
     num_cpus: float = Field(
         1.0, ge=0, description="CPUs each replica reserves (its verifier processes run beside it)."
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each replica reserves (see ray.learner.resources). Serve's HTTP "
+        "proxy runs on the head node whatever this says.",
     )
 
 
