@@ -6,9 +6,11 @@ It reads what the run left behind — the run directory's audit trail (`trained_
 per step, a redone step's later record superseding the earlier one), the latest checkpoint's trainer
 state, and in Redis the ids every published group left (`{ns}:published:trajectories:*`), the groups still
 queued in the trajectory stream and the dead letters — and accounts for every published group: trained
-once, still queued, dead-lettered, or dropped as stale (the learner's count). `ok` is true when no group
-was trained twice, steps run 1..N without a gap, the checkpoint agrees with the trail, and
-published = trained + queued + dead-lettered + dropped. The settings are the mounted preset under the
+once, still queued, or dead-lettered. A group the learner dropped as stale was sent back (its prompt fed
+again, its dedup mark forgotten: the group made again keeps its id), so it counts as whatever its remake
+became; `dropped_stale` is the learner's count of such drops. `ok` is true when no group was trained twice,
+steps run 1..N without a gap, the checkpoint agrees with the trail, and published = trained + queued +
+dead-lettered. The settings are the mounted preset under the
 container's environment (`SETTINGS`, default /etc/sparkrl/compose.yaml).
 """
 
@@ -54,7 +56,7 @@ if not set(trained) <= published:
     problems.append(f"{len(set(trained) - published)} trained groups were never published")
 if (state["step"], state["groups_trained"]) != (max(steps, default=0), len(trained)):
     problems.append(f"checkpoint at step {state['step']} with {state['groups_trained']} groups disagrees")
-if len(untrained - queued - dead) != dropped:
+if untrained - queued - dead:
     problems.append(f"{len(untrained - queued - dead)} published groups unaccounted for ({dropped} dropped)")
 print(
     json.dumps(

@@ -228,7 +228,7 @@ def check_audit(stack: Stack, steps: int) -> dict[str, Any]:
     say(
         f"audit: {a['groups_trained']} groups trained in {a['steps']} steps, {a['groups_unique']} unique; "
         f"{a['published']} published = {a['groups_trained']} trained + {a['queued']} queued + "
-        f"{a['dead_lettered']} dead-lettered + {a['dropped_stale']} dropped stale; "
+        f"{a['dead_lettered']} dead-lettered ({a['dropped_stale']} dropped stale and made again); "
         f"checkpoint {a['checkpoint']}"
     )
     if not audit["ok"] or audit["steps"] != steps:
