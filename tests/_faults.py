@@ -67,30 +67,26 @@ def kill9(stack: Stack, name: str) -> None:
 
 @dataclass(frozen=True)
 class History:
-    """The run's current history from its audit trail: step → group ids trained, and filtered (the last
-    record of each step)."""
+    """The run's current history from its audit trail: step → group ids trained (the last record of each
+    step), and the groups filtered (`filtered_groups.jsonl`: set aside as read, never trained)."""
 
     steps: dict[int, list[str]]
     records: int  # records in the file (more than steps when a resume redid some)
-    filtered: dict[int, list[str]] = field(default_factory=dict)  # step → groups filtered, never trained
+    filtered_ids: list[str] = field(default_factory=list)
 
     @classmethod
     def read(cls, run_dir: Path) -> History:
         lines = [json.loads(line) for line in (run_dir / "trained_groups.jsonl").read_text().splitlines()]
         steps: dict[int, list[str]] = {}
-        filtered: dict[int, list[str]] = {}
         for record in lines:  # a later record of a step supersedes the one a crash rolled back
             steps[record["step"]] = record["group_ids"]
-            filtered[record["step"]] = record.get("filtered_ids", [])
-        return cls(steps, len(lines), filtered)
+        trail = run_dir / "filtered_groups.jsonl"
+        records = [json.loads(line) for line in trail.read_text().splitlines()] if trail.is_file() else []
+        return cls(steps, len(lines), [gid for record in records for gid in record["group_ids"]])
 
     @property
     def group_ids(self) -> list[str]:
         return [gid for step in sorted(self.steps) for gid in self.steps[step]]
-
-    @property
-    def filtered_ids(self) -> list[str]:
-        return [gid for step in sorted(self.filtered) for gid in self.filtered[step]]
 
 
 def published_group_ids(cfg: SparkSettings) -> set[str]:
@@ -119,7 +115,6 @@ def assert_exactly_once(plan: StackPlan, expected_steps: int, groups: set[str] |
     latest = os.readlink(plan.run_dir / "checkpoints" / "latest")
     state = json.loads((plan.run_dir / "checkpoints" / latest / "trainer_state.json").read_text())
     assert (state["step"], state["groups_trained"]) == (expected_steps, len(trained))
-    assert state.get("groups_filtered", 0) == len(filtered)
     assert state["trained_group_ids"] == history.steps[expected_steps]
     return history
 

@@ -1,12 +1,13 @@
 """Dynamic sampling (`learner.filter_groups`, services/learner/dynamic_sampling.py) by hand: the filter on
-groups of equal and unequal rewards, a batch filled with informative groups on a real redis-server (the
-filtered ones riding along, never sent back, never counted), the ledger's account of them (journal,
-marks, counts, audit trail, replay), the last step of filtered groups alone, and the refusal of
-lockstep."""
+groups of equal and unequal rewards; on a real redis-server, a batch filled with informative groups while
+the uninformative ones are set aside as they are read (recorded, marked, acknowledged: never held, never
+sent back); the record surviving a restart and a Redis wipe; the data's end with filtered groups alone;
+the refusal of lockstep."""
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -15,11 +16,12 @@ import pytest
 from sparkrl.proto import TrajectoryGroup, encode_group
 from sparkrl.proto.testing import random_group
 from sparkrl.services.common.bus import RedisBus
-from sparkrl.services.common.recovery import TRAINED_PREFIX, trained_ids
+from sparkrl.services.common.feeder import FEED_DONE
+from sparkrl.services.common.recovery import TRAINED_PREFIX, WipeWatch, new_incarnation
 from sparkrl.services.common.settings import BusSettings, LearnerSettings, load_settings
 from sparkrl.services.learner.collect import BatchCollector
 from sparkrl.services.learner.dynamic_sampling import equal_rewards, filtered, out_of_loss
-from sparkrl.services.learner.ledger import Ledger
+from sparkrl.services.learner.ledger import FILTERED_TRAIL, FilteredLog, Ledger
 from sparkrl.services.learner.state import TrainState
 from sparkrl.services.learner.validate import ModelLimits
 
@@ -37,6 +39,13 @@ def scored(seed: int, rewards: list[float], version: int = 0) -> TrajectoryGroup
     return g.model_copy(update={"completions": completions, "rewards": rewards, "reward_details": details})
 
 
+def publish(bus: RedisBus, groups: list[TrajectoryGroup]) -> None:
+    for g in groups:
+        assert bus.publish_prompt(g.prompt.prompt_id, b"as fed")  # the feeder's dedup marks
+        assert bus.publish_group(g.group_id, encode_group(g))
+    bus.ack("prompts", [e.entry_id for e in bus.read("prompts", "worker", len(groups))])  # sampled
+
+
 def test_the_filter_on_equal_and_unequal_rewards() -> None:
     # All equal: every advantage (r − mean) is 0, whatever the value; one differing reward is signal.
     assert equal_rewards(scored(0, [1.0, 1.0, 1.0])) and equal_rewards(scored(1, [0.0, 0.0, 0.0]))
@@ -44,76 +53,75 @@ def test_the_filter_on_equal_and_unequal_rewards() -> None:
     assert equal_rewards(scored(4, [0.7]))  # a group of one has advantage 0 too
     assert filtered(scored(0, [1.0, 1.0, 1.0]), ON) and not filtered(scored(2, [1.0, 0.0, 1.0]), ON)
     off = LearnerSettings()
-    assert not filtered(scored(0, [1.0, 1.0, 1.0]), off) and not out_of_loss(scored(0, [1.0, 1.0, 1.0]), off)
-    assert out_of_loss(scored(0, [1.0, 1.0, 1.0]), ON)  # the update leaves it out of the loss as well
+    assert not filtered(scored(0, [1.0, 1.0]), off) and not out_of_loss(scored(0, [1.0, 1.0]), off)
     assert out_of_loss(scored(0, [1.0, 1.0, 1.0]), LearnerSettings(advantage={"drop_equal_groups": True}))
 
 
-def test_a_batch_is_filled_with_informative_groups(bus_settings: BusSettings) -> None:
+def test_a_batch_is_filled_with_informative_groups(bus_settings: BusSettings, tmp_path: Path) -> None:
     """prompts_per_step 2: the stream holds equal, informative, equal, equal, informative, informative.
-    The batch is the first two informative groups and the three filtered ones read before them; the
-    third informative group waits for the next batch."""
+    The batch is the first two informative groups; the three equal ones are set aside as they are read
+    (recorded, marked, acknowledged), so only the informative ones stay pending."""
     rewards = [[1, 1], [1, 0], [0, 0], [1, 1], [0, 1], [1, 0]]
     groups = [scored(i, [float(r) for r in rs]) for i, rs in enumerate(rewards)]
     with RedisBus(bus_settings.model_copy(update={"trajectory_maxlen": 64})) as bus:
-        for g in groups:
-            assert bus.publish_group(g.group_id, encode_group(g))
-        c = BatchCollector(bus, ON, LIMITS)
+        publish(bus, groups)
+        c = BatchCollector(bus, ON, LIMITS, filtered_log=FilteredLog(bus, tmp_path))
         batch = c.fill(0, 2, lambda: False)
-        assert batch is not None
-        assert batch.trained_ids == [groups[1].group_id, groups[4].group_id]
-        assert batch.filtered_ids == {groups[i].group_id for i in (0, 2, 3)}
-        assert [g.group_id for g in c.groups] == [groups[5].group_id] and c.informative == 1
+        assert batch is not None and batch.filtered == 3
+        assert [g.group_id for g in batch.groups] == [groups[1].group_id, groups[4].group_id]
+        assert [g.group_id for g in c.groups] == [groups[5].group_id]
+        assert c.take_acked() == 3 and bus.pending_info("trajectories").pending == 3
+        aside = {groups[i].group_id for i in (0, 2, 3)}
+        assert all(bus.get_value(TRAINED_PREFIX + gid) == b"filtered" for gid in aside)
+        (record,) = [json.loads(line) for line in (tmp_path / FILTERED_TRAIL).read_text().splitlines()]
+        assert record == {"version": 0, "group_ids": [groups[i].group_id for i in (0, 2, 3)]}
+        ledger, state = Ledger(bus, tmp_path, saved_step=0, fresh=True), TrainState(step=1)
+        ledger.commit(state, batch)
+        assert (state.groups_trained, state.groups_filtered) == (2, 3)
+        assert FilteredLog(bus, tmp_path).ids == aside  # the record's count survives a restart
 
 
-def test_a_filtered_group_is_never_sent_back_as_stale(bus_settings: BusSettings) -> None:
+def test_a_stale_uninformative_group_is_filtered_not_sent_back(
+    bus_settings: BusSettings, tmp_path: Path
+) -> None:
     with RedisBus(bus_settings.model_copy(update={"trajectory_maxlen": 64})) as bus:
         old_equal, fresh = scored(0, [1.0, 1.0], version=0), [scored(i, [1.0, 0.0], 9) for i in (1, 2)]
-        for g in [old_equal, *fresh]:
-            assert bus.publish_group(g.group_id, encode_group(g))
-        batch = BatchCollector(bus, ON, LIMITS).fill(9, 2, lambda: False)  # version 9: 0 is far past reach
-        assert batch is not None and batch.dropped_stale == 0
-        assert batch.filtered_ids == {old_equal.group_id} and len(batch.trained_ids) == 2
+        publish(bus, [old_equal, *fresh])
+        c = BatchCollector(bus, ON, LIMITS, filtered_log=FilteredLog(bus, tmp_path))
+        batch = c.fill(9, 2, lambda: False)  # at version 9, version 0 is far past reach
+        assert batch is not None and (batch.dropped_stale, batch.filtered) == (0, 1)
+        assert bus.pending_info("prompts").lag == 0  # its prompt is not fed again
 
 
-def test_the_ledger_accounts_for_filtered_groups(bus_settings: BusSettings, tmp_path: Path) -> None:
-    groups = [scored(0, [1.0, 0.0]), scored(1, [0.0, 0.0]), scored(2, [0.0, 1.0])]
-    with RedisBus(bus_settings.model_copy(update={"trajectory_maxlen": 64})) as bus:
-        for g in groups:
-            assert bus.publish_group(g.group_id, encode_group(g))
-        batch = BatchCollector(bus, ON, LIMITS).fill(0, 2, lambda: False)
-        assert batch is not None and batch.filtered_ids == {groups[1].group_id}
-        ledger, state = Ledger(bus, tmp_path, saved_step=0, fresh=True), TrainState(step=1)
-        assert ledger.commit(state, batch) == 3  # every entry acknowledged, the filtered one's too
-        assert (state.groups_trained, state.groups_filtered) == (2, 1)
-        assert state.trained_group_ids == [groups[0].group_id, groups[2].group_id]
-        assert state.filtered_group_ids == [groups[1].group_id]
-        assert all(bus.get_value(TRAINED_PREFIX + g.group_id) == b"1" for g in groups)  # a redelivery: acked
-        assert bus.pending_info("trajectories").pending == 0
-        ((step, replayed),) = list(Ledger(bus, tmp_path, saved_step=0, fresh=False).replay(0))
-        assert step == 1 and replayed.filtered_ids == batch.filtered_ids
-        assert replayed.trained_ids == batch.trained_ids
-    # The audit trail's record (reporting.RunLog) rebuilds the filtered group's mark after a wipe too.
-    trail = tmp_path / "trained_groups.jsonl"
-    record = {"step": 1, "group_ids": state.trained_group_ids, "filtered_ids": state.filtered_group_ids}
-    trail.write_text(json.dumps(record) + "\n")
-    assert {gid for gid, _ in trained_ids(trail)} == {g.group_id for g in groups}
-
-
-def test_the_last_step_may_hold_filtered_groups_alone(bus_settings: BusSettings) -> None:
-    """The data ran out with only filtered groups held: they still make a step (committed, not trained),
-    or the run would wait for them forever."""
-    from sparkrl.services.common.feeder import FEED_DONE
-
+def test_a_wipe_rebuilds_the_marks_of_filtered_groups(bus_settings: BusSettings, tmp_path: Path) -> None:
     with RedisBus(bus_settings) as bus:
         equal = [scored(i, [0.0, 0.0]) for i in range(2)]
+        publish(bus, equal)
+        log = FilteredLog(bus, tmp_path)
+        entries = bus.read("trajectories", "learner", 2)
+        assert log.set_aside(equal, entries, 0) == 2
+        watch = WipeWatch(bus, tmp_path / "trained_groups.jsonl", tmp_path / FILTERED_TRAIL)
+        new_incarnation(bus)  # what a Redis that came back empty looks like to the learner
         for g in equal:
-            assert bus.publish_prompt(g.prompt.prompt_id, b"as fed")
-            assert bus.publish_group(g.group_id, encode_group(g))
-        bus.ack("prompts", [e.entry_id for e in bus.read("prompts", "worker", 2)])
+            bus.set_value(TRAINED_PREFIX + g.group_id, "")  # …and its marks gone (an empty value here)
+        assert watch.check()
+        assert all(bus.get_value(TRAINED_PREFIX + g.group_id) == b"filtered" for g in equal)
+
+
+def test_the_data_may_end_with_filtered_groups_alone(bus_settings: BusSettings, tmp_path: Path) -> None:
+    """The data ran out and every group left was uninformative: no step is taken for them (they are used
+    already), and the end reason counts them."""
+    with RedisBus(bus_settings) as bus:
+        publish(bus, [scored(i, [0.0, 0.0]) for i in range(2)])
         bus.set_value(FEED_DONE, json.dumps({"prompts": 2, "epochs": 1}))
-        batch = BatchCollector(bus, ON, LIMITS).fill(0, 2, lambda: False)
-        assert batch is not None and batch.trained_ids == [] and len(batch.filtered_ids) == 2
+        c = BatchCollector(bus, ON, LIMITS, filtered_log=FilteredLog(bus, tmp_path))
+        started = time.monotonic()
+        assert c.fill(0, 2, lambda: time.monotonic() - started > 30) is None
+        assert c.exhausted == (
+            "the data ran out: all 2 prompts fed (1 epoch) were used, 0 trained and 2 filtered (all their "
+            "answers scored alike)"
+        )
+        assert c.counts is not None and (c.counts.filtered, c.counts.dropped) == (2, 0)
 
 
 def test_lockstep_is_refused_with_the_fix() -> None:

@@ -2,7 +2,8 @@
 
 The learner keeps an *incarnation* value in Redis. A Redis that comes back empty has none: the learner
 notices at its next step boundary, re-creates the trained marks from its audit trail
-(`RUN_DIR/trained_groups.jsonl`: every group id it ever trained or filtered), then sets a new incarnation. The
+(`RUN_DIR/trained_groups.jsonl`: every group id it ever trained; `filtered_groups.jsonl`: every one it
+set aside as uninformative, never to be trained nor made again), then sets a new incarnation. The
 feeder (`sparkrl prompts --watch`) waits for that new incarnation and feeds again every prompt whose
 group has no trained mark, so what the wipe took from the streams is generated again, and nothing that
 was trained is trained twice. With `appendonly yes` none of this is needed: nothing is lost.
@@ -52,8 +53,7 @@ def trained_ids(audit_trail: Path) -> Iterator[tuple[str, int]]:
                 record = json.loads(line)
             except ValueError:
                 continue
-            # A filtered group was used too (never trained): its mark keeps it from being made again.
-            for group_id in record.get("group_ids", []) + record.get("filtered_ids", []):
+            for group_id in record.get("group_ids", []):
                 yield group_id, int(record.get("step", 0))
 
 
@@ -62,10 +62,11 @@ class WipeWatch:
 
     bus: RedisBus
     audit_trail: Path
+    filtered_trail: Path | None  # groups set aside as uninformative: their marks keep them from being remade
     known: str
 
-    def __init__(self, bus: RedisBus, audit_trail: Path) -> None:
-        self.bus, self.audit_trail = bus, audit_trail
+    def __init__(self, bus: RedisBus, audit_trail: Path, filtered_trail: Path | None = None) -> None:
+        self.bus, self.audit_trail, self.filtered_trail = bus, audit_trail, filtered_trail
         self.known = ensure_incarnation(bus)
 
     def check(self) -> bool:
@@ -78,6 +79,10 @@ class WipeWatch:
             self.audit_trail,
         )
         marks = {TRAINED_PREFIX + group_id: str(step) for group_id, step in trained_ids(self.audit_trail)}
+        if self.filtered_trail is not None:
+            marks |= {
+                TRAINED_PREFIX + group_id: "filtered" for group_id, _ in trained_ids(self.filtered_trail)
+            }
         self.bus.set_values(marks, ttl_s=self.bus.settings.dedup_ttl_s)
         self.known = new_incarnation(self.bus)  # last: the feeder waits for it, so the marks are in place
         log.info("rebuilt %d trained marks; new incarnation %s", len(marks), self.known)

@@ -327,7 +327,7 @@ def work_done(every: list[list[MicroBatch]], totals: list[Totals]) -> dict[str, 
     `micro_batches` (the forward/backward passes that ran tokens)."""
     tokens = sum(t.tokens for t in totals)
     run = sum(mb.num_tokens for mbs in every for mb in mbs)
-    counted = [padded_positions(mb) for mbs in every for mb in mbs]  # none: a step of filtered groups only
+    counted = [padded_positions(mb) for mbs in every for mb in mbs]  # none: every group left out
     positions, padding = sum(p for p, _ in counted), sum(pad for _, pad in counted)
     passes = sum(1 for mbs in every for mb in mbs if mb.num_tokens)
     return {

@@ -8,8 +8,9 @@ cannot take (`validate.py`) is dead-lettered alone, with the reason, before it j
 of a failed step come back through `give_back`. A group that went stale in the stream or in hand is sent
 back: acknowledged and its prompt fed again (`RedisBus.send_back`), so finite data is made again with
 newer weights instead of lost; the run ends only once every prompt fed is trained or dead-lettered.
-With `learner.filter_groups`, a group whose rewards are all equal does not count toward a batch: it is
-held and goes with the next one as filtered, whatever its age (dynamic_sampling.py).
+With `learner.filter_groups`, a group whose rewards are all equal is set aside as soon as it is read
+(recorded, marked and acknowledged by the ledger's `FilteredLog`): it never counts toward a batch
+(dynamic_sampling.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from sparkrl.services.common.feeder import feed_held
 from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner.data_end import Fed, Progress, Tally, count_prompts, end_reason, feed_done
 from sparkrl.services.learner.dynamic_sampling import filtered
-from sparkrl.services.learner.ledger import Batch, trained_among
+from sparkrl.services.learner.ledger import Batch, FilteredLog, trained_among
 from sparkrl.services.learner.validate import ModelLimits, group_problem
 
 CONSUMER = "learner"
@@ -48,6 +49,8 @@ class BatchCollector:
     entries: list[Entry] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)
     dropped: int = 0  # stale groups sent back while gathering this batch
+    filtered: int = 0  # uninformative groups set aside while gathering this batch (learner.filter_groups)
+    filtered_log: FilteredLog | None = None  # where they are recorded; needed with learner.filter_groups
     acked: int = 0  # entries acknowledged here (sent back or already trained) since `take_acked`
     dead_lettered: int = 0  # groups the model cannot take, since start
     void_versions: list[list[int]] = field(default_factory=list)  # see TrainState.void_versions
@@ -61,7 +64,8 @@ class BatchCollector:
         counted when read, so the last step's groups are in it (and kept in `counts`, for ended.json)."""
         if self.ran_out is None:
             return None
-        self.counts = count_prompts(self.bus, self.ran_out, self.progress)
+        filtered = len(self.filtered_log.ids) if self.filtered_log is not None else 0  # its file's count
+        self.counts = count_prompts(self.bus, self.ran_out, self.progress, filtered)
         return end_reason(self.counts)
 
     def fill(self, version: int, max_staleness: int, interrupted: Callable[[], bool]) -> Batch | None:
@@ -77,16 +81,16 @@ class BatchCollector:
         need = self.cfg.prompts_per_step
         self.read_ahead(version, max_staleness)
         since = said = checked = time.monotonic()
-        while self.informative < need:  # filtered groups (dynamic_sampling.py) do not fill a batch
+        while len(self.groups) < need:
             if interrupted():
                 return None
-            self._read(version, need - self.informative, None, max_staleness)
+            self._read(version, need - len(self.groups), None, max_staleness)
             if time.monotonic() - checked > EXHAUSTED_CHECK_S:
                 checked = time.monotonic()
                 self.ran_out = self._data_exhausted()
                 if self.ran_out is not None:  # the last, partial step: what is held (nothing: no step)
-                    need = self.informative
-                    if not self.groups:
+                    need = len(self.groups)
+                    if not need:
                         return None
                     break
             if time.monotonic() - said > STARVED_LOG_S:
@@ -95,12 +99,7 @@ class BatchCollector:
             # The rest of a worker's burst (its groups are published one by one) joins now, not after
             # this step, when the oldest of it may be past reach.
             self.read_ahead(version, max_staleness)
-        aside = [i for i, g in enumerate(self.groups) if self._filtered(g)]  # all go with this step
-        informative = set(range(len(self.groups))) - set(aside)
-        order = sorted(
-            informative,
-            key=lambda i: (_oldest(self.groups[i], version), i),
-        )
+        order = sorted(range(len(self.groups)), key=lambda i: (_oldest(self.groups[i], version), i))
         # learner.batch grow: a held group that would be too stale for the next step joins this one (the
         # step grows to at most what read-ahead holds): a burst is trained, not made again. fixed: it
         # stays held, and the next read sends it back (its prompt fed again): every step is `need` groups.
@@ -111,25 +110,16 @@ class BatchCollector:
         cut = need + grown
         chosen, kept = order[:cut], sorted(order[cut:])
         lags = [version - _oldest(self.groups[i], version) for i in chosen]
-        chosen += aside
         batch = Batch(
             [self.groups[i] for i in chosen],
             [self.entries[i] for i in chosen],
             self.dropped,
-            sum(lags) / len(lags) if lags else 0.0,
-            frozenset(self.groups[i].group_id for i in aside),
+            sum(lags) / len(lags),
+            self.filtered,
         )
         self.groups, self.entries = [self.groups[i] for i in kept], [self.entries[i] for i in kept]
-        self.seen, self.dropped = {g.group_id for g in self.groups}, 0
+        self.seen, self.dropped, self.filtered = {g.group_id for g in self.groups}, 0, 0
         return batch
-
-    @property
-    def informative(self) -> int:
-        """Held groups that count toward a batch: all but the filtered ones."""
-        return sum(not self._filtered(g) for g in self.groups)
-
-    def _filtered(self, group: TrajectoryGroup) -> bool:
-        return filtered(group, self.cfg)
 
     def _data_exhausted(self) -> Fed | None:
         """What was fed, once nothing more will come (else None): the feeder fed all it had, no prompt is
@@ -174,7 +164,7 @@ class BatchCollector:
     def reach(self, max_staleness: int) -> int:
         """How many groups are held at most: `max_staleness` + 1 steps' worth (the stream's length if
         shorter), as many as could still be trained before going stale."""
-        steps = max_staleness + 1  # counted in informative groups: filtered ones go with the next batch
+        steps = max_staleness + 1
         return max(
             self.cfg.prompts_per_step,
             min(self.bus.settings.trajectory_maxlen, steps * self.cfg.prompts_per_step),
@@ -184,7 +174,7 @@ class BatchCollector:
         """Take what is waiting, as far as groups can still be trained: `max_staleness` + 1 steps' worth
         (bounded, as a batch of long completions is gigabytes; what lies beyond would go stale in hand).
         False when that much is held already. Held groups are kept alive."""
-        ahead = self.reach(max_staleness) - self.informative
+        ahead = self.reach(max_staleness) - len(self.groups)
         self.keep_alive()
         if ahead > 0:
             self._read(version, ahead, 0, max_staleness)
@@ -195,14 +185,15 @@ class BatchCollector:
         # The trained marks of the whole read in one round trip: looked up group by group, each lookup
         # waited its turn in Redis behind the fleet's publishes, which capped the intake (ledger.py).
         replays = trained_among(self.bus, [group.group_id for _, group in read])
+        aside: list[tuple[Entry, TrajectoryGroup]] = []
         for entry, group in read:
-            self._take(entry, group, version, group.group_id in replays)
-        # Held groups age as the version moves on: those past reach are sent back to be made again (not a
-        # filtered one: it is never trained, so never stale, and never made again).
+            if self._take(entry, group, version, group.group_id in replays):
+                aside.append((entry, group))
+        if aside:
+            self._set_aside(aside, version)
+        # Held groups age as the version moves on: those past reach are sent back to be made again.
         stale = [
-            i
-            for i, g in enumerate(self.groups)
-            if too_stale(_oldest(g, version), version, max_staleness) and not self._filtered(g)
+            i for i, g in enumerate(self.groups) if too_stale(_oldest(g, version), version, max_staleness)
         ]
         for i in reversed(stale):
             group = self.groups[i]
@@ -242,20 +233,32 @@ class BatchCollector:
         """Entries held across reads (or a pause) would otherwise be reclaimed and re-delivered when idle."""
         self.bus.touch("trajectories", CONSUMER, [e.entry_id for e in self.entries])
 
-    def _take(self, entry: Entry, group: TrajectoryGroup, version: int, replay: bool) -> None:
-        """Hold a group read off the stream; `replay`: a step trained on it already (its mark is set)."""
+    def _take(self, entry: Entry, group: TrajectoryGroup, version: int, replay: bool) -> bool:
+        """Hold a group read off the stream; `replay`: a step trained on it already (its mark is set).
+        True: an uninformative group to set aside (`_set_aside`), not held."""
         if group.group_id in self.seen:
-            return
+            return False
         problem = group_problem(group, self.limits) or self._from_another_lineage(group, version)
         if problem is not None:
             self.dead_lettered += self.bus.dead_letter("trajectories", entry, problem)
-            return
+            return False
         if replay:
             self.acked += self.bus.ack("trajectories", [entry.entry_id])  # a replay: trained already
-            return
+            return False
+        if filtered(group, self.cfg):
+            return True
         self.seen.add(group.group_id)
         self.groups.append(group)
         self.entries.append(entry)
+        return False
+
+    def _set_aside(self, aside: list[tuple[Entry, TrajectoryGroup]], version: int) -> None:
+        """Uninformative groups, used at once: recorded as filtered, marked, acknowledged (FilteredLog)."""
+        if self.filtered_log is None:
+            raise RuntimeError("learner.filter_groups: the collector has no FilteredLog to record groups in")
+        entries, groups = [e for e, _ in aside], [g for _, g in aside]
+        self.acked += self.filtered_log.set_aside(groups, entries, version)
+        self.filtered += len(groups)
 
 
 def _oldest(group: TrajectoryGroup, version: int) -> int:

@@ -55,15 +55,16 @@ def feed_done(bus: RedisBus) -> Fed | None:
     return Fed(int(done["prompts"]), int(done["epochs"]))
 
 
-def count_prompts(bus: RedisBus, fed: Fed, progress: Progress) -> PromptCounts:
-    """How the prompts fed ended, from the train state and the dead-letter stream (so the count covers
-    every process and restart of the run; a trimmed stream gives "at least")."""
+def count_prompts(bus: RedisBus, fed: Fed, progress: Progress, filtered: int = 0) -> PromptCounts:
+    """How the prompts fed ended, from the train state, the groups filtered (`filtered`: the filter's
+    record, which a crash between checkpoints does not roll back) and the dead-letter stream (so the
+    count covers every process and restart of the run; a trimmed stream gives "at least")."""
     letters = bus.dead_letters(count=bus.settings.dead_letter_maxlen)
     by_stream: dict[str, set[str]] = {bus.stream_key("prompts"): set(), bus.stream_key("trajectories"): set()}
     for letter in letters:
         by_stream.get(letter.stream, set()).add(letter.item_id)
     prompts, groups = (len(ids) for ids in by_stream.values())
-    trained, filtered = progress.groups_trained, progress.groups_filtered
+    trained = progress.groups_trained
     return PromptCounts(
         fed=fed.prompts,
         epochs=fed.epochs,
@@ -83,9 +84,13 @@ def end_reason(counts: PromptCounts) -> str:
     again = counts.sampled_again
     stale = f"; {again} went stale first and were made again" if again else ""
     dead = counts.dead_lettered_prompts + counts.dead_lettered_groups
-    filtered = f" ({counts.filtered} filtered: all answers scored alike)" if counts.filtered else ""
+    if not dead and not counts.dropped and counts.filtered:
+        return (
+            f"the data ran out: all {counts.fed} prompts fed ({epochs}) were used, {counts.trained} trained "
+            f"and {counts.filtered} filtered (all their answers scored alike){stale}"
+        )
     if not dead and not counts.dropped:
-        return f"the data ran out: all {counts.fed} prompts fed ({epochs}) were trained{filtered}{stale}"
+        return f"the data ran out: all {counts.fed} prompts fed ({epochs}) were trained{stale}"
     some = "at least " if counts.dead_letters_trimmed else ""
     also = f"{counts.filtered} filtered, " if counts.filtered else ""
     return (

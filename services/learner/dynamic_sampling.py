@@ -6,12 +6,13 @@ comes from a full batch.
 
 In an asynchronous fleet the extra sampling costs no waiting loop: the workers keep producing, and the
 collector (collect.py) counts only informative groups toward a batch. An uninformative group is
-*filtered*: held until the next batch is formed, then committed with that step like its trained groups
-(journaled, its trained mark set so a redelivery is acknowledged, acknowledged) but never trained and
-never sent back to be made again, whatever its staleness: the ledger counts it (`groups_filtered`), the
-audit trail (`trained_groups.jsonl`) lists it under `filtered_ids`, the step row counts it
-(`rollout/groups_filtered`, `rollout/filtered_share`). So every published group is trained once or
-filtered once. At the data's end a step may hold filtered groups alone: it commits them, trains nothing.
+*filtered* as soon as it is read: recorded in `RUN_DIR/filtered_groups.jsonl` (fsynced), its trained
+mark set (a redelivery is acknowledged, and the feeder does not feed its prompt again after a Redis
+wipe) and acknowledged, by the ledger's `FilteredLog`, in that order. It is never trained and never made
+again; it holds no place in the trajectory stream (held until a step, a run of them filled the stream
+and stopped the workers). The step row counts those set aside while its batch was gathered
+(`rollout/groups_filtered`, `rollout/filtered_share`, `rollout/groups_filtered_total`), `ended.json`
+all of them. So every published group is trained once or filtered once.
 
 Not to be confused with `learner.skip_zero_advantage` (the same gradient as the full batch, less work:
 the batch still shrinks to its informative groups) or `learner.advantage.drop_equal_groups` (those

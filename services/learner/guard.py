@@ -195,7 +195,10 @@ class StepGuard:
         log.error("%s", skipped_line(self.state.step + 1, update, len(back), self.streak))
         if self.stop is not None:
             log.error("the run stops: %s", self.stop)
-        return batch.part(trained) if trained else None
+        if not trained:
+            return None
+        groups, entries = [batch.groups[i] for i in trained], [batch.entries[i] for i in trained]
+        return Batch(groups, entries, batch.dropped_stale, batch.staleness_mean, batch.filtered)
 
     def blame(self) -> LiveChange | None:
         """The last live change, kept out of every checkpoint from now on (service.close also takes it

@@ -19,10 +19,12 @@ acknowledged that is neither in a checkpoint nor in the journal; the journal hol
 Two more ways the bus and the run can come to disagree, settled here too:
 
 - Redis lost its data (restarted empty): the marks are rebuilt from the audit trail,
-  `RUN_DIR/trained_groups.jsonl` (`rebuild_if_wiped`; common/recovery.py), filtered groups' included.
+  `RUN_DIR/trained_groups.jsonl` and `RUN_DIR/filtered_groups.jsonl` (`rebuild_if_wiped`;
+  common/recovery.py).
 
-A group filtered as uninformative (`learner.filter_groups`, dynamic_sampling.py) goes through all of this
-with the step it is committed with, journal included, and is counted apart: never trained.
+A group filtered as uninformative (`learner.filter_groups`, dynamic_sampling.py) is never trained, so it
+needs neither journal nor checkpoint: `FilteredLog` records it (fsynced), marks it and acknowledges it as
+soon as it is read, in that order, so it never holds a place in the trajectory stream.
 - The journal was lost with its disk: versions announced past the checkpoint cannot be rebuilt. They are
   retired (`retire_lost_versions`): never produced again (the learner numbers on after them), and a
   group sampled by one of them is refused, since the weights that sampled it no longer exist.
@@ -30,6 +32,7 @@ with the step it is committed with, journal included, and is counted apart: neve
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -41,7 +44,7 @@ import msgpack
 
 from sparkrl.proto import TrajectoryGroup, WeightAnnouncement, decode_group
 from sparkrl.services.common.bus import BusError, Entry, RedisBus
-from sparkrl.services.common.recovery import TRAINED_PREFIX, WipeWatch
+from sparkrl.services.common.recovery import TRAINED_PREFIX, WipeWatch, trained_ids
 from sparkrl.services.learner.publisher import ANNOUNCEMENT_KEY, SNAPSHOT_NAME
 from sparkrl.services.learner.state import TrainState
 
@@ -49,6 +52,7 @@ log = logging.getLogger("sparkrl.learner.ledger")
 
 _NAME = re.compile(r"^step-(\d{6,})\.bin$")
 AUDIT_TRAIL = "trained_groups.jsonl"  # written with each step row (reporting.RunLog), read after a wipe
+FILTERED_TRAIL = "filtered_groups.jsonl"  # the groups set aside as uninformative (FilteredLog)
 
 
 @dataclass
@@ -59,21 +63,7 @@ class Batch:
     entries: list[Entry]
     dropped_stale: int = 0  # stale groups sent back (their prompts fed again) while gathering this batch
     staleness_mean: float = 0.0
-    # Of `groups`, the ids filtered as uninformative (dynamic_sampling.py): committed, never trained.
-    filtered_ids: frozenset[str] = frozenset()
-
-    @property
-    def trained_ids(self) -> list[str]:
-        """The ids of the groups the step trains (or leaves out of its loss), in order: all but the
-        filtered ones."""
-        return [g.group_id for g in self.groups if g.group_id not in self.filtered_ids]
-
-    def part(self, indexes: list[int]) -> Batch:
-        """The batch of `groups[i]` for i in `indexes` (what an update that was not applied leaves)."""
-        groups = [self.groups[i] for i in indexes]
-        filtered = self.filtered_ids & {g.group_id for g in groups}
-        entries = [self.entries[i] for i in indexes]
-        return Batch(groups, entries, self.dropped_stale, self.staleness_mean, filtered)
+    filtered: int = 0  # uninformative groups set aside while gathering it (FilteredLog), not in `groups`
 
 
 def trained(bus: RedisBus, group_id: str) -> bool:
@@ -103,15 +93,13 @@ class Journal:
     def path(self, step: int) -> Path:
         return self.directory / f"step-{step:06d}.bin"
 
-    def write(self, step: int, entries: list[Entry], filtered_ids: frozenset[str] = frozenset()) -> None:
-        """Record a step's entries, and which of their groups it filtered, durably (temp file, fsync,
-        rename, fsync of the folder)."""
+    def write(self, step: int, entries: list[Entry]) -> None:
+        """Record a step's entries durably (temp file, fsync, rename, fsync of the folder)."""
         records = [
             {"entry_id": e.entry_id, "item_id": e.item_id, "payload": e.payload, "deliveries": e.deliveries}
             for e in entries
         ]
-        step_record = {"step": step, "entries": records, "filtered": sorted(filtered_ids)}
-        data = msgpack.packb(step_record, use_bin_type=True)
+        data = msgpack.packb({"step": step, "entries": records}, use_bin_type=True)
         tmp = self.directory / f".step-{step:06d}.{os.getpid()}.tmp"
         with tmp.open("wb") as file:
             file.write(data)
@@ -124,16 +112,10 @@ class Journal:
         return sorted(int(m.group(1)) for p in self.directory.iterdir() if (m := _NAME.match(p.name)))
 
     def read(self, step: int) -> list[Entry]:
-        return self.read_step(step)[0]
-
-    def read_step(self, step: int) -> tuple[list[Entry], frozenset[str]]:
-        """A step's entries and the ids of the groups it filtered (none in a journal written before)."""
         record = msgpack.unpackb(self.path(step).read_bytes(), raw=False)
         if record.get("step") != step:
             raise ValueError(f"{self.path(step)} holds step {record.get('step')}, not {step}")
-        rows = record["entries"]
-        entries = [Entry(r["entry_id"], r["item_id"], r["payload"], r["deliveries"]) for r in rows]
-        return entries, frozenset(record.get("filtered", ()))
+        return [Entry(r["entry_id"], r["item_id"], r["payload"], r["deliveries"]) for r in record["entries"]]
 
     def replayable(self, after: int) -> list[int]:
         """Steps after `after` that follow it without a gap (a gap ends the replay, loudly)."""
@@ -182,7 +164,7 @@ class Ledger:
         """`saved_step`: the step of the checkpoint the learner started from (0: none). `fresh`: a new
         run, which must not replay an earlier run's journal in the same directory."""
         self.bus, self.journal, self.saved_step = bus, Journal(run_dir), saved_step
-        self.wipes = WipeWatch(bus, run_dir / AUDIT_TRAIL)
+        self.wipes = WipeWatch(bus, run_dir / AUDIT_TRAIL, run_dir / FILTERED_TRAIL)
         if fresh and self.journal.trim():
             log.warning(
                 "a fresh run in %s: deleted an earlier run's journal (use --resume to go on with it)", run_dir
@@ -192,24 +174,22 @@ class Ledger:
         """The journaled steps after `after` (the checkpoint's), in order, each as its batch: their groups
         were acknowledged, so only training them again makes the resumed model reflect them."""
         for step in self.journal.replayable(after):
-            entries, filtered = self.journal.read_step(step)
-            yield step, Batch([decode_group(e.payload) for e in entries], entries, filtered_ids=filtered)
+            entries = self.journal.read(step)
+            yield step, Batch([decode_group(e.payload) for e in entries], entries)
 
     def commit(self, state: TrainState, batch: Batch, journaled: bool = False) -> int:
         """Step `state.step` trained `batch`: journal it, mark its groups trained, acknowledge its
         entries (in that order), and count it in `state`. `journaled`: a replay, in the journal already.
         Returns how many entries were acknowledged."""
-        if not journaled:  # durable before the bus hears it was used
-            self.journal.write(state.step, batch.entries, batch.filtered_ids)
-        # A filtered group is marked too: it was used (never to be trained), so a redelivery is acknowledged.
+        if not journaled:
+            self.journal.write(state.step, batch.entries)  # durable before the bus hears it was used
         marks = {TRAINED_PREFIX + group.group_id: str(state.step) for group in batch.groups}
         self.bus.set_values(marks, ttl_s=self.bus.settings.dedup_ttl_s)  # one round trip for the step
         acked = self.bus.ack("trajectories", [e.entry_id for e in batch.entries])
-        state.trained_group_ids = batch.trained_ids
-        state.filtered_group_ids = sorted(batch.filtered_ids)
-        state.groups_trained += len(state.trained_group_ids)
-        state.groups_filtered += len(batch.filtered_ids)
+        state.groups_trained += len(batch.groups)
+        state.groups_filtered += batch.filtered
         state.groups_dropped_stale += batch.dropped_stale
+        state.trained_group_ids = [g.group_id for g in batch.groups]
         return acked
 
     def checkpointed(self, step: int) -> None:
@@ -228,6 +208,35 @@ class Ledger:
     def retire_lost_versions(self, state: TrainState, snapshot_dir: Path) -> None:
         """Versions this run announced past `state`'s and could not rebuild are retired for good."""
         retire_lost_versions(state, last_announced_version(self.bus, snapshot_dir))
+
+
+class FilteredLog:
+    """`RUN_DIR/filtered_groups.jsonl`: the groups set aside as uninformative (`learner.filter_groups`),
+    one line per read (`{"version", "group_ids"}`). Such a group is used the moment it is read: recorded
+    (fsynced), marked (a redelivery is acknowledged as a replay) and acknowledged, in that order, so a crash
+    at any point leaves it recorded once or redelivered, never lost, and it never waits in the trajectory
+    stream for a step (held there, a fleet's worth of them would fill it and stop the workers)."""
+
+    bus: RedisBus
+    path: Path
+    ids: set[str]  # every group id the file records: the count of filtered prompts survives restarts
+
+    def __init__(self, bus: RedisBus, run_dir: Path) -> None:
+        self.bus, self.path = bus, run_dir / FILTERED_TRAIL
+        self.ids = {group_id for group_id, _ in trained_ids(self.path)}
+
+    def set_aside(self, groups: list[TrajectoryGroup], entries: list[Entry], version: int) -> int:
+        """Record `groups` as filtered at learner version `version`; returns the entries acknowledged."""
+        ids = [g.group_id for g in groups]
+        with self.path.open("a") as file:
+            file.write(json.dumps({"version": version, "group_ids": ids}) + "\n")
+            file.flush()
+            os.fsync(file.fileno())  # recorded before the bus hears the groups were used
+        self.bus.set_values(
+            {TRAINED_PREFIX + gid: "filtered" for gid in ids}, ttl_s=self.bus.settings.dedup_ttl_s
+        )
+        self.ids.update(ids)
+        return self.bus.ack("trajectories", [e.entry_id for e in entries])
 
 
 def last_announced_version(bus: RedisBus, snapshot_dir: Path) -> int | None:

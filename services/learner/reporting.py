@@ -85,7 +85,7 @@ def step_row(
     }
     metrics |= {
         "rollout/reward_mean": sum(rewards) / max(len(rewards), 1),
-        "rollout/groups": float(len(batch.groups) - len(batch.filtered_ids)),  # the trained
+        "rollout/groups": float(len(batch.groups)),
         "rollout/tokens": tokens,
         "rollout/staleness_mean": batch.staleness_mean,
         "rollout/dropped_stale": float(batch.dropped_stale),
@@ -101,8 +101,8 @@ def step_row(
     }
     metrics["rollout/dropped_stale_total"] = float(state.groups_dropped_stale)
     if state.groups_filtered:  # dynamic sampling: the extra groups this step took to fill its batch
-        metrics["rollout/groups_filtered"] = float(len(batch.filtered_ids))
-        metrics["rollout/filtered_share"] = len(batch.filtered_ids) / max(len(batch.groups), 1)
+        metrics["rollout/groups_filtered"] = float(batch.filtered)
+        metrics["rollout/filtered_share"] = batch.filtered / max(len(batch.groups) + batch.filtered, 1)
         metrics["rollout/groups_filtered_total"] = float(state.groups_filtered)
     metrics["loss/nonfinite_skipped_total"] = float(state.nonfinite_skipped)  # updates not applied
     metrics["checkpoint/failures_total"] = float(state.checkpoint_failures)  # writes that failed, run goes on
@@ -133,10 +133,7 @@ class RunLog:
     def write_step(self, row: StepMetrics, state: TrainState) -> None:
         self.metrics.write(row.model_dump_json() + "\n")
         self.metrics.flush()
-        record: dict[str, object] = {"step": state.step, "group_ids": state.trained_group_ids}
-        if state.filtered_group_ids:  # committed with this step, never trained (learner.filter_groups)
-            record["filtered_ids"] = state.filtered_group_ids
-        self.trained.write(json.dumps(record) + "\n")
+        self.trained.write(json.dumps({"step": state.step, "group_ids": state.trained_group_ids}) + "\n")
         self.trained.flush()
         loss = row.value("loss/value")
         reward = row.value("rollout/reward_mean") or 0.0
@@ -272,7 +269,7 @@ class Reports:
         if self.tracker is not None:
             self.tracker.log(row)
         self.telemetry.append(row)
-        self.metrics.observe_step(row, len(batch.trained_ids), took.acked)
+        self.metrics.observe_step(row, len(batch.groups), took.acked)
         self.heartbeat.update(row=row)
         return row
 

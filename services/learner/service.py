@@ -35,7 +35,7 @@ from sparkrl.services.learner.fleet import Fleet
 from sparkrl.services.learner.guard import StepGuard, Streak
 from sparkrl.services.learner.heartbeat import Heartbeat, StatusSource
 from sparkrl.services.learner.learner import Ending, Learner
-from sparkrl.services.learner.ledger import Journal, Ledger
+from sparkrl.services.learner.ledger import FilteredLog, Journal, Ledger
 from sparkrl.services.learner.metrics import LearnerMetrics
 from sparkrl.services.learner.publisher import SNAPSHOT_NAME, WeightPublisher
 from sparkrl.services.learner.ranks import follow, trainer_for, world
@@ -94,7 +94,8 @@ def assemble(
     live, carried = resumed(lc, state.hparam_overrides)  # the live changes a resumed checkpoint carries
     control = LearnerControl(reader, carried, metrics.observe_command)
     limits = ModelLimits.of(loaded.engine.module, lc)
-    collector = BatchCollector(bus, lc, limits, progress=state)
+    filtered_log = FilteredLog(bus, run_dir)  # learner.filter_groups' record (dynamic_sampling.py)
+    collector = BatchCollector(bus, lc, limits, progress=state, filtered_log=filtered_log)
     guard = StepGuard(trainer, bus, collector, control, metrics, state, Streak(lc.max_nonfinite_steps))
     ledger = Ledger(bus, run_dir, state.step, fresh)
     fleet = Fleet(telemetry, publisher, cfg.sync.timeout_s)

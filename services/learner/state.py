@@ -15,11 +15,10 @@ class TrainState:
     step: int = 0  # steps taken: batches trained, each ending in a new version
     policy_version: int = 0  # the newest version: what the learner publishes
     groups_trained: int = 0
-    groups_filtered: int = 0  # uninformative groups committed, not trained (learner.filter_groups)
+    groups_filtered: int = 0  # uninformative groups set aside, never trained (learner.filter_groups)
     groups_dropped_stale: int = 0
     started_at: float = 0.0
     trained_group_ids: list[str] = field(default_factory=list)  # of the last step, for inspection
-    filtered_group_ids: list[str] = field(default_factory=list)  # of the last step
     hparam_overrides: dict[str, bool | int | float | str] = field(default_factory=dict)  # live changes
     # Policy versions a lossy resume discarded ([lo, hi], inclusive): never produced again, and a group
     # sampled by one of them is refused (its weights no longer exist).

@@ -360,7 +360,7 @@ def split_applied(
     groups: list[TrajectoryGroup], cfg: LearnerSettings, updates: int
 ) -> tuple[list[int], list[int]]:
     """Indexes into `groups`: (those the first `updates` updates of `run_updates` trained, the rest). Groups
-    left out for equal rewards (or filtered) need no update: they go with the trained part, if any."""
+    left out for equal rewards need no update: they go with the trained part, if any."""
     kept = [i for i, g in enumerate(groups) if not out_of_loss(g, cfg)]
     if updates == 0:
         return [], list(range(len(groups)))

@@ -191,9 +191,9 @@ class LearnerSettings(Section):
         "none",
         description="Dynamic sampling (DAPO; verl algorithm.filter_groups): zero_variance counts only groups "
         "whose rewards differ toward prompts_per_step, the batch filled with informative groups while the "
-        "fleet keeps producing; a group whose rewards are all equal is filtered: acknowledged with the next "
-        "step and recorded (trained_groups.jsonl filtered_ids, rollout/groups_filtered), never trained nor "
-        "made again. Not with rollout.lockstep_groups.",
+        "fleet keeps producing; a group whose rewards are all equal is filtered as soon as it is read: "
+        "recorded (RUN_DIR/filtered_groups.jsonl), acknowledged, never trained nor made again "
+        "(rollout/groups_filtered, rollout/filtered_share). Not with rollout.lockstep_groups.",
     )
     batch: Literal["fixed", "grow"] = Field(
         "fixed",
