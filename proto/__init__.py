@@ -21,6 +21,7 @@ from sparkrl.proto.control import (
 )
 from sparkrl.proto.errors import CodecError, FieldError
 from sparkrl.proto.group import TrajectoryGroup
+from sparkrl.proto.partial import PARTIAL_SCHEMA_VERSION, PartialGroup
 from sparkrl.proto.ranks import RankOrder
 from sparkrl.proto.reward import (
     REWARD_SCHEMA_VERSION,
@@ -79,6 +80,7 @@ __all__ = [
     "DTYPE_ITEMSIZE",
     "MAGIC",
     "METRIC_NAMESPACES",
+    "PARTIAL_SCHEMA_VERSION",
     "REWARD_SCHEMA_VERSION",
     "STATUS_SCHEMA_VERSION",
     "TELEMETRY_SCHEMA_VERSION",
@@ -107,6 +109,7 @@ __all__ = [
     "LearnerStatus",
     "MetricsPage",
     "NdArray",
+    "PartialGroup",
     "PauseCommand",
     "PauseRequest",
     "Prompt",

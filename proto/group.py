@@ -64,6 +64,19 @@ class TrajectoryGroup(WireModel):
         "up to max_new_tokens − len tokens, then falling linearly to −penalty_factor at max_new_tokens. "
         "Writer: rollout worker. Readers: learner (metrics, samples.jsonl). None: no shaping.",
     )
+    resumed_tokens: list[int] | None = Field(
+        default=None,
+        description="Per completion, same order: how many of its leading tokens were made by another worker "
+        "(or an earlier run) that stopped, and continued here from its saved partial work (0: made here "
+        "from the prompt). Writer: rollout worker. Reader: learner (rollout/resumed_share). None: nothing "
+        "in the group was continued.",
+    )
+    resumed_from: str | None = Field(
+        default=None,
+        max_length=128,
+        description="The worker whose partial work the group continued. Writer: rollout worker. Readers: "
+        "learner, people. None when `resumed_tokens` is.",
+    )
     reward_details: list[RewardResult] = Field(
         description="The reward service's result for each completion, same order. Writer: rollout worker "
         "(from the reward service). Reader: learner (metrics: correct / timeout / error rates)."
@@ -124,11 +137,15 @@ class TrajectoryGroup(WireModel):
     @model_validator(mode="after")
     def _check(self, info: ValidationInfo) -> "TrajectoryGroup":
         n = len(self.completions)
-        for name in ("rewards", "reward_details", "overlong_penalties"):
+        for name in ("rewards", "reward_details", "overlong_penalties", "resumed_tokens"):
             if getattr(self, name) is not None and len(getattr(self, name)) != n:
                 raise FieldError(name, f"has {len(getattr(self, name))} entries for {n} completions")
         if any(p > 0 for p in self.overlong_penalties or ()):
             raise FieldError("overlong_penalties", "a penalty is ≤ 0")
+        for i, resumed in enumerate(self.resumed_tokens or ()):
+            T = self.completions[i].num_tokens
+            if not 0 <= resumed <= T:
+                raise FieldError(f"resumed_tokens[{i}]", f"must be in [0, T={T}]")
         if self.task != self.prompt.task:
             raise FieldError("task", f"{self.task!r} differs from prompt.task {self.prompt.task!r}")
         expected_id = group_id_for(self.prompt.prompt_id)

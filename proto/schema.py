@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from sparkrl.proto.control import ControlCommand, ControlState
 from sparkrl.proto.group import TrajectoryGroup
+from sparkrl.proto.partial import PartialGroup
 from sparkrl.proto.reward import RewardRequest, RewardResponse
 from sparkrl.proto.status import LearnerStatus, WorkerStatus
 from sparkrl.proto.telemetry import CommandResult, EvalRecord, StateEvent, StepMetrics, SyncEvent
@@ -29,6 +30,7 @@ MESSAGES: tuple[type[BaseModel], ...] = (
     Prompt,
     Completion,
     TrajectoryGroup,
+    PartialGroup,
     RewardRequest,
     RewardResponse,
     WeightAnnouncement,

@@ -10,6 +10,7 @@ EXPECTED_FILES = {
     "Prompt.schema.json",
     "Completion.schema.json",
     "TrajectoryGroup.schema.json",
+    "PartialGroup.schema.json",
     "RewardRequest.schema.json",
     "RewardResponse.schema.json",
     "WeightAnnouncement.schema.json",

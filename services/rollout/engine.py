@@ -6,10 +6,16 @@ Both engines satisfy the same contract, checked by `tests/test_engine_contract.p
   its log-prob under the temperature-scaled distribution `log_softmax(logits / T)` over the full
   vocabulary (before any top-p truncation: the distribution the learner recomputes), the top-k
   (ids, log-probs) of that same distribution sorted descending, and the engine's policy version.
-- `load_weights` replaces weights in place between `generate` calls and sets the policy version; a
-  version it cannot install raises before the engine changes (KeyError, ValueError) or after it undid the
-  attempt (`WeightLoadFailed`): either way the engine still serves the version it held. An engine that
-  could not undo it raises `EngineBroken` and refuses to generate.
+- `generate(..., interrupts=)` calls `interrupts.poll()` between two decoding steps: there `load_weights`
+  may install a newer version (every token sampled after it carries that version: `policy_versions`
+  changes mid-completion), and a True answer stops the batch, its unfinished rows cut short
+  (`finish_reason` "abort") with what they hold. `generate(..., prefixes=)` continues such rows instead of
+  starting from the prompt: their tokens, log-probs and versions are kept, the cache recomputed.
+- `load_weights` replaces weights in place between `generate` calls (or between two decoding steps, from
+  `interrupts.poll`) and sets the policy version; a version it cannot install raises before the engine
+  changes (KeyError, ValueError) or after it undid the attempt (`WeightLoadFailed`): either way the
+  engine still serves the version it held. An engine that could not undo it raises `EngineBroken` and
+  refuses to generate.
 - `weights_checksum` is `sparkrl.services.common.weight_sync.weights_checksum` (blake2b-256 over raw
   tensor bytes in state-dict order), the algorithm of the learner's `WeightAnnouncement.checksum`.
 """
@@ -17,7 +23,9 @@ Both engines satisfy the same contract, checked by `tests/test_engine_contract.p
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -44,6 +52,29 @@ class EngineBroken(Exception):
     and the worker must be restarted. Not a RuntimeError: no failed-sync handler may swallow it."""
 
 
+Prefixes = list[list[Completion | None]]
+"""Per prompt, one entry per sample (n): None (sample from the prompt), a completion cut short
+(`finish_reason` "abort": continued from its last token) or a finished one (returned as it is)."""
+
+
+@dataclass(frozen=True)
+class Interrupts:
+    """What an engine does between two decoding steps of a batch.
+
+    `poll()` is called there (how often it looks at anything is its own business: it runs once per step).
+    It may install a newer version with the engine's `load_weights`; every token sampled afterwards is
+    tagged with it. It returns True to stop the batch now: the rows not finished come back cut short.
+    `kv_cache` is what a swap does to the cache of the tokens sampled before it: `keep` (PipelineRL's
+    choice: the next tokens attend to keys and values the old weights computed, so they are sampled from
+    a mixture that neither version alone gives; their recorded log-probs are that mixture's, which is what
+    the learner's importance ratios divide by) or `recompute` (prompt and tokens so far are run again
+    under the new weights before the next step: every later token is exactly the new version's sample).
+    """
+
+    poll: Callable[[], bool]
+    kv_cache: Literal["keep", "recompute"] = "keep"
+
+
 class Engine(ABC):
     """A model that samples GRPO groups and swaps its weights between calls."""
 
@@ -60,8 +91,16 @@ class Engine(ABC):
         """Rows of the output layer: every token id and top-k id is below it."""
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Completion]]:
-        """`sampling.n` completions for each prompt (token ids), in prompt order."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingSettings,
+        *,
+        prefixes: Prefixes | None = None,
+        interrupts: Interrupts | None = None,
+    ) -> list[list[Completion]]:
+        """`sampling.n` completions for each prompt (token ids), in prompt order. `prefixes`: samples to
+        continue (see `Prefixes`); `interrupts`: called between decoding steps (see `Interrupts`)."""
 
     def check_request(self, prompts: list[list[int]], sampling: SamplingSettings) -> None:
         """Refuse, with a ValueError naming it, what no engine can sample: an empty prompt, a token id
@@ -76,6 +115,33 @@ class Engine(ABC):
                 raise ValueError(f"prompt {i} is empty")
             if min(prompt) < 0 or max(prompt) >= self.vocab_size:
                 raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size})")
+
+    def check_prefixes(
+        self, prompts: list[list[int]], sampling: SamplingSettings, prefixes: Prefixes | None
+    ) -> None:
+        """Refuse, with a ValueError naming it, prefixes that do not fit the request: not n per prompt,
+        another top-k width, a continued one already at max_new_tokens, ids outside the vocabulary."""
+        if prefixes is None:
+            return
+        if len(prefixes) != len(prompts):
+            raise ValueError(f"{len(prefixes)} prefix lists for {len(prompts)} prompts")
+        for i, samples in enumerate(prefixes):
+            if len(samples) != sampling.n:
+                raise ValueError(f"prompt {i} has {len(samples)} prefixes, sampling.n is {sampling.n}")
+            for j, prefix in enumerate(samples):
+                if prefix is None:
+                    continue
+                where = f"prefix {j} of prompt {i}"
+                if prefix.topk_ids.shape[1] != sampling.topk_logprobs:
+                    raise ValueError(f"{where} has top-{prefix.topk_ids.shape[1]}, the request asks for "
+                                     f"top-{sampling.topk_logprobs}")  # fmt: skip
+                if prefix.num_tokens > sampling.max_new_tokens or (
+                    prefix.finish_reason == "abort" and prefix.num_tokens == sampling.max_new_tokens
+                ):
+                    raise ValueError(f"{where} has {prefix.num_tokens} tokens: nothing left to sample "
+                                     f"within max_new_tokens={sampling.max_new_tokens}")  # fmt: skip
+                if prefix.num_tokens and int(prefix.token_ids.max()) >= self.vocab_size:
+                    raise ValueError(f"{where} has token ids outside [0, {self.vocab_size})")
 
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -95,18 +161,32 @@ def make_completion(
     logprobs: np.ndarray,
     topk_ids: np.ndarray,
     topk_logprobs: np.ndarray,
-    version: int,
+    version: int | np.ndarray,
     text: str,
     finish_reason: str,
 ) -> Completion:
-    """A `Completion` with the wire dtypes; every token tagged with `version`."""
+    """A `Completion` with the wire dtypes; `version`: every token's (an int), or each token's ([T])."""
     token_ids = np.asarray(token_ids, dtype=np.int32)
+    versions = np.broadcast_to(np.asarray(version, dtype=np.int32), token_ids.shape)
     return Completion(
         token_ids=token_ids,
         logprobs=np.asarray(logprobs, dtype=np.float32),
         topk_ids=np.asarray(topk_ids, dtype=np.int32),
         topk_logprobs=np.asarray(topk_logprobs, dtype=np.float32),
-        policy_versions=np.full(token_ids.shape[0], version, dtype=np.int32),
+        policy_versions=np.ascontiguousarray(versions),
         text=text,
         finish_reason=finish_reason,
     )
+
+
+def cut_short(prefix: Completion | None, k: int) -> Completion:
+    """A sample a stopped batch never got to: its prefix as it was (or nothing yet), cut short."""
+    if prefix is not None:
+        return prefix.model_copy(update={"finish_reason": "abort"})
+    empty = np.zeros(0, dtype=np.int32)
+    return make_completion(empty, np.zeros(0), np.zeros((0, k)), np.zeros((0, k)), 0, "", "abort")
+
+
+def finished(prefix: Completion | None) -> bool:
+    """Whether a prefix needs no more sampling (it ended with EOS, a stop string or at max_new_tokens)."""
+    return prefix is not None and prefix.finish_reason != "abort"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import inspect
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,60 +22,15 @@ from sparkrl.proto import Completion
 from sparkrl.services.common.modeling import load_model, load_tokenizer
 from sparkrl.services.common.settings import SamplingSettings, TorchEngineSettings
 from sparkrl.services.common.weight_sync import weights_checksum
-from sparkrl.services.rollout.engine import Engine, make_completion
-
-
-@dataclass
-class _Sampled:
-    """One batched decoding run: per-step tensors, each row valid up to its `lengths` entry."""
-
-    tokens: torch.Tensor  # [B, S] int64
-    logprobs: torch.Tensor  # [B, S] float32
-    topk_ids: torch.Tensor  # [B, S, K] int64
-    topk_logprobs: torch.Tensor  # [B, S, K] float32
-    lengths: list[int]
-    stopped: list[bool]  # finished by EOS or a stop string (else: max_new_tokens)
-    by_stop_string: list[bool]
-
-    @classmethod
-    def empty(cls, B: int, S: int, K: int, device: torch.device) -> _Sampled:
-        return cls(
-            tokens=torch.zeros((B, S), dtype=torch.long, device=device),
-            logprobs=torch.zeros((B, S), dtype=torch.float32, device=device),
-            topk_ids=torch.zeros((B, S, K), dtype=torch.long, device=device),
-            topk_logprobs=torch.zeros((B, S, K), dtype=torch.float32, device=device),
-            lengths=[S] * B,
-            stopped=[False] * B,
-            by_stop_string=[False] * B,
-        )
-
-
-def sample_next(
-    logits: torch.Tensor,
-    temperature: float,
-    top_p: float,
-    k: int,
-    generator: torch.Generator,
-    banned: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One decoding step from `logits` [B, V]: (token [B], its logp [B], top-k logps [B, K], ids [B, K]).
-
-    All log-probs come from `log_softmax(logits / T)` in float32; top-p and `banned` (token ids never to
-    sample, e.g. EOS before `min_new_tokens`) mask only the sampling.
-    """
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)  # [B, V]
-    topk_logp, topk_ids = torch.topk(logp, k, dim=-1)  # sorted descending
-    probs = logp.exp()
-    if banned is not None:
-        probs[:, banned] = 0.0
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # Drop a token when the mass strictly before it already reaches top_p; the first always stays.
-        drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= top_p
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(drop, 0.0))
-    token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # [B]
-    token_logp = logp.gather(1, token[:, None]).squeeze(1)
-    return token, token_logp, topk_logp, topk_ids
+from sparkrl.services.rollout.engine import (
+    Engine,
+    Interrupts,
+    Prefixes,
+    cut_short,
+    finished,
+    make_completion,
+)
+from sparkrl.services.rollout.torch_rows import Live, Row, Sampled, distinct_adjacent, sample_next
 
 
 class TorchEngine(Engine):
@@ -134,19 +88,38 @@ class TorchEngine(Engine):
             raise RuntimeError("engine is closed")
         self.check_request(prompts, sampling)
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingSettings,
+        *,
+        prefixes: Prefixes | None = None,
+        interrupts: Interrupts | None = None,
+    ) -> list[list[Completion]]:
         self._check_inputs(prompts, sampling)
+        self.check_prefixes(prompts, sampling, prefixes)
         generator = self._generator
         if sampling.seed is not None:
             generator = torch.Generator(self.device).manual_seed(sampling.seed)
-        version = self.policy_version
-        rows = [prompt for prompt in prompts for _ in range(sampling.n)]  # group members are adjacent
-        completions: list[Completion] = []
-        step = self.settings.max_batch_sequences
-        for start in range(0, len(rows), step):
-            sampled = self._sample_batch(rows[start : start + step], sampling, generator)
-            completions.extend(self._to_completions(sampled, sampling, version))
-        return [completions[i * sampling.n : (i + 1) * sampling.n] for i in range(len(prompts))]
+        n, K = sampling.n, sampling.topk_logprobs
+        samples = prefixes or [[None] * n for _ in prompts]
+        rows = [Row(p, prefix) for p, group in zip(prompts, samples, strict=True) for prefix in group]
+        out: list[Completion | None] = [row.prefix if finished(row.prefix) else None for row in rows]
+        todo = [i for i, made in enumerate(out) if made is None]  # a group's rows stay adjacent
+        stopped, step = False, self.settings.max_batch_sequences
+        for start in range(0, len(todo), step):
+            chunk = todo[start : start + step]
+            # Before a chunk's prefill a swap costs nothing: no cache yet.
+            stopped = stopped or (interrupts is not None and interrupts.poll())
+            if stopped:
+                for i in chunk:
+                    out[i] = cut_short(rows[i].prefix, K)
+                continue
+            sampled, stopped = self._sample_batch([rows[i] for i in chunk], sampling, generator, interrupts)
+            for i, completion in zip(chunk, self._to_completions(sampled, sampling), strict=True):
+                out[i] = completion
+        made = [c for c in out if c is not None]
+        return [made[i * n : (i + 1) * n] for i in range(len(prompts))]
 
     def _prefill(self, prompts: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """One forward pass over the left-padded prompts: (model output, attention mask [B, L], next
@@ -171,62 +144,110 @@ class TorchEngine(Engine):
 
     @torch.inference_mode()
     def _sample_batch(
-        self, prompts: list[list[int]], sampling: SamplingSettings, generator: torch.Generator
-    ) -> _Sampled:
-        """Decode `prompts` (a group's rows adjacent) together. Each distinct prompt is prefilled once and
-        its cache shared by its rows; rows that finished leave the batch once half of it has."""
-        B, S, K = len(prompts), sampling.max_new_tokens, sampling.topk_logprobs
-        logits, cache, attention_mask, next_position = self._prefill_shared(prompts)
-        result = _Sampled.empty(B, S, K, self.device)
-        rows = torch.arange(B, device=self.device)  # the result row of each batch row
-        active = torch.ones(B, dtype=torch.bool, device=self.device)  # per batch row
-        for t in range(S):
-            too_short = t < sampling.min_new_tokens  # EOS may not be among the first min_new_tokens
-            token, token_logp, topk_logp, topk_ids = sample_next(
-                logits,
-                sampling.temperature,
-                sampling.top_p,
-                K,
-                generator,
-                banned=self._eos_ids if too_short else None,
-            )
-            result.tokens[rows, t], result.logprobs[rows, t] = token, token_logp
-            result.topk_ids[rows, t], result.topk_logprobs[rows, t] = topk_ids, topk_logp
-            finished = active & torch.isin(token, self._eos_ids)
-            if sampling.stop:
-                candidates = torch.zeros(B, dtype=torch.bool, device=self.device)
-                candidates[rows] = active & ~finished
-                finished |= self._stop_string_hits(result, candidates, t, sampling.stop)[rows]
-            for row in rows[finished].tolist():
-                result.lengths[row], result.stopped[row] = t + 1, True
-            active &= ~finished
-            alive = int(active.sum())
-            if t + 1 == S or alive == 0:
-                break
-            if alive <= len(rows) // 2 and hasattr(cache, "batch_select_indices"):
-                keep = active.nonzero().flatten()  # the finished rows leave: the rest decode cheaper
-                cache.batch_select_indices(keep)
-                rows, active, token = rows[keep], active[keep], token[keep]
-                attention_mask, next_position = attention_mask[keep], next_position[keep]
-            # Finished rows still in the batch keep decoding (their tokens are cut off later).
-            attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(rows), 1))], dim=1)
-            out = self.model(
-                input_ids=token[:, None],
-                attention_mask=attention_mask,
-                position_ids=next_position,
-                use_cache=True,
-                **{self._cache_arg: cache},
-            )
-            logits, cache = out.logits[:, -1, :], getattr(out, self._cache_arg)
-            next_position = next_position + 1
-        return result
+        self,
+        rows: list[Row],
+        sampling: SamplingSettings,
+        generator: torch.Generator,
+        interrupts: Interrupts | None,
+    ) -> tuple[Sampled, bool]:
+        """Decode `rows` together: (what was sampled, whether `interrupts` stopped it). Each distinct
+        prompt is prefilled once and its cache shared by its rows; rows that finished leave the batch once
+        half of it has. Between two steps `interrupts.poll()` may swap the weights (later tokens carry the
+        new version; with kv_cache recompute the cache is rebuilt under them first) or stop the batch."""
+        result = Sampled.start([row.prefix for row in rows], sampling.max_new_tokens,
+                                sampling.topk_logprobs, self.device)  # fmt: skip
+        version = self.policy_version
+        live = self._start(rows, result, torch.arange(len(rows), device=self.device))
+        while True:
+            self._step(live, result, sampling, generator, version)
+            alive = int(live.active.sum())
+            if alive == 0:
+                return result, False
+            if alive <= len(live.rows) // 2 and hasattr(live.cache, "batch_select_indices"):
+                self._shrink(live)  # the finished rows leave: the rest decode cheaper
+            if interrupts is not None:
+                before = self.policy_version
+                if interrupts.poll():
+                    return result, True
+                if self.policy_version != before:
+                    version = self.policy_version
+                    if interrupts.kv_cache == "recompute":  # the swap's point: no token sampled is undone
+                        live = self._start(rows, result, live.rows[live.active])
+                        continue
+            self._advance(live)
+
+    def _start(self, rows: list[Row], result: Sampled, which: torch.Tensor) -> Live:
+        """Prefill the rows `which` (result rows) over their prompt and the tokens they hold so far."""
+        inputs = [rows[i].prompt + result.tokens[i, : int(result.length[i])].tolist() for i in which.tolist()]
+        logits, cache, attention_mask, next_position = self._prefill_shared(inputs)
+        active = torch.ones(len(inputs), dtype=torch.bool, device=self.device)
+        return Live(which, active, logits, cache, attention_mask, next_position)
+
+    def _step(
+        self,
+        live: Live,
+        result: Sampled,
+        sampling: SamplingSettings,
+        generator: torch.Generator,
+        version: int,
+    ) -> None:
+        """Sample one token for every active row from `live.logits`, record it, and end the rows it ends."""
+        position = result.length[live.rows]  # [b]: where each row's token goes
+        too_short = position < sampling.min_new_tokens  # EOS may not be among the first min_new_tokens
+        token, token_logp, topk_logp, topk_ids = sample_next(
+            live.logits,
+            sampling.temperature,
+            sampling.top_p,
+            sampling.topk_logprobs,
+            generator,
+            banned=self._eos_ids if bool(too_short.any()) else None,
+            banned_rows=too_short,
+        )
+        live.token = token  # finished rows still in the batch keep decoding; nothing of theirs is kept
+        write = live.active.nonzero().flatten()
+        rows, at = live.rows[write], position[write]
+        result.tokens[rows, at], result.logprobs[rows, at] = token[write], token_logp[write]
+        result.topk_ids[rows, at], result.topk_logprobs[rows, at] = topk_ids[write], topk_logp[write]
+        result.versions[rows, at] = version
+        result.length[rows] += 1
+        ended = torch.isin(token[write], self._eos_ids)
+        if sampling.stop:
+            ended |= self._stop_string_hits(result, rows, ~ended, sampling.stop)
+        done = ended | (result.length[rows] == sampling.max_new_tokens)
+        for row, by_eos_or_stop in zip(rows[done].tolist(), ended[done].tolist(), strict=True):
+            result.finish[row] = "stop" if by_eos_or_stop else "length"
+        live.active[write[done]] = False
+
+    @staticmethod
+    def _shrink(live: Live) -> None:
+        keep = live.active.nonzero().flatten()
+        live.cache.batch_select_indices(keep)
+        live.rows, live.active = live.rows[keep], live.active[keep]
+        live.attention_mask, live.next_position = live.attention_mask[keep], live.next_position[keep]
+        if live.token is not None:
+            live.token = live.token[keep]
+
+    def _advance(self, live: Live) -> None:
+        """Run the tokens just sampled: the next step's logits and the grown cache."""
+        assert live.token is not None
+        ones = live.attention_mask.new_ones((len(live.rows), 1))
+        live.attention_mask = torch.cat([live.attention_mask, ones], dim=1)
+        out = self.model(
+            input_ids=live.token[:, None],
+            attention_mask=live.attention_mask,
+            position_ids=live.next_position,
+            use_cache=True,
+            **{self._cache_arg: live.cache},
+        )
+        live.logits, live.cache = out.logits[:, -1, :], getattr(out, self._cache_arg)
+        live.next_position = live.next_position + 1
 
     def _prefill_shared(
         self, prompts: list[list[int]]
     ) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor]:
         """The first token's logits, the cache, attention mask and next positions of every row of `prompts`,
         each distinct (adjacent) prompt prefilled once and its cache copied to its rows."""
-        distinct, owner = _distinct_adjacent(prompts)
+        distinct, owner = distinct_adjacent(prompts)
         out, attention_mask, next_position = self._prefill(distinct)
         logits, cache = out.logits[:, -1, :], getattr(out, self._cache_arg)
         if len(distinct) == len(prompts):
@@ -239,33 +260,35 @@ class TorchEngine(Engine):
         return out.logits[:, -1, :], getattr(out, self._cache_arg), attention_mask, next_position
 
     def _stop_string_hits(
-        self, result: _Sampled, candidates: torch.Tensor, t: int, stops: list[str]
+        self, result: Sampled, rows: torch.Tensor, candidates: torch.Tensor, stops: list[str]
     ) -> torch.Tensor:
-        """Rows whose text now contains a stop string; only a tail of tokens is decoded per step.
+        """Which of `rows` (those `candidates` marks) now hold a stop string; only a tail is decoded.
 
-        A stop string ending in token t lies within its last max(len(stop)) characters, and every token
-        but a special one adds at least a character: a tail of that many tokens (+ margin) suffices.
+        A stop string ending in the last token lies within its last max(len(stop)) characters, and every
+        token but a special one adds at least a character: a tail of that many tokens (+ margin) suffices.
         """
         hits = torch.zeros_like(candidates)
-        rows = candidates.nonzero().flatten().tolist()
-        if not rows:
+        picked = candidates.nonzero().flatten().tolist()
+        if not picked:
             return hits
         window = max(len(s) for s in stops) + 8
-        tails = result.tokens[rows, max(0, t + 1 - window) : t + 1].tolist()
+        ends = result.length[rows[picked]].tolist()
+        tails = [
+            result.tokens[int(rows[i]), max(0, end - window) : end].tolist()
+            for i, end in zip(picked, ends, strict=True)
+        ]
         texts = self._tokenizer.batch_decode(tails, skip_special_tokens=True)
-        for row, text in zip(rows, texts, strict=True):
+        for i, text in zip(picked, texts, strict=True):
             if any(stop in text for stop in stops):
-                hits[row] = True
-                result.by_stop_string[row] = True
+                hits[i] = True
+                result.by_stop_string[int(rows[i])] = True
         return hits
 
-    def _to_completions(
-        self, sampled: _Sampled, sampling: SamplingSettings, version: int
-    ) -> list[Completion]:
+    def _to_completions(self, sampled: Sampled, sampling: SamplingSettings) -> list[Completion]:
         completions = []
-        tokens, logprobs = sampled.tokens.cpu(), sampled.logprobs.cpu()
+        tokens, logprobs, versions = sampled.tokens.cpu(), sampled.logprobs.cpu(), sampled.versions.cpu()
         topk_ids, topk_logprobs = sampled.topk_ids.cpu(), sampled.topk_logprobs.cpu()
-        for row, length in enumerate(sampled.lengths):
+        for row, length in enumerate(sampled.length.tolist()):
             ids = tokens[row, :length]
             text = self._tokenizer.decode(ids.tolist(), skip_special_tokens=True)
             if sampled.by_stop_string[row]:
@@ -278,9 +301,9 @@ class TorchEngine(Engine):
                     logprobs[row, :length].numpy(),
                     topk_ids[row, :length].numpy(),
                     topk_logprobs[row, :length].numpy(),
-                    version,
+                    versions[row, :length].numpy(),
                     text,
-                    "stop" if sampled.stopped[row] else "length",
+                    sampled.finish[row],
                 )
             )
         return completions
@@ -312,15 +335,3 @@ class TorchEngine(Engine):
         self.model = self.model.to("meta")  # drops the weights' memory; the object stays inspectable
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _distinct_adjacent(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """(the prompts with adjacent repeats collapsed, the index in it of every row): a group's rows share
-    one prefill."""
-    distinct: list[list[int]] = []
-    owner: list[int] = []
-    for prompt in prompts:
-        if not distinct or distinct[-1] != prompt:
-            distinct.append(prompt)
-        owner.append(len(distinct) - 1)
-    return distinct, owner

@@ -43,7 +43,7 @@ from sparkrl.services.rollout.announcements import AnnouncementGate
 from sparkrl.services.rollout.batch import PromptBatch, pull_prompts, score_groups
 from sparkrl.services.rollout.catch_up import catch_up
 from sparkrl.services.rollout.control import WorkerControl
-from sparkrl.services.rollout.engine import Engine
+from sparkrl.services.rollout.engine import Engine, Interrupts
 from sparkrl.services.rollout.health import HealthGuard, diagnose
 from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
 from sparkrl.services.rollout.lockstep import Lockstep
@@ -292,7 +292,8 @@ class Worker:
         fail alone while the engine works are dead-lettered), or None when the model or engine is at
         fault (the worker falls sick, the prompts stay unacknowledged, to be reclaimed)."""
         try:
-            return batch, self.engine.generate(batch.token_ids, self.cfg.sampling)
+            interrupts = self.interrupts()
+            return batch, self.engine.generate(batch.token_ids, self.cfg.sampling, interrupts=interrupts)
         except Exception as exc:  # a prompt the engine refuses, or a sick model: `diagnose` tells which
             log.warning("generation of %d prompts failed (%s: %s); diagnosing", len(batch.prompts),
                         type(exc).__name__, exc)  # fmt: skip
@@ -306,6 +307,23 @@ class Worker:
         if not keep:
             return None
         return batch.subset(keep), [found.completions[i] for i in keep]
+
+    def interrupts(self) -> Interrupts | None:
+        """What the engine does between two decoding steps: with `weight_updates: in_flight`, take a newer
+        version (looked for every `in_flight.poll_s`) through the same announce → receive → verify →
+        acknowledge path as between batches; None when nothing is to be done there."""
+        cfg = self.cfg
+        if cfg.weight_updates != "in_flight":
+            return None
+        next_look = [time.monotonic() + cfg.in_flight.poll_s]
+
+        def poll() -> bool:
+            if time.monotonic() >= next_look[0]:
+                self.sync()
+                next_look[0] = time.monotonic() + cfg.in_flight.poll_s
+            return False
+
+        return Interrupts(poll, cfg.in_flight.kv_cache)
 
     def doomed_check(self) -> Callable[[TrajectoryGroup], bool]:
         """Whether a group is already older than the learner's `max_staleness` (in force, as its status

@@ -33,6 +33,52 @@ class OverlongBufferSettings(Section):
     )
 
 
+class InFlightSettings(Section):
+    """How a worker with `weight_updates: in_flight` takes a version between two decoding steps."""
+
+    kv_cache: Literal["keep", "recompute"] = Field(
+        "keep",
+        description="The cache of the tokens sampled before the swap: keep (PipelineRL's choice; the next "
+        "tokens are sampled by the new weights on the old weights' keys and values, their log-probs those of "
+        "that mixture, which the learner's ratios correct) or recompute (prompt and tokens so far are run "
+        "again under the new weights: later tokens are exactly the new version's samples, at the cost of "
+        "one prefill per swap).",
+    )
+    poll_s: float = Field(
+        0.05,
+        gt=0,
+        le=10,
+        description="How often, during generation, the worker looks for a newer announcement (a Redis read), "
+        "seconds.",
+    )
+
+
+class PartialSettings(Section):
+    """Partial rollouts: a worker that stops mid-generation hands what it has over instead of dropping it."""
+
+    enabled: bool = Field(
+        True,
+        description="A stopped worker (a signal, a stop command, scaled down) or one that fails a weight "
+        "sync mid-generation stops at the next decoding step, saves its unfinished groups (prompt, tokens "
+        "so far with their versions and log-probs, the samples finished) and releases their prompts; the "
+        "worker that takes a prompt next continues its samples instead of starting from the prompt. "
+        "false: the batch in hand is finished first, and a prompt taken over is made from scratch.",
+    )
+    max_staleness: int | None = Field(
+        None,
+        ge=0,
+        description="A saved sample is continued only when its oldest token is at most this many versions "
+        "older than the version the continuing worker holds (else it is made again from the prompt, "
+        "counted); None: the learner's max_staleness in force, from its status.",
+    )
+    ttl_s: float = Field(
+        86_400.0,
+        gt=0,
+        description="How long saved partial work is kept for its prompt's next worker, seconds (a prompt is "
+        "reclaimed within bus.claim_idle_ms; this only bounds what a run that stopped leaves in Redis).",
+    )
+
+
 class RolloutSettings(Section):
     """A rollout worker: engine, sampling, and its calls to the reward service."""
 
@@ -59,6 +105,18 @@ class RolloutSettings(Section):
         "drop",
         description="A longer prompt: dead-lettered with its length (drop), or cut to its last "
         "max_prompt_tokens tokens (truncate).",
+    )
+    weight_updates: Literal["between_batches", "in_flight"] = Field(
+        "between_batches",
+        description="When a worker takes a newer version: between_batches (after the batch in hand is "
+        "published) or in_flight (between two decoding steps of the batch, PipelineRL's in-flight updates: "
+        "tokens after the swap carry the new version; see rollout.in_flight). Not with lockstep_groups.",
+    )
+    in_flight: InFlightSettings = Field(
+        default_factory=InFlightSettings, description="In-flight weight updates (weight_updates in_flight)."
+    )
+    partial: PartialSettings = Field(
+        default_factory=PartialSettings, description="Partial rollouts: unfinished groups handed over."
     )
     lockstep_groups: int | None = Field(
         None,
@@ -96,6 +154,15 @@ class RolloutSettings(Section):
         default_factory=WorkerHealthSettings, description="A sick model is not a bad prompt."
     )
     metrics: MetricsEndpoint = Field(default_factory=MetricsEndpoint, description="/metrics and /healthz.")
+
+    @model_validator(mode="after")
+    def _in_flight_without_lockstep(self) -> RolloutSettings:
+        if self.weight_updates == "in_flight" and self.lockstep_groups is not None:
+            raise ValueError(
+                "rollout.weight_updates in_flight does not combine with rollout.lockstep_groups: lockstep "
+                "makes each version's share whole (on-policy), in-flight updates change version mid-sample"
+            )
+        return self
 
     @model_validator(mode="after")
     def _buffer_inside_the_budget(self) -> RolloutSettings:
