@@ -38,6 +38,7 @@ from sparkrl.services.learner.ledger import Batch
 from sparkrl.services.learner.metrics import LearnerMetrics
 from sparkrl.services.learner.state import TrainState
 from sparkrl.services.learner.tracking import Tracker
+from sparkrl.services.learner.version_lag import version_stats
 
 log = logging.getLogger("sparkrl.learner")
 
@@ -107,6 +108,7 @@ def step_row(
     metrics["loss/nonfinite_skipped_total"] = float(state.nonfinite_skipped)  # updates not applied
     metrics["checkpoint/failures_total"] = float(state.checkpoint_failures)  # writes that failed, run goes on
     metrics |= status_counts(batch.groups) | length_stats(batch.groups)
+    metrics |= version_stats(batch.groups, state.policy_version - 1)  # the version the step trained against
     metrics |= {f"time/{part}_s": value for part, value in (timings or {}).items()}
     metrics |= exploration or {}
     return StepMetrics(
