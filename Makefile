@@ -9,7 +9,7 @@ EXTRAS := learner,rollout,reward,control,ray,dev
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install redis chromium test test-fast lint bench bench-e2e schema demo clean compose-smoke vllm-env demo-vllm bench-engine
+.PHONY: install redis chromium test test-fast lint bench bench-e2e schema demo clean compose-smoke nodes-smoke vllm-env demo-vllm bench-engine
 
 install: $(VENV)/.installed redis
 
@@ -111,6 +111,15 @@ schema: install
 # wheel carries the Compose v2 binary. The debootstrap base image is built once and kept.
 compose-smoke: $(VENV)/.installed
 	$(PY) deploy/docker/compose_smoke.py
+
+# Three hosts on this machine: network namespaces node-a/b/c (198.18.0.1-3 on a bridge, no route out), root
+# only. docs/deployment.md's "Three machines, step by step" run as printed: plain processes with the learner
+# on two nodes and its one-step equality across them, then Ray with a node cut off and a node SIGKILLed
+# (deploy/nodes/smoke.py; ~4 min here). CI runs it after the compose smoke.
+nodes-smoke: install
+	@command -v ip >/dev/null && command -v unshare >/dev/null && command -v openssl >/dev/null || \
+		{ $(SUDO) apt-get update && $(SUDO) apt-get install -y iproute2 util-linux openssl; }
+	$(SUDO) $(PY) deploy/nodes/smoke.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache
