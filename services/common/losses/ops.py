@@ -59,9 +59,9 @@ def masked_mean(x: Tensor, valid: Tensor) -> Tensor:
 
 
 def weighted(loss_t: Tensor, token_weights: Tensor | None, valid: Tensor) -> Tensor:
-    """Each token's loss `loss_t` [B, T] times its weight (the aggregation's, and truncated IS's); the
-    identity when `None`. Masked weights are zeroed first, so a NaN weight on padding cannot poison the
-    backward pass."""
+    """Each token's loss `loss_t` [B, T] times its weight (the aggregation's, and the mismatch
+    correction's); the identity when `None`. Masked weights are zeroed first, so a NaN weight on padding
+    cannot poison the backward pass."""
     if token_weights is None:
         return loss_t
     w = torch.where(valid, token_weights.detach().to(loss_t.dtype), torch.zeros_like(loss_t))

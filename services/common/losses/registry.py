@@ -25,7 +25,8 @@ class LossInputs:
     `logp` (and `entropy`) carry gradient; the rest are treated as constants. The optional fields are
     `None` when the learner did not compute them: `proxy_logp` (Lp-Reg's min-p proxy of π_old, −inf where
     filtered), `entropy` (the current policy's per-token entropy), `token_weights` (each token's weight in
-    the aggregation — `learner.loss_aggregation` — times its truncated-IS weight; None: 1).
+    the aggregation — `learner.loss_aggregation` — times its importance weight against the rollout
+    engine, truncated or masked, mismatch.py; None: 1).
     """
 
     logp: Tensor
