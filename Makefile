@@ -115,10 +115,11 @@ compose-smoke: $(VENV)/.installed
 # Three hosts on this machine: network namespaces node-a/b/c (198.18.0.1-3 on a bridge, no route out), root
 # only. docs/deployment.md's "Three machines, step by step" run as printed: plain processes with the learner
 # on two nodes and its one-step equality across them, then Ray with a node cut off and a node SIGKILLed
-# (deploy/nodes/smoke.py; ~4 min here). CI runs it after the compose smoke.
+# (deploy/nodes/smoke.py; ~5 min here, the tiny model built first). CI runs it after the compose smoke.
 nodes-smoke: install
 	@command -v ip >/dev/null && command -v unshare >/dev/null && command -v openssl >/dev/null || \
 		{ $(SUDO) apt-get update && $(SUDO) apt-get install -y iproute2 util-linux openssl; }
+	$(VENV)/bin/sparkrl build-tiny-model --out .cache
 	$(SUDO) $(PY) deploy/nodes/smoke.py
 
 clean:

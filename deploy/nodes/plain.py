@@ -20,7 +20,15 @@ TOLERANCE = 1e-5  # tests/test_learner_ranks.py's: parameters after the step, ab
 def run_plain(s: Smoke) -> dict:
     model = s.root / ".cache" / "tiny-countdown"
     for letter in ("A", "B"):
-        s.run(PART, "A and B", "build-tiny-model", on=letter, label=f"plain-model-{letter.lower()}")
+        # Minutes on a busy machine when not built yet (`make nodes-smoke` builds it first).
+        s.run(
+            PART,
+            "A and B",
+            "build-tiny-model",
+            on=letter,
+            label=f"plain-model-{letter.lower()}",
+            timeout_s=900,
+        )
     s.run(PART, "A", "config show", on="A", label="plain-settings")
     cluster, run_dir = s.shared / "cluster.yaml", s.shared / "runs" / "cluster"
     a = s.start(PART, "A", "torchrun", on="A", label="plain-a")
