@@ -48,7 +48,13 @@ def test_a_starting_run_is_not_flagged(browser, bus_settings: BusSettings) -> No
             wait_for(page, "worker-0's row", lambda: row.count() == 1, 30)
             assert row.locator(".note").text_content() == "joins at the next broadcast"
             assert "flagged" not in (row.get_attribute("class") or "")
-            empty = page.get_attribute("#charts [data-chart=heldout]", "data-empty") or ""
-            assert "the evaluator runs when eval.every is set" in empty
+            # The charts are drawn after the tables, at the end of the same poll: waited for, not assumed.
+            chart = "#charts [data-chart=heldout]"
+            wait_for(
+                page, "the held-out chart", lambda: page.get_attribute(chart, "data-empty") is not None, 30
+            )
+            assert "the evaluator runs when eval.every is set" in (
+                page.get_attribute(chart, "data-empty") or ""
+            )
         finally:
             page.close()

@@ -26,6 +26,7 @@ from sparkrl.services.common.modeling import load_model
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 STEPS = 4
+PER_STEP = 4
 ATOL = 1e-4  # the torch engine's contract tolerance (tests/test_engine_contract.py)
 
 
@@ -59,6 +60,8 @@ def test_versions_land_mid_generation_and_later_tokens_are_the_new_weights(
         "rollout.sampling.max_new_tokens=96",  # a batch outlasts a learner step
         "rollout.sampling.min_new_tokens=96",
         f"learner.max_steps={STEPS}",
+        f"learner.prompts_per_step={PER_STEP}",
+        f"prompts.count={STEPS * PER_STEP}",  # every group made is trained (none left over at the end)
         "learner.checkpoint_every=1",  # every version's weights kept, to check its tokens against
         "learner.keep_checkpoints=100",
     )

@@ -74,7 +74,7 @@ def test_the_loop_closes_workers_hold_the_learners_weights(
     write_configs(plan)
     stack = start_stack(stacks, Stack(plan))
     learner = stack.procs["learner"]
-    _wait("the learner to finish", lambda: learner.poll() is not None, 240, plan.run_dir)
+    _wait("the learner to finish", lambda: learner.poll() is not None, 480, plan.run_dir)
     assert learner.returncode == 0
 
     rows = _metrics(plan.run_dir)
@@ -146,7 +146,7 @@ def test_a_worker_dies_another_joins_training_goes_on(
     os.kill(stack.procs["worker-1"].pid, signal.SIGKILL)
     newcomer = start_stack(stacks, Stack(plan, services=["worker-2"]))
     learner = stack.procs["learner"]
-    _wait("the learner to finish", lambda: learner.poll() is not None, 240, plan.run_dir)
+    _wait("the learner to finish", lambda: learner.poll() is not None, 480, plan.run_dir)
     assert learner.returncode == 0, "the learner must not hang or die when a worker does"
     assert [r["step"] for r in _metrics(plan.run_dir)][-1] == steps
 

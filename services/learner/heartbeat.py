@@ -92,12 +92,16 @@ class Heartbeat(threading.Thread):
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._events: list[StateEvent] = []
+        self._changes = 0  # updates made; `_published`: of them, the ones the last finished beat carried
+        self._published = 0
+        self._beaten = threading.Condition()
 
     def update(self, **changes: object) -> None:
         """Change the report (phase, row, hparams, last_checkpoint); the thread publishes it at once."""
         with self._lock:
             previous = self.report.phase
             self.report = replace(self.report, **changes)  # type: ignore[arg-type]
+            self._changes += 1
             if self.report.phase != previous:
                 self._events.append(
                     StateEvent(
@@ -109,6 +113,15 @@ class Heartbeat(threading.Thread):
                     )
                 )
         self._wake.set()
+
+    def flush(self, timeout_s: float = 2.0) -> bool:
+        """Wait (at most `timeout_s`) until a beat has carried every update made so far, so that what is
+        answered next (a command's result) is already in the status; False when it has not in time."""
+        with self._lock:
+            wanted = self._changes
+        self._wake.set()
+        with self._beaten:
+            return self._beaten.wait_for(lambda: self._published >= wanted, timeout_s)
 
     def run(self) -> None:
         while not self.stopped.is_set():
@@ -126,10 +139,13 @@ class Heartbeat(threading.Thread):
 
     def beat(self) -> None:
         with self._lock:
-            report, events, self._events = self.report, self._events, []
+            report, events, self._events, carried = self.report, self._events, [], self._changes
         for event in events:
             self._safely(lambda event=event: self.telemetry.append(event))
         self._safely(lambda: self.telemetry.put_learner(self.status_of(report, self.state)))
+        with self._beaten:
+            self._published = max(self._published, carried)
+            self._beaten.notify_all()
 
     @staticmethod
     def _safely(call: Callable[[], object]) -> None:

@@ -264,8 +264,10 @@ class Learner:
             path = self.checkpoint(command.body.tag)  # type: ignore[union-attr]
         except CheckpointError as exc:
             log.error("%s (a checkpoint command); training goes on", exc)
+            self.reports.published()  # the failure on the status before the answer
             self.control.answer(command, "rejected", str(exc), self.state.step)
             return
+        self.reports.published()  # last_checkpoint on the status before the answer
         self.control.answer(command, "applied", f"checkpoint {path}", self.state.step)
 
     def close(self, ending: Ending) -> str | None:

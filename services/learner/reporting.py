@@ -313,6 +313,11 @@ class Reports:
         self.metrics.checkpoints.inc()
         self.heartbeat.update(last_checkpoint=str(path), checkpoint_failure=None)
 
+    def published(self) -> None:
+        """Before a command is answered: the status shows what it changed (bounded; a Redis that is down
+        only delays the answer by the heartbeat's flush timeout)."""
+        self.heartbeat.flush()
+
     def close(self) -> None:
         """The last beat (`stopped`), then the files and the trackers."""
         self.heartbeat.update(phase="stopped")
