@@ -204,6 +204,7 @@ def init_distributed(cfg: LearnerSettings, sync_host: str = "127.0.0.1") -> None
     TCP listener at all). gloo's own connections stay on loopback when the learner is local."""
     if torch.distributed.is_initialized():
         return
+    pin_build_tools()  # DeepSpeed's op is built (or found built) in init_distributed
     backend = "gloo" if cfg.device == "cpu" else "nccl"
     local = os.environ.get("MASTER_ADDR", sync_host) in ("127.0.0.1", "localhost", "::1")
     if sys.platform == "linux" and local and sync_host in ("127.0.0.1", "localhost", "::1"):
@@ -213,7 +214,6 @@ def init_distributed(cfg: LearnerSettings, sync_host: str = "127.0.0.1") -> None
         return
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(name, value)  # what DeepSpeed's engine reads, as a launcher would set them
-    pin_build_tools()  # DeepSpeed's op is built (or found built) in init_distributed
     store = Path(tempfile.mkdtemp(prefix="sparkrl-dist-")) / "store"
     deepspeed.init_distributed(
         dist_backend=backend,
