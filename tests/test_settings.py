@@ -80,3 +80,13 @@ def test_bad_override_and_unknown_preset_say_what_is_wrong() -> None:
         parse_override("no-equals-sign")
     with pytest.raises(FileNotFoundError, match="known presets"):
         load_settings("no-such-preset")
+
+
+def test_a_list_of_text_is_parsed_as_yaml_and_text_is_taken_as_written() -> None:
+    assert parse_override('rollout.sampling.stop=["</answer>", "\\n\\n"]') == (
+        ["rollout", "sampling", "stop"],
+        ["</answer>", "\n\n"],
+    )
+    settings = load_settings(overrides=['rollout.sampling.stop=["</answer>"]'])
+    assert settings.rollout.sampling.stop == ["</answer>"]
+    assert parse_override("prompts.template={prompt}: a, b")[1] == "{prompt}: a, b"

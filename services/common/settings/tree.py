@@ -12,7 +12,8 @@ import importlib.resources
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, get_args, get_origin
+from types import UnionType
+from typing import Annotated, Any, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -156,13 +157,21 @@ def _is_text_field(path: list[str]) -> bool:
         fields = [model.model_fields[part] for model in models if part in model.model_fields]
         if not fields:
             return False
-        types = [arg for f in fields for arg in (get_args(f.annotation) or (f.annotation,))]
-        types = [arg for a in types for arg in (get_args(a) if get_origin(a) is Annotated else (a,))]
-        types = [arg for a in types for arg in (get_args(a) or (a,))]  # unions of variants
+        types = [t for f in fields for t in _alternatives(f.annotation)]
         if index == len(path) - 1:
             return str in types and all(t in (str, type(None)) for t in types)
         models = [t for t in types if isinstance(t, type) and issubclass(t, BaseModel)]
     return False
+
+
+def _alternatives(annotation: Any) -> list[Any]:
+    """The types a field's annotation allows: Annotated and unions unpacked, a container kept whole (a
+    `list[str]` such as `rollout.sampling.stop` is not text: its value is parsed as YAML)."""
+    if get_origin(annotation) is Annotated:
+        return _alternatives(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, UnionType):  # `str | None`, a union of variants
+        return [t for arg in get_args(annotation) for t in _alternatives(arg)]
+    return [annotation]
 
 
 DISCRIMINATORS = ("name", "kind")  # `learner.loss.name`, `rollout.engine.kind`
