@@ -64,6 +64,7 @@ def test_dynamic_sampling_fills_steps_and_records_the_filtered(
     assert 0 < sum(counted) <= len(filtered)
     assert max(m.get("rollout/groups_filtered_total") or 0 for m in metrics) == sum(counted)
     assert all(0 <= (m.get("rollout/filtered_share") or 0) < 1 for m in metrics)
+    assert all(m["rollout/groups_uninformative"] == 0 for m in metrics)  # none of them reaches a batch
     ended = json.loads((run_dir / "ended.json").read_text())
     assert ended["prompts"]["filtered"] == len(filtered) and ended["prompts"]["dropped"] == 0
 

@@ -32,6 +32,7 @@ from sparkrl.services.common.bus import QueueDepth
 from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.learner.checkpoint import CheckpointError
+from sparkrl.services.learner.dynamic_sampling import equal_rewards
 from sparkrl.services.learner.exploration import exploration_stats, spark_tokens
 from sparkrl.services.learner.heartbeat import Heartbeat
 from sparkrl.services.learner.ledger import Batch
@@ -108,6 +109,8 @@ def step_row(
     metrics["loss/nonfinite_skipped_total"] = float(state.nonfinite_skipped)  # updates not applied
     metrics["checkpoint/failures_total"] = float(state.checkpoint_failures)  # writes that failed, run goes on
     metrics |= status_counts(batch.groups) | length_stats(batch.groups)
+    # Trained groups whose rewards were all equal (no gradient): what learner.filter_groups would filter.
+    metrics["rollout/groups_uninformative"] = float(sum(equal_rewards(g) for g in batch.groups))
     metrics |= version_stats(batch.groups, state.policy_version - 1)  # the version the step trained against
     metrics |= {f"time/{part}_s": value for part, value in (timings or {}).items()}
     metrics |= exploration or {}
