@@ -98,8 +98,20 @@ def published_group_ids(cfg: SparkSettings) -> set[str]:
     return ids
 
 
-def assert_exactly_once(plan: StackPlan, expected_steps: int, groups: set[str] | None = None) -> History:
-    """The invariant; `groups`: the published set when the bus's marks cannot tell (it lost them)."""
+def queued_group_ids(cfg: SparkSettings) -> set[str]:
+    """The groups still in the trajectory stream (published, not yet trained), as audit_run.py reads them."""
+    client = redis_lib.Redis.from_url(cfg.bus.url)
+    entries = client.xrange(f"{cfg.bus.namespace}:trajectories")
+    client.close()
+    return {fields[b"id"].decode() for _, fields in entries}
+
+
+def assert_exactly_once(
+    plan: StackPlan, expected_steps: int, groups: set[str] | None = None, queued_ok: bool = False
+) -> History:
+    """The invariant; `groups`: the published set when the bus's marks cannot tell (it lost them);
+    `queued_ok`: groups published after the learner's last batch may still wait in the stream (a fleet
+    with prompts to spare outruns a learner that stops at max_steps), and only there."""
     history = History.read(plan.run_dir)
     assert sorted(history.steps) == list(range(1, expected_steps + 1)), "a step is missing from the history"
     trained, filtered = history.group_ids, history.filtered_ids
@@ -108,6 +120,10 @@ def assert_exactly_once(plan: StackPlan, expected_steps: int, groups: set[str] |
     assert not set(trained) & set(filtered), "a group was both trained and filtered"
     used = set(trained) | set(filtered)
     published = groups if groups is not None else published_group_ids(plan.settings)
+    if queued_ok:
+        waiting = published - used
+        assert waiting <= queued_group_ids(plan.settings), "a published group is neither trained nor queued"
+        published -= waiting
     assert used == published, (
         f"trained {len(set(trained))} and filtered {len(filtered)} of {len(published)} published groups; "
         f"missing {sorted(published - used)[:5]}, extra {sorted(used - published)[:5]}"

@@ -26,7 +26,6 @@ from sparkrl.services.common.modeling import load_model
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 STEPS = 4
-PER_STEP = 4
 ATOL = 1e-4  # the torch engine's contract tolerance (tests/test_engine_contract.py)
 
 
@@ -60,8 +59,6 @@ def test_versions_land_mid_generation_and_later_tokens_are_the_new_weights(
         "rollout.sampling.max_new_tokens=96",  # a batch outlasts a learner step
         "rollout.sampling.min_new_tokens=96",
         f"learner.max_steps={STEPS}",
-        f"learner.prompts_per_step={PER_STEP}",
-        f"prompts.count={STEPS * PER_STEP}",  # every group made is trained (none left over at the end)
         "learner.checkpoint_every=1",  # every version's weights kept, to check its tokens against
         "learner.keep_checkpoints=100",
     )
@@ -76,7 +73,7 @@ def test_versions_land_mid_generation_and_later_tokens_are_the_new_weights(
     groups = follower.stop()
     assert learner.returncode == 0, (plan.run_dir / "logs" / "learner.log").read_text()[-3000:]
     assert steps_done(plan.run_dir) == STEPS
-    assert_exactly_once(plan, STEPS)
+    assert_exactly_once(plan, STEPS, queued_ok=True)  # the worker keeps making groups to the end
 
     mixed = [(g, c) for g in groups for c in g.completions if len(set(c.policy_versions.tolist())) == 2]
     assert mixed, f"no sample of {len(groups)} groups holds two versions"
