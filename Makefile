@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 TORCH  := torch==2.13.0
-EXTRAS := learner,rollout,reward,control,ray,dev
+EXTRAS := learner,lora,rollout,reward,control,ray,dev
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 

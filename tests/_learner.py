@@ -55,7 +55,8 @@ def learner_loop(
 
 def gradient_and_stats(trainer: Trainer, groups: list[TrajectoryGroup], **cfg: object) -> tuple[list, dict]:
     """The gradients `run_updates` hands the optimizer (recorded at each step), and the step's statistics,
-    under the trainer's settings with `cfg` changed. The weights and the optimizer's state are put back
+    under the trainer's settings with `cfg` changed (of the trained parameters: with LoRA, the adapter's, in
+    the module's order). The weights and the optimizer's state are put back
     afterwards: every call starts from the same ones. One rank (`trainer.engine`)."""
     engine = trainer.engine
     weights = [p.detach().clone() for p in engine.module.parameters()]
@@ -64,7 +65,7 @@ def gradient_and_stats(trainer: Trainer, groups: list[TrajectoryGroup], **cfg: o
     step: Callable[..., object] = engine.step
 
     def recording_step(*args: object, **kwargs: object) -> object:
-        grads.extend(p.grad.detach().clone() for p in engine.module.parameters())
+        grads.extend(p.grad.detach().clone() for p in engine.module.parameters() if p.requires_grad)
         return step(*args, **kwargs)
 
     engine.step = recording_step  # type: ignore[method-assign]

@@ -1,7 +1,8 @@
 """Checkpoints: Hugging Face safetensors (what `from_pretrained` and vLLM load), DeepSpeed's own state
 (optimizer moments, ZeRO partitions), and the trainer state (step, policy version, data counters).
 
-Layout: RUN_DIR/checkpoints/step-000040/{hf/, deepspeed/, trainer_state.json, manifest.json}, and
+Layout: RUN_DIR/checkpoints/step-000040/{hf/, deepspeed/, trainer_state.json, manifest.json} (with
+LoRA also adapter/, the adapter in peft's format; hf/ holds the merged model), and
 `latest`, a link to the newest whole one (checkpoint_folder.py: names, manifest, pruning, fallback). A
 checkpoint is written into a hidden `.partial-*` folder and renamed into place once whole, then `latest`
 is swapped: a crash or a full disk mid-save leaves the previous checkpoint as latest and no half-written
@@ -43,11 +44,13 @@ from sparkrl.services.learner.checkpoint_folder import (
     tag_folder,
     write_manifest,
 )
+from sparkrl.services.learner.lora import is_lora, merged_state_dict, save_adapter
 from sparkrl.services.learner.state import TrainState
 
 log = logging.getLogger("sparkrl.learner.checkpoint")
 
 DEEPSPEED_TAG = "state"
+ADAPTER_DIR = "adapter"  # with LoRA: the adapter alone, beside hf/
 
 __all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "point_latest", "save_checkpoint"]
 
@@ -134,10 +137,16 @@ def save_checkpoint(
 
 
 def save_hf_weights(engine: deepspeed.DeepSpeedEngine, tokenizer: PreTrainedTokenizerBase, out: Path) -> None:
-    """Full weights in Hugging Face format; under ZeRO-3 the partitions are gathered first."""
+    """Full weights in Hugging Face format; under ZeRO-3 the partitions are gathered first. With LoRA,
+    the merged model (what `from_pretrained` loads as without LoRA) and, beside it in `adapter/`, the
+    adapter alone in peft's format."""
     module = engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-        module.save_pretrained(str(out), safe_serialization=True)
+        if is_lora(module):
+            module.save_pretrained(str(out), state_dict=merged_state_dict(module), safe_serialization=True)
+            save_adapter(module, out.parent / ADAPTER_DIR, getattr(module.config, "_name_or_path", None))
+        else:
+            module.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
 
 
@@ -238,4 +247,6 @@ def cpu_weights(engine: deepspeed.DeepSpeedEngine) -> dict[str, torch.Tensor]:
     while the publisher thread sends it."""
     module = engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        if is_lora(module):  # the merged model, under the base's names: the workers need no LoRA
+            return merged_state_dict(module)
         return {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict().items()}

@@ -33,6 +33,7 @@ from sparkrl.services.learner.checkpoint import cpu_weights, restore, save_check
 from sparkrl.services.learner.fp32_head import install_fp32_head
 from sparkrl.services.learner.ledger import Batch
 from sparkrl.services.learner.logprobs import token_logp_and_entropy
+from sparkrl.services.learner.lora import install_lora
 from sparkrl.services.learner.reference import frozen_copy
 from sparkrl.services.learner.startup import pin_build_tools
 from sparkrl.services.learner.state import TrainState
@@ -179,9 +180,12 @@ def load(cfg: LearnerConfig, resume: bool, clock: StartClock | None = None) -> L
 
 
 def learner_model(path: str, lc: LearnerSettings) -> torch.nn.Module:
-    """The model as the learner trains it: its dtype, device and attention kernel, and with
-    `learner.fp32_lm_head` its output projection in float32 (fp32_head.py)."""
+    """The model as the learner trains it: its dtype, device and attention kernel, with `learner.lora`
+    its LoRA layers (lora.py), and with `learner.fp32_lm_head` its output projection in float32
+    (fp32_head.py)."""
     model = load_model(path, lc.dtype, _device(lc), lc.attention)
+    if lc.lora.r > 0:
+        model = install_lora(model, lc.lora)
     if not lc.fp32_lm_head:
         return model
     log.info("learner.fp32_lm_head: the output projection's matmul runs in float32")
@@ -242,6 +246,7 @@ def build_engine(model: torch.nn.Module, cfg: LearnerSettings) -> deepspeed.Deep
     """A torch AdamW passed in, so DeepSpeed does not JIT-compile its fused Adam (~45 s on CPU)."""
     # Every update sets the lr it takes (update.set_lr, from the settings in force): this one is only what
     # the optimizer reports before the first.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    trained = [p for p in model.parameters() if p.requires_grad]  # with LoRA, the adapter alone
+    optimizer = torch.optim.AdamW(trained, lr=cfg.lr, weight_decay=cfg.weight_decay)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg))
     return engine

@@ -10,6 +10,7 @@ from sparkrl.services.common.losses import LossSettings, LpRegLoss, loss_spec
 from sparkrl.services.common.settings.learner_knobs import (
     AdvantageSettings,
     KlSettings,
+    LoraSettings,
     ScheduleSettings,
     TrackingSettings,
 )
@@ -86,6 +87,9 @@ class LearnerSettings(Section):
     )
     schedule: ScheduleSettings = Field(default_factory=ScheduleSettings, description="lr warm-up and decay.")
     kl: KlSettings = Field(default_factory=KlSettings, description="KL penalty to the initial model.")
+    lora: LoraSettings = Field(
+        default_factory=LoraSettings, description="LoRA: train an adapter, not every weight."
+    )
     advantage: AdvantageSettings = Field(
         default_factory=AdvantageSettings, description="Rewards → advantages."
     )

@@ -1,5 +1,5 @@
-"""The learner's optimisation knobs beyond the loss: the `learner.schedule`, `learner.kl` and
-`learner.advantage` sections; re-exported by `settings.py`."""
+"""The learner's optimisation knobs beyond the loss: the `learner.schedule`, `learner.kl`,
+`learner.advantage` and `learner.lora` sections; re-exported by `settings.py`."""
 
 from __future__ import annotations
 
@@ -39,6 +39,31 @@ class AdvantageSettings(Section):
     )
     drop_equal_groups: bool = Field(
         False, description="Leave groups whose rewards are all equal (no signal) out of the step's loss."
+    )
+
+
+class LoraSettings(Section):
+    """LoRA (services/learner/lora.py): the base frozen, a rank-`r` adapter trained on the layers
+    `target_modules` names (peft's LoraConfig: `r`, `lora_alpha`, `lora_dropout`, `target_modules`); the
+    workers receive the merged model. Needs the `lora` extra (peft)."""
+
+    r: int = Field(
+        0, ge=0, le=1024, description="The adapter's rank (peft's r); 0: off, every weight trained."
+    )
+    alpha: float = Field(
+        32.0, gt=0, description="peft's lora_alpha: the adapter's output is scaled by alpha / r."
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="peft's lora_dropout on the adapter's input. Keep 0 for RL: with dropout the update's "
+        "forward is not the one that recomputed π_old, and every ratio moves with the mask.",
+    )
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="peft's target_modules: names (or suffixes) of the layers to adapt, e.g. [q_proj, "
+        "v_proj]; all-linear: every linear layer but the output projection.",
     )
 
 

@@ -33,6 +33,7 @@ from sparkrl.services.common.settings.learner import MAX_STALENESS, LearnerSetti
 from sparkrl.services.common.settings.learner_knobs import (
     AdvantageSettings,
     KlSettings,
+    LoraSettings,
     ScheduleSettings,
     TrackingSettings,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "EvalSettings",
     "KlSettings",
     "LearnerSettings",
+    "LoraSettings",
     "LossSettings",
     "LpRegLoss",
     "MetricsEndpoint",

@@ -1,0 +1,119 @@
+"""LoRA on the learner (`learner.lora`): the base frozen, a low-rank adapter trained in its place.
+
+peft's LoRA layers are put into the model itself (`inject_adapter_in_model`: the model keeps its class,
+forward and `logits_to_keep`), so DeepSpeed, the log-probs and every loss see the same module as without
+LoRA; only the adapter's parameters require a gradient, and the optimizer holds only them
+(`trainer.build_engine`). A LoRA layer computes
+
+    y = x W0ᵀ + (alpha / r) · (x Aᵀ) Bᵀ        (A: r × in, B: out × r, B = 0 at the start)
+
+What leaves the learner is the merged model, W = W0 + (alpha / r) · B A, under the base's own names
+(`merged_state_dict`): the weight sync and the checkpoints' Hugging Face export (`from_pretrained` works
+on it as without LoRA). A checkpoint also keeps the adapter alone in peft's format (`save_adapter`:
+`PeftModel.from_pretrained(base, path)` loads it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from sparkrl.services.common.settings import LoraSettings
+
+log = logging.getLogger("sparkrl.learner")
+
+ADAPTER = "default"  # peft's adapter name; one adapter per learner
+BASE_LAYER = ".base_layer."  # where peft moves a wrapped layer's own weights
+LORA_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.", ".lora_magnitude_vector.")
+
+
+def install_lora(model: torch.nn.Module, lc: LoraSettings) -> torch.nn.Module:
+    """Put LoRA layers into `model` (in place) and freeze everything else; returns the model."""
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError as exc:  # the learner's image does not need peft unless LoRA is asked for
+        raise RuntimeError(
+            "learner.lora.r > 0 needs peft: pip install 'sparkrl[lora]' (or set learner.lora.r=0)"
+        ) from exc
+    config = LoraConfig(
+        r=lc.r, lora_alpha=lc.alpha, lora_dropout=lc.dropout, target_modules=lc.target_modules, bias="none"
+    )
+    model = inject_adapter_in_model(config, model, adapter_name=ADAPTER)
+    for name, param in model.named_parameters():
+        param.requires_grad_(any(part in name for part in LORA_PARTS))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    if trained == 0:
+        raise ValueError(f"learner.lora.target_modules {lc.target_modules!r} matched no layer of the model")
+    log.info("learner.lora: rank %d, alpha %g, %d of %d parameters trained", lc.r, lc.alpha, trained, total)
+    model.sparkrl_lora = config  # type: ignore[assignment]  # what save_adapter writes as adapter_config
+    return model
+
+
+def is_lora(module: torch.nn.Module) -> bool:
+    return getattr(module, "sparkrl_lora", None) is not None
+
+
+def lora_layers(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The LoRA layers of `module` by their name in it."""
+    from peft.tuners.lora import LoraLayer
+
+    return {name: m for name, m in module.named_modules() if isinstance(m, LoraLayer)}
+
+
+@torch.no_grad()
+def merged_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """CPU copies of the weights as the model without LoRA names them, each LoRA layer's weight merged
+    (W0 + scaling · B A). The module is not changed (call under ZeRO-3's gather)."""
+    layers = lora_layers(module)
+    merged: dict[str, torch.Tensor] = {}
+    for name, tensor in module.state_dict().items():
+        if any(part in name for part in LORA_PARTS):
+            continue
+        owner, wrapped, leaf = name.rpartition(BASE_LAYER)
+        if not wrapped:  # a layer LoRA left alone
+            merged[name] = tensor.detach().to("cpu", copy=True)
+            continue
+        value = tensor.detach().to("cpu", dtype=torch.float32, copy=True)
+        if leaf == "weight" and owner in layers and ADAPTER in layers[owner].lora_A:
+            value += layers[owner].get_delta_weight(ADAPTER).detach().to("cpu", torch.float32)
+        merged[f"{owner}.{leaf}"] = value.to(tensor.dtype)
+    return merged
+
+
+@torch.no_grad()
+def adapter_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors under peft's saved names (`base_model.model.<layer>.lora_A.weight`)."""
+    out = {}
+    for name, tensor in module.state_dict().items():
+        if any(part in name for part in LORA_PARTS):
+            out["base_model.model." + name.replace(f".{ADAPTER}.", ".")] = (
+                tensor.detach().to("cpu").contiguous()
+            )
+    return out
+
+
+def save_adapter(module: torch.nn.Module, out: Path, base_model: str | None = None) -> None:
+    """The adapter alone in peft's format: adapter_config.json and adapter_model.safetensors."""
+    config = module.sparkrl_lora  # type: ignore[attr-defined]
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(adapter_state_dict(module), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    fields = config.to_dict()
+    fields["base_model_name_or_path"] = base_model
+    (out / "adapter_config.json").write_text(json.dumps(_jsonable(fields), indent=2, sort_keys=True))
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set):
+        return [_jsonable(v) for v in (sorted(value) if isinstance(value, set) else value)]
+    if isinstance(value, str | int | float | bool) or value is None:
+        return value
+    return str(value)
