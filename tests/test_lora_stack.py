@@ -1,0 +1,81 @@
+"""LoRA on the real stack (torch engine): the learner trains an adapter, the workers follow the merged model
+version by version, every group is trained once, and after three versions a fixed completion's log-probs
+under what the workers hold equal the base model with the checkpoint's adapter applied by peft."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from _faults import assert_exactly_once, settings, steps_done, wait
+from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from conftest import start_stack
+
+from sparkrl.launcher import Stack, plan_stack, write_configs
+from sparkrl.proto import WeightAnnouncement, WorkerStatus
+from sparkrl.services.common.bus import RedisBus
+from sparkrl.services.common.modeling import load_model
+from sparkrl.services.common.weight_sync import weights_checksum
+from sparkrl.services.learner.checkpoint import ADAPTER_DIR
+
+peft = pytest.importorskip(
+    "peft", reason="the lora extra (peft) is not installed: pip install 'sparkrl[lora]'"
+)
+pytestmark = pytest.mark.slow
+
+STEPS, PER_STEP = 3, 4
+
+
+def _logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(ids).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def test_lora_trains_and_the_workers_hold_the_merged_model(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+    stacks: list[Stack],
+) -> None:
+    cfg = settings(
+        tiny_model_dir,
+        tmp_path / "run",
+        "learner.lora.r=8",
+        "learner.lora.alpha=16",
+        "learner.lr=1e-3",
+        f"learner.max_steps={STEPS}",
+        f"learner.prompts_per_step={PER_STEP}",
+        f"prompts.count={STEPS * PER_STEP}",
+        "learner.checkpoint_every=1",
+    )
+    plan = plan_stack(cfg, workers=1, private_redis=True)
+    write_configs(plan)
+    stack = start_stack(stacks, Stack(plan, ready_timeout_s=180))
+    learner = stack.procs["learner"]
+    wait("the learner's last step", lambda: learner.poll() is not None, plan.run_dir, timeout_s=400)
+    assert learner.returncode == 0, (plan.run_dir / "logs" / "learner.log").read_text()[-3000:]
+    assert steps_done(plan.run_dir) == STEPS
+    assert_exactly_once(plan, STEPS)
+    assert "learner.lora: rank 8" in (plan.run_dir / "logs" / "learner.log").read_text()
+
+    with RedisBus(plan.settings.bus) as bus:
+        announcement = WeightAnnouncement.model_validate_json(bus.get_value("weights"))
+        assert announcement.version == STEPS
+
+        def synced() -> bool:
+            statuses = [WorkerStatus.model_validate_json(raw) for raw in bus.statuses("worker").values()]
+            return bool(statuses) and all(s.weights_checksum == announcement.checksum for s in statuses)
+
+        wait("the worker to hold the last version", synced, plan.run_dir, timeout_s=60)
+
+    final = plan.run_dir / "checkpoints" / f"step-{STEPS:06d}"
+    merged = load_model(final / "hf")
+    assert weights_checksum(merged.state_dict().items()) == announcement.checksum  # what the worker holds
+    base = load_model(tiny_model_dir)
+    assert weights_checksum(base.state_dict().items()) != announcement.checksum  # LoRA did train
+    with_adapter = peft.PeftModel.from_pretrained(load_model(tiny_model_dir), str(final / ADAPTER_DIR))
+    completion = torch.randint(0, 260, (1, 24), generator=torch.Generator().manual_seed(3))
+    torch.testing.assert_close(
+        _logprobs(merged, completion), _logprobs(with_adapter, completion), atol=1e-5, rtol=0
+    )
