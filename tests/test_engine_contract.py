@@ -22,7 +22,7 @@ from sparkrl.proto import Completion
 from sparkrl.services.common.modeling import load_model
 from sparkrl.services.common.settings import SamplingSettings, TorchEngineSettings, VllmEngineSettings
 from sparkrl.services.common.weight_sync import weights_checksum
-from sparkrl.services.rollout.engine import Engine
+from sparkrl.services.rollout.engine import Engine, Interrupts, make_completion
 from sparkrl.services.rollout.engines import make_engine
 
 VLLM_HERE = importlib.util.find_spec("vllm") is not None
@@ -131,6 +131,26 @@ def test_seed_stop_and_length(engine: Engine) -> None:
     for group in engine.generate(prompts, SamplingSettings(n=4, max_new_tokens=12, stop=stops, seed=7)):
         for c in group:
             assert not any(stop in c.text for stop in stops)
+
+
+def test_the_workers_call_with_interrupts_and_prefixes(engine: Engine) -> None:
+    """The worker passes `interrupts` on every batch (`rollout.partial`) and `prefixes` for saved partial
+    work: every engine takes both; one that continues no prefix (`continues_prefixes` False) refuses one."""
+    prompts = prompt_ids(engine)
+    sampling = SamplingSettings(n=2, max_new_tokens=8, topk_logprobs=3, seed=4)
+    never = Interrupts(lambda: False)
+    groups = engine.generate(prompts, sampling, prefixes=[[None, None] for _ in prompts], interrupts=never)
+    assert [len(group) for group in groups] == [2] * len(prompts)
+    c = groups[0][0]
+    k = min(3, c.num_tokens - 1)  # its first k tokens, as a stopped worker saves them
+    prefix = make_completion(c.token_ids[:k], c.logprobs[:k], c.topk_ids[:k], c.topk_logprobs[:k],
+                             c.policy_versions[:k], "", "abort")  # fmt: skip
+    if not engine.continues_prefixes:
+        with pytest.raises(ValueError, match="continues no prefixes"):
+            engine.generate(prompts[:1], sampling, prefixes=[[prefix, None]], interrupts=never)
+        return
+    [[continued, fresh]] = engine.generate(prompts[:1], sampling, prefixes=[[prefix, None]], interrupts=never)
+    assert continued.token_ids[:k].tolist() == prefix.token_ids.tolist() and fresh.num_tokens >= 1
 
 
 def test_bad_requests_fail_clearly_and_change_nothing(engine: Engine) -> None:

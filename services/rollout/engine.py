@@ -79,6 +79,7 @@ class Engine(ABC):
     """A model that samples GRPO groups and swaps its weights between calls."""
 
     policy_version: int
+    continues_prefixes: bool = False  # generate(prefixes=) continues cut-short samples; else refuses them
 
     @property
     @abstractmethod

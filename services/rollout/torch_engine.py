@@ -36,6 +36,7 @@ from sparkrl.services.rollout.torch_rows import Live, Row, Sampled, distinct_adj
 class TorchEngine(Engine):
     """Batched sampling on one device; `max_batch_sequences` rows are decoded together."""
 
+    continues_prefixes = True
     settings: TorchEngineSettings
     device: torch.device
     model: PreTrainedModel

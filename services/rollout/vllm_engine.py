@@ -43,7 +43,14 @@ from sparkrl.proto import Completion
 from sparkrl.services.common.modeling import load_tokenizer
 from sparkrl.services.common.settings import SamplingSettings, VllmEngineSettings
 from sparkrl.services.common.weight_sync import weights_checksum
-from sparkrl.services.rollout.engine import Engine, EngineBroken, WeightLoadFailed, make_completion
+from sparkrl.services.rollout.engine import (
+    Engine,
+    EngineBroken,
+    Interrupts,
+    Prefixes,
+    WeightLoadFailed,
+    make_completion,
+)
 from sparkrl.services.rollout.vllm_launch import Launch, plan_launch
 
 log = logging.getLogger("sparkrl.rollout.vllm")
@@ -185,9 +192,21 @@ class VllmEngine(Engine):
                 f"{self.settings.max_logprobs}"
             )
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingSettings) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingSettings,
+        *,
+        prefixes: Prefixes | None = None,
+        interrupts: Interrupts | None = None,
+    ) -> list[list[Completion]]:
+        """`LLM.generate` runs the batch whole: `interrupts` is not polled (a version is taken between
+        batches), and no prefix is continued (`continues_prefixes` False: a worker makes saved partial
+        work again from the prompt)."""
         from vllm.inputs import TokensPrompt
 
+        if prefixes is not None and any(p is not None for group in prefixes for p in group):
+            raise ValueError("the vLLM engine continues no prefixes")
         self._check_inputs(prompts, sampling)
         version = self.policy_version
         outputs = self.llm.generate(
