@@ -1,4 +1,5 @@
-"""A rollout worker's side of the control plane: pause, resume, stop and sampling values, between batches.
+"""A rollout worker's side of the control plane: pause, resume, stop and sampling values, between batches
+(and, with `rollout.partial`, between two decoding steps, so a stop hands the batch in hand over).
 
 Pause means "take no new prompts": a batch in hand is still generated, scored and published (even if
 that waits on a full trajectory stream), so nothing in flight is lost. Resume also lifts a feed hold (a
@@ -65,7 +66,8 @@ class WorkerControl:
             self.reader.answer(command, "applied", said + lifted)
         elif name == "stop":
             self.stop.set()
-            self.reader.answer(command, "applied", "stopping after the batch in hand")
+            said = "stopping: the batch in hand is handed over (rollout.partial) or finished first"
+            self.reader.answer(command, "applied", said)
         elif name == "set_hparams":
             _, mine = split(command.body.values)  # type: ignore[union-attr]  (set_hparams)
             if not mine:

@@ -62,6 +62,9 @@ class Heartbeat(threading.Thread):
         self.telemetry, self.bus, self.state, self.period_s = telemetry, telemetry.bus, state, period_s
         self.sampling = sampling
         self.stopped = threading.Event()
+        # Held while the in-flight prompts are read and touched: a worker that releases prompts (partial
+        # work handed over) takes them out of `in_flight` under it, so no beat touches them afterwards.
+        self.touching = threading.Lock()
 
     def run(self) -> None:
         while not self.stopped.wait(self.period_s):
@@ -70,7 +73,8 @@ class Heartbeat(threading.Thread):
     def beat(self) -> None:
         s, sampling = self.state, self.sampling()
         try:
-            self.bus.touch("prompts", s.worker_id, list(s.in_flight))
+            with self.touching:
+                self.bus.touch("prompts", s.worker_id, list(s.in_flight))
             lag = self.bus.pending_info("prompts").lag
             status = WorkerStatus(
                 worker_id=s.worker_id,

@@ -41,6 +41,16 @@ class WorkerMetrics:
             "sparkrl_rollout_groups_regenerated",
             "Groups made again: they would have reached the learner stale.",
         )
+        self.partial_saved = counter(
+            "sparkrl_rollout_partial_groups_saved", "Groups handed over unfinished (the worker stopped)."
+        )
+        self.partial_continued = counter(
+            "sparkrl_rollout_partial_samples_continued", "Samples taken over from saved partial work."
+        )
+        self.partial_discarded = counter(
+            "sparkrl_rollout_partial_samples_discarded",
+            "Samples with saved partial work made again from the prompt (too stale, or not fitting).",
+        )
         self.sync_failures = counter("sparkrl_rollout_sync_failures", "Weight syncs that failed.")
         self.policy_version = gauge("sparkrl_rollout_policy_version", "Policy version held (-1: initial).")
         self.in_flight = gauge("sparkrl_rollout_prompts_in_flight", "Prompts taken, not yet published.")

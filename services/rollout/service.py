@@ -12,6 +12,7 @@ import os
 import socket
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 from sparkrl.services.common.bus import RedisBus
@@ -32,6 +33,7 @@ from sparkrl.services.rollout.health import HealthGuard
 from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
 from sparkrl.services.rollout.lockstep import Lockstep
 from sparkrl.services.rollout.metrics import WorkerMetrics
+from sparkrl.services.rollout.partials import Handover
 from sparkrl.services.rollout.worker import PAUSED_POLL_S, Worker
 
 log = logging.getLogger("sparkrl.rollout")
@@ -75,6 +77,16 @@ def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
         server=MetricsServer(cfg.rollout.metrics, metrics.registry, lambda: _health(state)),
         lockstep=Lockstep(cfg.rollout.lockstep_groups, cfg.rollout.lockstep_wait_s),
         health=HealthGuard(engine, telemetry, state, heartbeat, metrics, cfg.rollout.health),
+        handover=Handover(
+            bus,
+            cfg.rollout.partial,
+            worker_id,
+            engine.vocab_size,
+            engine.continues_prefixes,
+            lambda: engine.policy_version,
+            partial(_learner_bound, telemetry),
+            metrics,
+        ),
     )
     worker.server.start()
     clock.mark("ready")
@@ -95,6 +107,12 @@ def _receiver(worker_id: str, cfg: RolloutConfig, engine: Engine) -> WeightRecei
         assert isinstance(engine, VllmEngine)  # make_engine builds the engine `kind` names
         return receiver_for(worker_id, cfg.sync, engine)
     return WeightReceiver(worker_id, backend=cfg.sync.backend, timeout_s=cfg.sync.timeout_s)
+
+
+def _learner_bound(telemetry: Telemetry) -> int | None:
+    """The learner's max_staleness in force (its status), bounding how stale a continued sample may be."""
+    status = telemetry.learner()
+    return None if status is None or not Telemetry.learner_alive(status) else status.max_staleness
 
 
 def _reward_client(cfg: RolloutConfig) -> RewardClient:

@@ -3,8 +3,11 @@ publish → ack.
 
 A prompt is acknowledged only after its group is published (idempotently, by group id), so a worker that
 dies at any point loses nothing: its pending prompts are reclaimed by another worker after
-`bus.claim_idle_ms`, and a replayed group id is dropped by the bus. SIGTERM/SIGINT or a stop command
-finish the batch in hand and exit; SIGKILL leaves the batch to be reclaimed. Paused, it takes no new
+`bus.claim_idle_ms`, and a replayed group id is dropped by the bus. SIGTERM/SIGINT or a stop command stop
+generation at the next decoding step and hand the batch in hand over (`partials.py`: saved, its prompts
+released, continued by the next worker; with `rollout.partial.enabled` false, the batch is finished
+first); SIGKILL leaves the batch to be reclaimed and made again. With `rollout.weight_updates: in_flight`
+a newer version is taken between two decoding steps, not only between batches. Paused, it takes no new
 prompts but keeps syncing weights and reporting. A generation that fails for a reason of the model or the
 engine makes it unhealthy (`health.py`): its prompts go back to the fleet; only a prompt shown to be the
 cause is dead-lettered.
@@ -24,10 +27,8 @@ from sparkrl.proto import (
     LearnerStatus,
     TrajectoryGroup,
     WeightAnnouncement,
-    encode_group,
-    staleness,
 )
-from sparkrl.services.common.bus import BusBackpressureTimeout, Entry, RedisBus
+from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.metrics_server import MetricsServer
 from sparkrl.services.common.reward_client import RewardClient, RewardServiceError
 from sparkrl.services.common.settings import RolloutSettings
@@ -48,64 +49,15 @@ from sparkrl.services.rollout.health import HealthGuard, diagnose
 from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
 from sparkrl.services.rollout.lockstep import Lockstep
 from sparkrl.services.rollout.metrics import WorkerMetrics
+from sparkrl.services.rollout.partials import Handover, Taken, fill_gaps
+from sparkrl.services.rollout.publish import publish_groups, too_stale
 
 log = logging.getLogger("sparkrl.rollout")
 
 LEARNER_STATUS_REUSE_S = 0.05  # a batch's groups share one read of the learner's status
-PUBLISH_POLL_S = 0.25  # a full stream is retried in turns this long, answering control and stop between
 PAUSED_POLL_S = 0.2  # how often a paused worker looks at the control stream and the announcement
+CONTROL_POLL_S = 0.5  # how often a generating worker looks at the control stream (rollout.partial: a stop)
 _REGENERATE_ROUNDS = 3  # a group is made again at most twice; the last round publishes whatever it is
-
-
-def publish_groups(
-    bus: RedisBus,
-    groups: list[TrajectoryGroup],
-    entries: list[Entry],
-    stop: threading.Event,
-    waiting: Callable[[int], None],
-    doomed: Callable[[TrajectoryGroup], bool] = lambda group: False,
-) -> tuple[int, list[int]]:
-    """Publish each group, then ack its prompt; returns (the number new, the indices of doomed groups).
-
-    A replay is dropped by the bus, yet acked. While the trajectory stream is full (the learner sets the
-    pace, or is paused) this waits in short slices, calling `waiting(groups still in hand)` between them
-    (control commands are answered, weights followed) and honouring a stop; groups left unpublished keep
-    their prompts unacked, to be reclaimed. A group `doomed` (it would reach the learner too stale to train
-    on) is not published: its prompt stays in hand, for the caller to generate again.
-    """
-    new, redo = 0, []
-    for index, (group, entry) in enumerate(zip(groups, entries, strict=True)):
-        deadline = time.monotonic() + bus.settings.publish_timeout_s
-        while True:
-            if doomed(group):
-                redo.append(index)
-                break
-            payload = encode_group(group.model_copy(update={"published_at": time.time()}))
-            try:
-                new += bus.publish_group(group.group_id, payload, timeout_s=PUBLISH_POLL_S)
-            except BusBackpressureTimeout:
-                waiting(len(groups) - index)
-                if stop.is_set() or time.monotonic() > deadline:
-                    log.warning(
-                        "trajectory stream full; leaving %d prompts to be reclaimed", len(groups) - index
-                    )
-                    return new, redo
-                continue
-            bus.ack("prompts", [entry.entry_id])
-            break
-    return new, redo
-
-
-def too_stale(learner: LearnerStatus | None, oldest: int | None) -> bool:
-    """Whether a group whose oldest token is of policy version `oldest` is older than the learner's
-    `max_staleness` (its status's typed field) against the version it holds now: the learner would not
-    train it. Never when the learner is not live or does not say (a status from before the field), nor
-    for a group without tokens (`oldest` None)."""
-    if learner is None or oldest is None or not Telemetry.learner_alive(learner):
-        return False
-    if learner.max_staleness is None:
-        return False
-    return staleness.too_stale(oldest, learner.policy_version, learner.max_staleness)
 
 
 def sync_weights(
@@ -212,6 +164,7 @@ class Worker:
     server: MetricsServer  # /metrics and /healthz
     lockstep: Lockstep  # rollout.lockstep_groups: wait for each new version after this worker's share
     health: HealthGuard  # unhealthy (a sick model) and the feed hold (a burst of dead letters)
+    handover: Handover  # rollout.partial: saved work taken, unfinished work handed over
     parts: dict[str, float] = field(default_factory=dict)  # seconds per part of the batch in hand
 
     def sync(self) -> None:
@@ -234,24 +187,26 @@ class Worker:
             return False
         self.state.in_flight = [e.entry_id for e in batch.entries]
         self.metrics.in_flight.set(len(self.state.in_flight))
+        taken = self.handover.take(batch, cfg.sampling)
         for attempt in range(_REGENERATE_ROUNDS):
-            again = self._generate_score_publish(batch, last=attempt == _REGENERATE_ROUNDS - 1)
+            again = self._generate_score_publish(batch, attempt == _REGENERATE_ROUNDS - 1, taken)
             if again is None:
                 break
             self.metrics.regenerated.inc(len(again.prompts))
             self.sync()  # the newest weights first
-            batch = again
+            batch, taken = again, taken.spent()  # made again from their prompts
         self.health.check_burst()
         return self._done()
 
-    def _generate_score_publish(self, batch: PromptBatch, last: bool) -> PromptBatch | None:
-        """The prompts whose groups to make again; None when done (published, dead-lettered, given up)."""
+    def _generate_score_publish(self, batch: PromptBatch, last: bool, taken: Taken) -> PromptBatch | None:
+        """The prompts whose groups to make again; None when done (published, dead-lettered, handed over,
+        given up)."""
         state, metrics = self.state, self.metrics
         state.state = "generating"
-        state.in_hand_version = state.policy_version
+        state.in_hand_version = taken.oldest(state.policy_version)
         with metrics.generation_seconds.time(), self._part("generate"):
             start = time.monotonic()
-            made = self._generate(batch)
+            made = self._generate(batch, taken)
         if made is None:
             state.in_hand_version = None
             return None
@@ -259,6 +214,10 @@ class Worker:
         tokens = sum(c.num_tokens for group in completions for c in group)
         state.tokens_per_s = tokens / max(time.monotonic() - start, 1e-9)
         metrics.tokens.inc(tokens)
+        if any(c.finish_reason == "abort" for group in completions for c in group):
+            self._hand_over(batch, completions)  # stopped: the next worker goes on with them
+            state.in_hand_version = None
+            return None
         try:
             with metrics.score_seconds.time(), self._part("score"):
                 groups = score_groups(
@@ -269,12 +228,11 @@ class Worker:
             log.error("scoring failed, leaving %d prompts to be reclaimed: %s", len(batch.prompts), exc)
             state.in_hand_version = None
             return None
+        groups = [taken.annotate(group) for group in groups]
         doomed = (lambda group: False) if last else self.doomed_check()
         try:
             with self._part("publish"):  # waiting on a full stream (the learner's pace) included
-                published, redo = publish_groups(
-                    self.bus, groups, batch.entries, self.stop, self.waiting, doomed
-                )
+                out = publish_groups(self.bus, groups, batch.entries, self.stop, self.waiting, doomed)
         finally:
             if state.state == "stream_full":
                 state.state = "generating"
@@ -282,22 +240,41 @@ class Worker:
             moved_on, state.in_hand_version = made_with != state.policy_version, None
             if moved_on:  # it followed newer weights while these waited: the learner may be waiting on them
                 self.heartbeat.beat()
-        state.groups_published += published
-        metrics.groups.inc(published)
-        self.lockstep.record(made_with, published)
-        return batch.subset(redo) if redo else None
+        self.handover.published([groups[i].group_id for i in out.done], taken)
+        left = [i for i in range(len(groups)) if i not in out.done and i not in out.redo]
+        if left:  # the stream stayed full until a stop or the deadline: made, scored, handed over
+            self._hand_over(batch.subset(left), [completions[i] for i in left])
+        state.groups_published += out.new
+        metrics.groups.inc(out.new)
+        self.lockstep.record(made_with, out.new)
+        return batch.subset(out.redo) if out.redo else None
 
-    def _generate(self, batch: PromptBatch) -> tuple[PromptBatch, list[list[Completion]]] | None:
-        """The batch's completions; after a failure, those of the prompts that generate alone (the ones that
-        fail alone while the engine works are dead-lettered), or None when the model or engine is at
-        fault (the worker falls sick, the prompts stay unacknowledged, to be reclaimed)."""
+    def _hand_over(self, batch: PromptBatch, completions: list[list[Completion]]) -> None:
+        handed = {e.entry_id for e in batch.entries}
+        with self.heartbeat.touching:  # no beat may touch (keep) what is released now
+            self.state.in_flight = [e for e in self.state.in_flight if e not in handed]
+        self.handover.save(batch, completions, self.cfg.sampling)
+
+    def _generate(
+        self, batch: PromptBatch, taken: Taken
+    ) -> tuple[PromptBatch, list[list[Completion]]] | None:
+        """The batch's completions (continuing the samples `taken` holds); after a failure, those of the
+        prompts that generate alone (the ones that fail alone while the engine works are dead-lettered), or
+        None when the model or engine is at fault (the worker falls sick, the prompts stay unacknowledged,
+        to be reclaimed)."""
+        sampling = self.cfg.sampling
+        prefixes = taken.prefixes_for(batch)
         try:
-            interrupts = self.interrupts()
-            return batch, self.engine.generate(batch.token_ids, self.cfg.sampling, interrupts=interrupts)
+            return batch, self.engine.generate(
+                batch.token_ids,
+                sampling,
+                prefixes=None if prefixes is None else fill_gaps(prefixes, sampling.n),
+                interrupts=self.interrupts(len(batch.prompts)),
+            )
         except Exception as exc:  # a prompt the engine refuses, or a sick model: `diagnose` tells which
             log.warning("generation of %d prompts failed (%s: %s); diagnosing", len(batch.prompts),
                         type(exc).__name__, exc)  # fmt: skip
-            found = diagnose(self.engine, batch.token_ids, self.cfg.sampling, exc)
+            found = diagnose(self.engine, batch.token_ids, sampling, exc)
         if found.sick is not None:
             self.health.fall_sick(found.sick)
             return None
@@ -308,19 +285,33 @@ class Worker:
             return None
         return batch.subset(keep), [found.completions[i] for i in keep]
 
-    def interrupts(self) -> Interrupts | None:
-        """What the engine does between two decoding steps: with `weight_updates: in_flight`, take a newer
-        version (looked for every `in_flight.poll_s`) through the same announce → receive → verify →
-        acknowledge path as between batches; None when nothing is to be done there."""
+    def interrupts(self, in_hand: int) -> Interrupts | None:
+        """What the engine does between two decoding steps: with `rollout.partial`, stop for a stop (a
+        signal, or a stop command: the control stream is read every CONTROL_POLL_S; the batch, `in_hand`
+        groups, is handed over) or when this worker dropped out of a weight broadcast (the fleet's newer
+        weights go on with its samples); with `weight_updates: in_flight`, take a newer version (looked
+        for every `in_flight.poll_s`) through the same announce → receive → verify → acknowledge path as
+        between batches. None when neither is on."""
         cfg = self.cfg
-        if cfg.weight_updates != "in_flight":
+        follow, hand_over = cfg.weight_updates == "in_flight", cfg.partial.enabled
+        if not follow and not hand_over:
             return None
-        next_look = [time.monotonic() + cfg.in_flight.poll_s]
+        now = time.monotonic()
+        next_look, next_control = [now + cfg.in_flight.poll_s], [now + CONTROL_POLL_S]
 
         def poll() -> bool:
-            if time.monotonic() >= next_look[0]:
+            if hand_over and time.monotonic() >= next_control[0]:
+                self.control.boundary(in_hand)  # a stop sets self.stop; pause and sampling: the next batch
+                next_control[0] = time.monotonic() + CONTROL_POLL_S
+            if hand_over and self.stop.is_set():
+                return True
+            if follow and time.monotonic() >= next_look[0]:
+                failures = self.state.sync_failures
                 self.sync()
                 next_look[0] = time.monotonic() + cfg.in_flight.poll_s
+                if hand_over and self.state.sync_failures > failures:
+                    log.warning("dropped out of a weight broadcast mid-generation: handing the batch over")
+                    return True
             return False
 
         return Interrupts(poll, cfg.in_flight.kv_cache)

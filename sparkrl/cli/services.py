@@ -52,7 +52,8 @@ def rollout(
     from sparkrl.services.common.logs import stop_on_signals
     from sparkrl.services.rollout.service import main
 
-    main(cfg, stop_on_signals(log, "the batch in hand"))
+    in_hand = "the decoding step in hand (its batch handed over)" if cfg.rollout.partial.enabled else None
+    main(cfg, stop_on_signals(log, in_hand or "the batch in hand"))
     _exit_now()
 
 

@@ -219,6 +219,19 @@ class RedisBus:
 
         return len(self._run(keep_alive, kind))
 
+    def release(self, kind: StreamKind, consumer: str, entry_ids: list[str]) -> int:
+        """Hand entries `consumer` holds back at once: their idle time is set past claim_idle_ms, so the
+        next read of any consumer reclaims them (a worker that stops mid-generation, its partial work
+        saved). Not a delivery: the count is unchanged. Returns how many were pending."""
+        if not entry_ids:
+            return 0
+        key, group, idle = self.stream_key(kind), GROUPS[kind], 10 * self.settings.claim_idle_ms + 1000
+
+        def set_idle() -> list[bytes]:
+            return self._redis.xclaim(key, group, consumer, 0, entry_ids, idle=idle, justid=True)
+
+        return len(self._run(set_idle, kind))
+
     def dead_letter(self, kind: StreamKind, entry: Entry, reason: str) -> bool:
         """Move an entry to `{ns}:dead` with its reason, ack and delete it (atomic); False if not pending."""
         log.warning("dead-lettering %s entry %s (%s): %s", kind, entry.entry_id, entry.item_id, reason)
@@ -363,6 +376,10 @@ class RedisBus:
 
     def get_value(self, name: str) -> bytes | None:
         return self.values.get(name)
+
+    def delete_values(self, names: list[str]) -> int:
+        """Remove named values; how many there were."""
+        return self.values.delete_many(names)
 
     def get_values(self, names: list[str]) -> list[bytes | None]:
         """Many named values in one round trip per thousand, in order; None where there is none."""

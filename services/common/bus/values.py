@@ -41,3 +41,8 @@ class NamedValues(BusPart):
             keys = [self.key(name) for name in names[start : start + CHUNK]]
             values.extend(self._run(lambda keys=keys: self._redis.mget(keys)))
         return values
+
+    def delete_many(self, names: list[str]) -> int:
+        if not names:
+            return 0
+        return int(self._run(lambda: self._redis.delete(*(self.key(name) for name in names))))
