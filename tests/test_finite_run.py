@@ -105,7 +105,14 @@ def finished_run(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path)
         stdout=out, stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=clean_env(),
     )  # fmt: skip
     try:
-        _wait("the first step", lambda: (run_dir / "metrics.jsonl").is_file(), up, run_dir, 600)
+        metrics = run_dir / "metrics.jsonl"  # the file is made at start: the first row is what tells
+        _wait(
+            "the first step",
+            lambda: metrics.is_file() and metrics.read_text().strip() != "",
+            up,
+            run_dir,
+            600,
+        )
         paused = _cli("pause", "--run-dir", str(run_dir))  # live for as long as the probes take
         assert paused.returncode == 0, paused.stderr
         probes = _probe_while_live(run_dir, data)

@@ -107,6 +107,9 @@ def steps_the_data_allows(bus: RedisBus, prompts_per_step: int, progress: Progre
     fed = feed_done(bus)
     if fed is None:
         return None
-    used = progress.groups_trained + progress.groups_filtered
+    # Read from another thread while a step is committed: its step may be counted before its groups are
+    # (learner.step), which would promise one step too many; a step trains prompts_per_step groups.
+    trained = max(progress.groups_trained, progress.step * prompts_per_step)
+    used = trained + progress.groups_filtered
     left = max(0, fed.prompts - used - bus.dead_letter_count())
     return progress.step + math.ceil(left / prompts_per_step)
