@@ -167,6 +167,16 @@ class WeightAnnouncement(WireModel):
         "ProcessGroupNCCL), `nccl4py` (an NVIDIA nccl4py communicator) or `vllm_nccl` (vLLM's own "
         "NCCL weight-transfer engine, into the workers' vLLM). Writer: learner. Reader: rollout worker."
     )
+    adapter_base: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="Set when the version is a LoRA adapter alone (`learner.lora.sync: adapter`): the "
+        "manifest holds, sorted by name, per adapted layer `<layer>`, `<layer>.lora_A` (r × in) and "
+        "`<layer>.lora_B` (out × r, already scaled by alpha / r), which a worker merges into the base as "
+        "`<layer>.weight` = W0 + lora_B · lora_A. The value is the checksum (`weights_checksum`) of those "
+        "base weights W0 in float32, layers sorted by name: a worker whose base differs refuses the "
+        "version. None: the manifest is the whole model. Writer: learner. Reader: rollout worker.",
+    )
     snapshot_path: str | None = Field(
         default=None,
         description="Where a worker that joins late loads the latest weights from (a directory of "

@@ -213,6 +213,7 @@ def test_vllm_native_transfer_loads_and_verifies_the_announced_weights(
 
     from sparkrl.services.common.settings import WeightSyncSettings
     from sparkrl.services.common.weight_sync import LoadedInPlace, WeightSender
+    from sparkrl.services.rollout.install import VersionInstaller
     from sparkrl.services.rollout.vllm_engine import VllmEngine
     from sparkrl.services.rollout.vllm_transfer import receiver_for
 
@@ -226,7 +227,8 @@ def test_vllm_native_transfer_loads_and_verifies_the_announced_weights(
     noisy_model.load_state_dict(noisy)
     torch.cuda.set_device(1)
     try:
-        receiver = receiver_for("native", WeightSyncSettings(backend="vllm_nccl", timeout_s=120.0), engine)
+        sync = WeightSyncSettings(backend="vllm_nccl", timeout_s=120.0)
+        receiver = receiver_for("native", sync, VersionInstaller(engine, tiny_model_dir))
         with WeightSender(backend="vllm_nccl", timeout_s=120.0) as sender:
             announcement = sender.announce(noisy, version=7, epoch=1, members=["native"])
             reports: list[object] = []
@@ -288,7 +290,8 @@ def test_vllm_output_conversion_handles_the_extra_sampled_entry() -> None:
 
 
 def test_vllm_initial_checksum_is_the_learners(tiny_model_dir: Path, reference: PreTrainedModel) -> None:  # noqa: F811
-    from sparkrl.services.rollout.vllm_engine import _buckets, checkpoint_state_dict
+    from sparkrl.services.common.modeling import checkpoint_state_dict
+    from sparkrl.services.rollout.vllm_engine import _buckets
 
     from_checkpoint = checkpoint_state_dict(tiny_model_dir)
     assert [name for name, _ in from_checkpoint] == list(reference.state_dict())

@@ -1,7 +1,7 @@
 """LoRA on the learner (`learner.lora`, services/learner/lora.py), under real DeepSpeed through the product's
 `run_updates`: the adapter's gradient is a hand-built LoRA forward's, the base never moves, what leaves the
-learner is the merged model, and a checkpoint holds the adapter in peft's format, the merged model in
-Hugging Face format and resumes exactly."""
+learner is the adapter alone (a worker merges it into its base) or the merged model, and a checkpoint
+holds the adapter in peft's format, the merged model in Hugging Face format and resumes exactly."""
 
 from __future__ import annotations
 
@@ -17,11 +17,16 @@ from transformers import AutoModelForCausalLM
 from sparkrl.proto import TrajectoryGroup
 from sparkrl.proto.testing import random_group
 from sparkrl.services.common.modeling import load_model, load_tokenizer
+from sparkrl.services.common.settings import TorchEngineSettings
+from sparkrl.services.common.weight_sync import weights_checksum
 from sparkrl.services.learner.checkpoint import ADAPTER_DIR, restore
 from sparkrl.services.learner.ledger import Batch
 from sparkrl.services.learner.lora import lora_layers
 from sparkrl.services.learner.state import TrainState
 from sparkrl.services.learner.trainer import OneRank, build_engine, learner_model
+from sparkrl.services.rollout.engine import WeightLoadFailed
+from sparkrl.services.rollout.install import VersionInstaller
+from sparkrl.services.rollout.torch_engine import TorchEngine
 
 peft = pytest.importorskip(
     "peft", reason="the lora extra (peft) is not installed: pip install 'sparkrl[lora]'"
@@ -101,11 +106,9 @@ def test_the_adapters_gradient_is_a_hand_built_loras(
     assert all(float(g.abs().max()) > 0 for g in got)  # A's gradients too, B being non-zero
 
 
-def test_the_base_stays_bit_identical_and_the_merged_model_leaves_the_learner(
-    tiny_model_dir: Path,  # noqa: F811
-    tmp_path: Path,
-) -> None:
-    cfg = settings(tiny_model_dir, tmp_path / "run", *LORA, "learner.weight_decay=0.1")
+def _trained(tiny_model_dir: Path, run: Path, *extra: str) -> tuple[OneRank, torch.nn.Module]:  # noqa: F811
+    """Three steps of LoRA; the base checked bit-identical (weight decay on: not optimized), B moved."""
+    cfg = settings(tiny_model_dir, run, *LORA, "learner.weight_decay=0.1", *extra)
     trainer = one_rank(cfg)
     module = trainer.engine.module
     frozen = {n: p.detach().clone() for n, p in module.named_parameters() if not p.requires_grad}
@@ -114,9 +117,23 @@ def test_the_base_stays_bit_identical_and_the_merged_model_leaves_the_learner(
         trainer.update(Batch(groups=_groups(step), entries=[]), step, cfg.learner)
     for name, param in module.named_parameters():
         if name in frozen:
-            assert torch.equal(param, frozen[name]), f"{name} moved"  # weight decay included: not optimized
+            assert torch.equal(param, frozen[name]), f"{name} moved"
     assert any(not torch.equal(p, adapter[n]) for n, p in module.named_parameters() if n in adapter)
+    return trainer, module
 
+
+def _same_logits(model: torch.nn.Module, module: torch.nn.Module) -> None:
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, module(ids).logits, atol=5e-5, rtol=1e-5)
+
+
+def test_the_base_stays_bit_identical_and_the_merged_model_leaves_the_learner(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    trainer, module = _trained(tiny_model_dir, tmp_path / "run", "learner.lora.sync=merged")
+    assert trainer.adapter_base is None
     merged = trainer.weights()
     base = load_model(tiny_model_dir)
     assert set(merged) == set(base.state_dict())  # the base's names: a worker needs no LoRA
@@ -125,9 +142,42 @@ def test_the_base_stays_bit_identical_and_the_merged_model_leaves_the_learner(
         w0 = layer.base_layer.weight.detach()
         torch.testing.assert_close(merged[f"{name}.weight"], w0 + (ALPHA / RANK) * b @ a, atol=1e-6, rtol=0)
     base.load_state_dict(merged)
-    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    _same_logits(base, module)
+
+
+def test_the_adapter_alone_leaves_the_learner_and_a_worker_merges_it_into_its_base(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """`learner.lora.sync: adapter` (the default): a version is r · (in + out) numbers per layer; the
+    worker's installer merges it into the base it loaded and then samples from the learner's model; a
+    worker on another base refuses it, naming why, and keeps its weights."""
+    trainer, module = _trained(tiny_model_dir, tmp_path / "run")
+    version = trainer.weights()
+    layers = lora_layers(module)
+    assert set(version) == {f"{n}{part}" for n in layers for part in (".lora_A", ".lora_B")}
+    base_bytes = sum(t.numel() * t.element_size() for t in load_model(tiny_model_dir).state_dict().values())
+    sent = sum(t.numel() * t.element_size() for t in version.values())
+    assert sent < base_bytes / 4
+    assert trainer.adapter_base is not None
+
+    engine = TorchEngine(tiny_model_dir, TorchEngineSettings(dtype="float32"))
+    installer = VersionInstaller(engine, tiny_model_dir)
+    installer.install(version, 3, trainer.adapter_base)
+    assert engine.policy_version == 3
+    assert installer.checksum() == weights_checksum(version.items())  # the announced one, held
+    _same_logits(engine.model, module)
+
+    other = load_model(tiny_model_dir)
     with torch.no_grad():
-        torch.testing.assert_close(base(ids).logits, module(ids).logits, atol=1e-5, rtol=1e-5)
+        other.get_submodule(next(iter(layers))).weight.add_(0.01)  # an adapted layer's base differs
+    moved = tmp_path / "other-base"
+    other.save_pretrained(moved)
+    before = weights_checksum(engine.model.state_dict().items())
+    stranger = VersionInstaller(engine, moved)
+    with pytest.raises(WeightLoadFailed, match=r"base model .* is not the learner's"):
+        stranger.install(version, 4, trainer.adapter_base)
+    assert weights_checksum(engine.model.state_dict().items()) == before and engine.policy_version == 3
 
 
 def test_a_checkpoint_holds_the_adapter_and_the_merged_model_and_resumes_exactly(

@@ -1,6 +1,8 @@
-"""LoRA on the real stack (torch engine): the learner trains an adapter, the workers follow the merged model
+"""LoRA on the real stack (torch engine): the learner trains an adapter and sends the workers the adapter
+alone (a fraction of the model's bytes, as weights.jsonl says), the workers merge it into their base
 version by version, every group is trained once, and after three versions a fixed completion's log-probs
-under what the workers hold equal the base model with the checkpoint's adapter applied by peft."""
+under what the workers hold equal the checkpoint's merged export and the base with its adapter applied by
+peft."""
 
 from __future__ import annotations
 
@@ -13,11 +15,15 @@ from _tiny import tiny_model_dir  # noqa: F401  (fixture)
 from conftest import start_stack
 
 from sparkrl.launcher import Stack, plan_stack, write_configs
-from sparkrl.proto import WeightAnnouncement, WorkerStatus
+from sparkrl.proto import SyncEvent, WeightAnnouncement, WorkerStatus
 from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.modeling import load_model
+from sparkrl.services.common.settings import TorchEngineSettings
 from sparkrl.services.common.weight_sync import weights_checksum
 from sparkrl.services.learner.checkpoint import ADAPTER_DIR
+from sparkrl.services.rollout.catch_up import load_snapshot
+from sparkrl.services.rollout.install import VersionInstaller
+from sparkrl.services.rollout.torch_engine import TorchEngine
 
 peft = pytest.importorskip(
     "peft", reason="the lora extra (peft) is not installed: pip install 'sparkrl[lora]'"
@@ -69,13 +75,24 @@ def test_lora_trains_and_the_workers_hold_the_merged_model(
 
         wait("the worker to hold the last version", synced, plan.run_dir, timeout_s=60)
 
-    final = plan.run_dir / "checkpoints" / f"step-{STEPS:06d}"
-    merged = load_model(final / "hf")
-    assert weights_checksum(merged.state_dict().items()) == announcement.checksum  # what the worker holds
+    # Each version travelled as the adapter alone: a fraction of the model's bytes, in weights.jsonl too.
     base = load_model(tiny_model_dir)
-    assert weights_checksum(base.state_dict().items()) != announcement.checksum  # LoRA did train
+    model_bytes = sum(t.numel() * t.element_size() for t in base.state_dict().values())
+    assert announcement.adapter_base is not None
+    assert announcement.total_bytes < model_bytes / 4
+    events = [SyncEvent.model_validate_json(line) for line in (plan.run_dir / "weights.jsonl").open()]
+    assert {e.bytes for e in events if e.outcome == "ok"} == {announcement.total_bytes}
+
+    # What the worker holds: its installer's merge of the last version (the snapshot file) into its base.
+    final = plan.run_dir / "checkpoints" / f"step-{STEPS:06d}"
+    engine = TorchEngine(tiny_model_dir, TorchEngineSettings(dtype="float32"))
+    installer = VersionInstaller(engine, tiny_model_dir)
+    assert load_snapshot(installer, announcement.snapshot_path or "") is not None
+    assert installer.checksum() == announcement.checksum and engine.policy_version == STEPS
+    merged = load_model(final / "hf")
+    assert weights_checksum(base.state_dict().items()) != weights_checksum(merged.state_dict().items())
     with_adapter = peft.PeftModel.from_pretrained(load_model(tiny_model_dir), str(final / ADAPTER_DIR))
     completion = torch.randint(0, 260, (1, 24), generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(
-        _logprobs(merged, completion), _logprobs(with_adapter, completion), atol=1e-5, rtol=0
-    )
+    held = _logprobs(engine.model, completion)
+    torch.testing.assert_close(held, _logprobs(merged, completion), atol=1e-5, rtol=0)
+    torch.testing.assert_close(held, _logprobs(with_adapter, completion), atol=1e-5, rtol=0)

@@ -44,6 +44,7 @@ from sparkrl.services.control.app import create_app
 from sparkrl.services.learner.publisher import write_snapshot
 from sparkrl.services.rollout.announcements import ANNOUNCEMENT_KEY, AnnouncementGate
 from sparkrl.services.rollout.catch_up import catch_up
+from sparkrl.services.rollout.install import VersionInstaller
 
 SECRET = "names-as-paths-secret-0123456789abcdef"
 # The forms a file name from the wire could take that are not one plain name (the checkpoint list's
@@ -263,7 +264,7 @@ def test_an_announced_snapshot_is_loaded_only_from_inside_our_snapshots(
             for path in paths:
                 announcement = through_redis(path)
                 assert gate.local_snapshot(announcement) is None, path
-                assert catch_up(NoEngine(), announcement, gate, SECRET) is None  # type: ignore[arg-type]
+                assert catch_up(VersionInstaller(NoEngine(), "."), announcement, gate, SECRET) is None  # type: ignore[arg-type]
             assert gate.local_snapshot(through_redis(str(ours))) == ours.resolve()
     finally:
         sender.close()

@@ -40,6 +40,7 @@ from sparkrl.services.common.weight_sync.nccl4py_group import HOLDS, decode_shri
 from sparkrl.services.common.weight_sync.rendezvous import JOINED
 from sparkrl.services.common.weight_sync.torch_groups import gloo_group
 from sparkrl.services.common.weight_sync.vllm_native import TransferPlan, plan_for, update_info
+from sparkrl.services.rollout.install import VersionInstaller
 from sparkrl.services.rollout.vllm_transfer import receiver_for
 
 TIMEOUT_S = 10.0
@@ -272,7 +273,7 @@ def _stand_in_for_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
 def _vllm_receiver(worker_id: str, engine: _FakeEngine) -> WeightReceiver:
     """As a worker with a vLLM engine builds it (`rollout/service.py`)."""
     settings = WeightSyncSettings(backend="vllm_nccl", timeout_s=TIMEOUT_S)
-    return receiver_for(worker_id, settings, engine)  # type: ignore[arg-type]
+    return receiver_for(worker_id, settings, VersionInstaller(engine, "."))  # type: ignore[arg-type]
 
 
 def test_vllm_native_transfer_keeps_the_announce_join_verify_contract(

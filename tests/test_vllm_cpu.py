@@ -139,12 +139,14 @@ def test_three_learner_versions_pushed_into_the_running_engine(engine: Any, tied
     """gloo broadcast → verified bytes → vLLM's weight-update session → acknowledged with the checksum
     vLLM reports of what its loader took. After each version: that checksum is the learner's, and vLLM's
     log-probs of a fixed completion are Hugging Face's under the new weights (the tied head included)."""
+    from sparkrl.services.rollout.install import VersionInstaller
     from sparkrl.services.rollout.vllm_transfer import receiver_for
 
     prompt = engine.tokenizer(PROMPT)["input_ids"]
     completion = engine.tokenizer("3*7=21")["input_ids"]
     learner_model = reference(tied_model_dir)
-    receiver = receiver_for("w", WeightSyncSettings(backend="gloo", timeout_s=60), engine)
+    sync = WeightSyncSettings(backend="gloo", timeout_s=60)
+    receiver = receiver_for("w", sync, VersionInstaller(engine, engine.model_path))
     with WeightSender(backend="gloo", timeout_s=60) as sender:
         for version in (1, 2, 3):
             state = noised(learner_model, seed=version)
@@ -198,12 +200,14 @@ def test_a_version_the_engine_refuses_is_acknowledged_bad(engine: Any, tied_mode
     """Bytes that arrive intact but do not fit the model (a tensor it lacks): the worker acknowledges
     `bad <the checksum it still holds>`, the learner's broadcast fails verify naming the worker (the next
     epoch goes on without it), and the engine is untouched."""
+    from sparkrl.services.rollout.install import VersionInstaller
     from sparkrl.services.rollout.vllm_transfer import receiver_for
 
     version, checksum = engine.policy_version, engine.weights_checksum()
     state = noised(reference(tied_model_dir, engine_state(engine, tied_model_dir)), seed=7)
     state["model.extra.weight"] = torch.zeros(4)
-    receiver = receiver_for("w", WeightSyncSettings(backend="gloo", timeout_s=60), engine)
+    sync = WeightSyncSettings(backend="gloo", timeout_s=60)
+    receiver = receiver_for("w", sync, VersionInstaller(engine, engine.model_path))
     with WeightSender(backend="gloo", timeout_s=60) as sender:
         _, received, outcome = _push(sender, receiver, state, version + 1)
     receiver.close()

@@ -26,6 +26,7 @@ from sparkrl.services.common.weight_sync import EpochOver, SyncFailed, WeightRec
 from sparkrl.services.learner.publisher import ANNOUNCEMENT_KEY, write_snapshot
 from sparkrl.services.rollout.announcements import AnnouncementGate
 from sparkrl.services.rollout.heartbeat import WorkerState
+from sparkrl.services.rollout.install import VersionInstaller
 from sparkrl.services.rollout.metrics import WorkerMetrics
 from sparkrl.services.rollout.torch_engine import TorchEngine
 from sparkrl.services.rollout.worker import sync_weights
@@ -86,6 +87,7 @@ def test_a_member_that_caught_up_from_a_newer_snapshot_still_joins_and_a_dead_ep
     learner = _Learner(bus, tmp_path / "snapshots")
     gate = AnnouncementGate(bus, None, tmp_path)
     receiver = WeightReceiver(WORKER, timeout_s=TIMEOUT_S)
+    installer = VersionInstaller(engine, ".")
     state, metrics = WorkerState(WORKER, "torch"), WorkerMetrics(WORKER)
     try:
         # Version 1 was announced before we heartbeated (no members); version 2's snapshot is already on
@@ -93,28 +95,28 @@ def test_a_member_that_caught_up_from_a_newer_snapshot_still_joins_and_a_dead_ep
         v1, v2 = _weights(engine, 1), _weights(engine, 2)
         learner.announce(v1, version=1, epoch=1, members=[])
         write_snapshot(v2, 2, learner.snapshots)
-        assert sync_weights(gate, receiver, engine, state, metrics, None)
+        assert sync_weights(gate, receiver, installer, state, metrics, None)
         assert engine.policy_version == 2
 
         # Version 2's announcement names us in a new epoch: we hold the version, but must join.
         announcement = learner.announce(v2, version=2, epoch=2, members=[WORKER])
         broadcast = learner.broadcast_in_background(v2, announcement)
-        assert sync_weights(gate, receiver, engine, state, metrics, None)
+        assert sync_weights(gate, receiver, installer, state, metrics, None)
         broadcast.join(TIMEOUT_S * 3)
         assert not isinstance(learner.outcome[-1], SyncFailed), learner.outcome[-1]
         assert receiver.held_epoch == 2
-        assert not sync_weights(gate, receiver, engine, state, metrics, None)  # nothing new: no rejoin
+        assert not sync_weights(gate, receiver, installer, state, metrics, None)  # nothing new: no rejoin
 
         # Version 3's epoch fails (a member that never joins): we fail with it, then catch up from the
         # snapshot rather than knock on the dead epoch again.
         v3 = _weights(engine, 3)
         announcement = learner.announce(v3, version=3, epoch=3, members=[WORKER, "never-joins"])
         broadcast = learner.broadcast_in_background(v3, announcement)
-        assert not sync_weights(gate, receiver, engine, state, metrics, None)
+        assert not sync_weights(gate, receiver, installer, state, metrics, None)
         broadcast.join(TIMEOUT_S * 3)
         assert isinstance(learner.outcome[-1], SyncFailed) and learner.outcome[-1].missing == ["never-joins"]
         assert state.sync_failures == 1 and receiver.failed_epoch == 3
-        assert sync_weights(gate, receiver, engine, state, metrics, None)
+        assert sync_weights(gate, receiver, installer, state, metrics, None)
         assert engine.policy_version == 3 and state.sync_failures == 1
         assert state.weights_checksum == announcement.checksum
     finally:
@@ -135,6 +137,7 @@ def test_an_epoch_that_is_over_fails_at_once_and_the_worker_catches_up_from_the_
     gate = AnnouncementGate(bus, None, tmp_path)
     before = WeightReceiver(WORKER, timeout_s=TIMEOUT_S)  # the process this one restarted from
     receiver = WeightReceiver(WORKER, timeout_s=TIMEOUT_S)
+    installer = VersionInstaller(engine, ".")
     state, metrics = WorkerState(WORKER, "torch"), WorkerMetrics(WORKER)
     try:
         v1, v2 = _weights(engine, 1), _weights(engine, 2)
@@ -153,11 +156,12 @@ def test_an_epoch_that_is_over_fails_at_once_and_the_worker_catches_up_from_the_
         bus.set_value(ANNOUNCEMENT_KEY, first.model_dump_json())  # epoch 1's, written back
         receiver = WeightReceiver(WORKER, timeout_s=TIMEOUT_S)
         started = time.monotonic()
-        assert sync_weights(gate, receiver, engine, state, metrics, None)
+        assert sync_weights(gate, receiver, installer, state, metrics, None)
         assert time.monotonic() - started < TIMEOUT_S / 2
         assert engine.policy_version == 2  # the snapshot, not epoch 1's broadcast
         assert receiver.failed_epoch == 1 and state.sync_failures == 0
-        assert not sync_weights(gate, receiver, engine, state, metrics, None)  # and it does not knock again
+        again = sync_weights(gate, receiver, installer, state, metrics, None)
+        assert not again  # and it does not knock again
     finally:
         receiver.close()
         before.close()

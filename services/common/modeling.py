@@ -6,7 +6,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -69,3 +75,26 @@ def apply_chat_template_if_any(
         text_or_messages if isinstance(text_or_messages, str) else "\n".join(m["content"] for m in messages)
     )
     return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def model_skeleton(model_path: Path) -> dict[str, torch.Tensor]:
+    """The Hugging Face model's state dict on the meta device (names, shapes, tied names), no weights."""
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return skeleton.state_dict(keep_vars=True)
+
+
+def checkpoint_state_dict(model_path: Path) -> list[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors in the Hugging Face model's state-dict order (the learner's broadcast
+    order), tied names resolved to the tensor they share; read from the safetensors files on CPU."""
+    from safetensors import safe_open
+
+    live = model_skeleton(model_path)
+    stored: dict[str, torch.Tensor] = {}
+    for file in sorted(model_path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as shard:
+            stored.update({name: shard.get_tensor(name) for name in shard.keys()})
+    # A tied weight (lm_head sharing embed_tokens) is stored once, under one of its names.
+    stored_name = {id(tensor): name for name, tensor in live.items() if name in stored}
+    return [(name, stored[stored_name[id(tensor)]]) for name, tensor in live.items()]

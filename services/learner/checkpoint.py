@@ -44,7 +44,13 @@ from sparkrl.services.learner.checkpoint_folder import (
     tag_folder,
     write_manifest,
 )
-from sparkrl.services.learner.lora import is_lora, merged_state_dict, save_adapter
+from sparkrl.services.learner.lora import (
+    adapter_base,
+    adapter_tensors,
+    is_lora,
+    merged_state_dict,
+    save_adapter,
+)
 from sparkrl.services.learner.state import TrainState
 
 log = logging.getLogger("sparkrl.learner.checkpoint")
@@ -243,10 +249,13 @@ def nonfinite_tensors(weights: dict[str, torch.Tensor]) -> list[str]:
 
 @torch.no_grad()
 def cpu_weights(engine: deepspeed.DeepSpeedEngine) -> dict[str, torch.Tensor]:
-    """A CPU copy of the full weights to publish (gathered under ZeRO-3); the copy lets training go on
-    while the publisher thread sends it."""
+    """A CPU copy of the version to publish (gathered under ZeRO-3); the copy lets training go on while
+    the publisher thread sends it. With LoRA: the adapter alone (`learner.lora.sync: adapter`), or the
+    merged model under the base's names (`merged`)."""
     module = engine.module
     with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-        if is_lora(module):  # the merged model, under the base's names: the workers need no LoRA
+        if is_lora(module) and adapter_base(module) is not None:
+            return adapter_tensors(module)
+        if is_lora(module):
             return merged_state_dict(module)
         return {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict().items()}

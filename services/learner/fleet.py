@@ -29,10 +29,17 @@ class Fleet:
     publisher: WeightPublisher
     timeout_s: float  # sync.timeout_s: how long the learner waits for the fleet, at most
 
-    def publish(self, version: int, weights: dict[str, torch.Tensor], broadcast: bool = True) -> None:
+    def publish(
+        self,
+        version: int,
+        weights: dict[str, torch.Tensor],
+        broadcast: bool = True,
+        adapter_base: str | None = None,
+    ) -> None:
         """Hand `version` to the publisher's thread (CPU tensors nothing modifies later). `broadcast=False`
-        only announces it: for weights the fleet holds already."""
-        self.publisher.submit(version, weights, broadcast=broadcast)
+        only announces it: for weights the fleet holds already. `adapter_base`: `weights` is a LoRA
+        adapter alone, for the base of that checksum (lora.adapter_tensors)."""
+        self.publisher.submit(version, weights, broadcast=broadcast, adapter_base=adapter_base)
 
     @property
     def last_sync(self) -> SyncEvent | None:

@@ -172,7 +172,7 @@ class Learner:
         with clock.timed("bookkeeping"):
             acked = self.ledger.commit(state, batch, journaled) + self.collector.take_acked()
         with clock.timed("publish"):  # the broadcast runs on the publisher's thread
-            self.fleet.publish(state.policy_version, weights)
+            self.fleet.publish(state.policy_version, weights, adapter_base=self.trainer.adapter_base)
         if state.step == live.max_steps:
             self.fleet.settle(state.policy_version)
         hparams = hparams_in_force(self.trainer.lr(), live, batch.groups)  # the lr the update set
@@ -219,7 +219,9 @@ class Learner:
             self.guard.weights_broken = True
             self.guard.stop = broken_start(names, self.state.step, source)
             raise RuntimeError(self.guard.stop)
-        self.fleet.publish(self.state.policy_version, weights, broadcast=broadcast)
+        self.fleet.publish(
+            self.state.policy_version, weights, broadcast=broadcast, adapter_base=self.trainer.adapter_base
+        )
 
     def interrupted(self) -> bool:
         self.ledger.rebuild_if_wiped()  # between reads: before the next group's trained mark is looked up

@@ -7,10 +7,13 @@ LoRA; only the adapter's parameters require a gradient, and the optimizer holds 
 
     y = x W0ᵀ + (alpha / r) · (x Aᵀ) Bᵀ        (A: r × in, B: out × r, B = 0 at the start)
 
-What leaves the learner is the merged model, W = W0 + (alpha / r) · B A, under the base's own names
-(`merged_state_dict`): the weight sync and the checkpoints' Hugging Face export (`from_pretrained` works
-on it as without LoRA). A checkpoint also keeps the adapter alone in peft's format (`save_adapter`:
-`PeftModel.from_pretrained(base, path)` loads it).
+A version sent to the workers is the adapter alone (`learner.lora.sync: adapter`, `adapter_tensors`):
+per layer `<layer>.lora_A` = A and `<layer>.lora_B` = (alpha / r) · B, announced with the checksum of
+the base weights they apply to (`base_checksum`), and each worker merges W = W0 + lora_B · lora_A into
+the base it loaded (services/rollout/install.py). With `sync: merged` the merged model travels, under
+the base's own names (`merged_state_dict`), as it does for the checkpoints' Hugging Face export
+(`from_pretrained` works on it as without LoRA). A checkpoint also keeps the adapter alone in peft's
+format (`save_adapter`: `PeftModel.from_pretrained(base, path)` loads it).
 """
 
 from __future__ import annotations
@@ -53,7 +56,57 @@ def install_lora(model: torch.nn.Module, lc: LoraSettings) -> torch.nn.Module:
         raise ValueError(f"learner.lora.target_modules {lc.target_modules!r} matched no layer of the model")
     log.info("learner.lora: rank %d, alpha %g, %d of %d parameters trained", lc.r, lc.alpha, trained, total)
     model.sparkrl_lora = config  # type: ignore[assignment]  # what save_adapter writes as adapter_config
+    # Adapter-only sync: the checksum of the base the workers must merge into, taken now while the model is
+    # whole on every rank (ZeRO-3 partitions it later); the base is frozen, so it holds for the whole run.
+    model.sparkrl_lora_base = base_checksum(model) if lc.sync == "adapter" else None  # type: ignore[assignment]
     return model
+
+
+def adapted_linears(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The LoRA layers whose update is a plain B A on a Linear's weight, by name; raises ValueError (naming
+    the fix) for any other kind (an embedding, Conv1D's fan_in_fan_out, DoRA): those travel merged only."""
+    from peft.tuners.lora.layer import Linear
+
+    layers = {name: m for name, m in lora_layers(module).items() if ADAPTER in m.lora_A}
+    for name, layer in layers.items():
+        dora = bool(getattr(layer, "use_dora", {}).get(ADAPTER, False))
+        if not isinstance(layer, Linear) or getattr(layer, "fan_in_fan_out", False) or dora:
+            raise ValueError(
+                f"learner.lora.sync=adapter sends plain Linear adapters only; {name} is a "
+                f"{type(layer).__name__}{' with DoRA' if dora else ''}: set learner.lora.sync=merged, or "
+                "narrow learner.lora.target_modules"
+            )
+    return layers
+
+
+@torch.no_grad()
+def base_checksum(module: torch.nn.Module) -> str:
+    """`weights_checksum` of the adapted layers' base weights in float32, in their names' order (that of
+    `adapter_tensors`, and of a snapshot file's): what a worker checks its own base against before merging
+    an adapter into it."""
+    from sparkrl.services.common.weight_sync import weights_checksum
+
+    layers = adapted_linears(module)
+    return weights_checksum((n, layers[n].base_layer.weight.detach().float()) for n in sorted(layers))
+
+
+@torch.no_grad()
+def adapter_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The version the workers receive under `sync: adapter`: per adapted layer, `<layer>.lora_A` (r × in)
+    and `<layer>.lora_B` (out × r) with the scaling alpha / r folded in, CPU copies (call under ZeRO-3's
+    gather). In the names' order: the manifest's is then a snapshot file's too, so a worker loading either
+    computes the same checksum."""
+    out: dict[str, torch.Tensor] = {}
+    for name, layer in adapted_linears(module).items():
+        out[f"{name}.lora_A"] = layer.lora_A[ADAPTER].weight.detach().to("cpu", copy=True)
+        scaled = layer.lora_B[ADAPTER].weight.detach().to("cpu", copy=True) * layer.scaling[ADAPTER]
+        out[f"{name}.lora_B"] = scaled.contiguous()
+    return dict(sorted(out.items()))
+
+
+def adapter_base(module: torch.nn.Module) -> str | None:
+    """The base checksum announced with each version when only the adapter travels; None otherwise."""
+    return getattr(module, "sparkrl_lora_base", None)
 
 
 def is_lora(module: torch.nn.Module) -> bool:

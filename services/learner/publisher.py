@@ -47,14 +47,16 @@ def _drop_reason(failure: SyncFailed, timeout_s: float) -> str:
     return f"{failure.phase} failed: {failure}"
 
 
-def write_snapshot(tensors: dict[str, torch.Tensor], version: int, directory: Path) -> Path:
-    """The weights a late joiner loads, written atomically (temp file + rename) with their version."""
+def write_snapshot(
+    tensors: dict[str, torch.Tensor], version: int, directory: Path, adapter_base: str | None = None
+) -> Path:
+    """The weights a late joiner loads, written atomically (temp file + rename) with their version (and,
+    for a LoRA adapter alone, the checksum of the base it applies to)."""
+    metadata = {"version": str(version)} | ({"adapter_base": adapter_base} if adapter_base else {})
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / SNAPSHOT_NAME
     tmp = directory / f".{SNAPSHOT_NAME}.{os.getpid()}.tmp"
-    save_file(
-        {name: t.contiguous() for name, t in tensors.items()}, str(tmp), metadata={"version": str(version)}
-    )
+    save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp), metadata=metadata)
     os.replace(tmp, path)
     return path
 
@@ -94,16 +96,23 @@ class WeightPublisher(threading.Thread):
         self._seen_incarnation: dict[str, float | None] = {}  # worker → the started_at it last reported
         self._epoch_incarnation: dict[str, float | None] = {}  # member → its started_at when the epoch formed
         self.last_sync: SyncEvent | None = None  # the newest broadcast every member acknowledged
-        self._pending: tuple[int, dict[str, torch.Tensor], bool] | None = None
+        self._pending: tuple[int, dict[str, torch.Tensor], bool, str | None] | None = None
         self._wake = threading.Condition()
         self._busy = False
         self._closing = False
 
-    def submit(self, version: int, tensors: dict[str, torch.Tensor], broadcast: bool = True) -> None:
+    def submit(
+        self,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        broadcast: bool = True,
+        adapter_base: str | None = None,
+    ) -> None:
         """Hand over a new version (CPU tensors the caller will not modify); replaces any unsent one.
-        `broadcast=False` only announces it (and snapshots it): for weights the fleet already holds."""
+        `broadcast=False` only announces it (and snapshots it): for weights the fleet already holds.
+        `adapter_base`: the tensors are a LoRA adapter for the base of that checksum."""
         with self._wake:
-            self._pending = (version, tensors, broadcast)
+            self._pending = (version, tensors, broadcast, adapter_base)
             self._wake.notify_all()
 
     def flush(self, timeout_s: float) -> bool:
@@ -131,10 +140,10 @@ class WeightPublisher(threading.Thread):
                     self._wake.wait()
                 if self._pending is None:
                     return
-                version, tensors, broadcast = self._pending
+                version, tensors, broadcast, adapter = self._pending
                 self._pending, self._busy = None, True
             try:
-                self.publish(version, tensors, broadcast)
+                self.publish(version, tensors, broadcast, adapter)
             except Exception:  # the learner must outlive any publishing failure; the next version retries
                 log.exception("publishing version %d failed", version)
                 self.needs_new_epoch = True
@@ -194,17 +203,28 @@ class WeightPublisher(threading.Thread):
                 log.info("%s restarted (a new process under the same id): a new epoch takes it in", worker)
                 self.needs_new_epoch = True
 
-    def publish(self, version: int, tensors: dict[str, torch.Tensor], broadcast: bool = True) -> None:
+    def publish(
+        self,
+        version: int,
+        tensors: dict[str, torch.Tensor],
+        broadcast: bool = True,
+        adapter_base: str | None = None,
+    ) -> None:
         snapshot = None
         if version % self.cfg.snapshot_every == 0 or not broadcast:
-            snapshot = str(write_snapshot(tensors, version, self.snapshot_dir))
+            snapshot = str(write_snapshot(tensors, version, self.snapshot_dir, adapter_base))
         members, dropped = self.choose_members() if broadcast else ((), {})
         if members != self.members or self.needs_new_epoch:
             self.epoch += 1
             self.members, self.needs_new_epoch = members, False
             self._epoch_incarnation = {w: self._seen_incarnation.get(w) for w in members}
         announcement = self.sender.announce(
-            tensors, version=version, epoch=self.epoch, members=list(members), snapshot_path=snapshot
+            tensors,
+            version=version,
+            epoch=self.epoch,
+            members=list(members),
+            snapshot_path=snapshot,
+            adapter_base=adapter_base,
         )
         if self.files is not None:
             update = {"files_url": self.files.url, "model_sha256": self.files.model_sha256}

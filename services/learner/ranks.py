@@ -147,6 +147,10 @@ class ManyRanks:
     def lr(self) -> float | None:
         return self.local.lr()  # every rank's optimizer is set alike, from the same order's settings
 
+    @property
+    def adapter_base(self) -> str | None:
+        return self.local.adapter_base  # taken before ZeRO partitioned the model: the same on every rank
+
     def weights(self) -> dict[str, torch.Tensor]:
         if self.local.cfg.zero_stage != 3:  # the full weights are on this rank already
             return cpu_weights(self.local.engine)

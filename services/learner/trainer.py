@@ -33,7 +33,7 @@ from sparkrl.services.learner.checkpoint import cpu_weights, restore, save_check
 from sparkrl.services.learner.fp32_head import install_fp32_head
 from sparkrl.services.learner.ledger import Batch
 from sparkrl.services.learner.logprobs import token_logp_and_entropy
-from sparkrl.services.learner.lora import install_lora
+from sparkrl.services.learner.lora import adapter_base, install_lora
 from sparkrl.services.learner.reference import frozen_copy
 from sparkrl.services.learner.startup import pin_build_tools
 from sparkrl.services.learner.state import TrainState
@@ -60,7 +60,13 @@ class Trainer(Protocol):
         ...
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """A CPU copy of the full weights, to publish (gathered under ZeRO-3)."""
+        """A CPU copy of the version to publish (gathered under ZeRO-3): the full weights, or with LoRA's
+        adapter-only sync the adapter's tensors (lora.adapter_tensors)."""
+        ...
+
+    @property
+    def adapter_base(self) -> str | None:
+        """With LoRA's adapter-only sync, the checksum of the base `weights()` applies to; else None."""
         ...
 
     def save(self, state: TrainState, tag: str | None) -> Path:
@@ -110,6 +116,10 @@ class OneRank:
 
     def weights(self) -> dict[str, torch.Tensor]:
         return cpu_weights(self.engine)
+
+    @property
+    def adapter_base(self) -> str | None:
+        return adapter_base(self.engine.module)
 
     def save(self, state: TrainState, tag: str | None) -> Path:
         cfg = self.cfg

@@ -17,27 +17,28 @@ from sparkrl.proto import WeightAnnouncement
 from sparkrl.services.common.weight_sync.files import FetchFailed, fetch_bytes, fetch_model
 from sparkrl.services.common.weight_sync.manifest import weights_checksum
 from sparkrl.services.rollout.announcements import AnnouncementGate
-from sparkrl.services.rollout.engine import Engine
+from sparkrl.services.rollout.install import VersionInstaller
 
 log = logging.getLogger("sparkrl.rollout")
 
 MODEL_WAIT_LOG_S = 10.0  # how often a worker waiting for the learner's model says so
 
 
-def load_snapshot(engine: Engine, path: str) -> int | None:
+def load_snapshot(installer: VersionInstaller, path: str) -> int | None:
     """The learner's latest snapshot from a file we can read, if newer than what we hold; its bytes."""
     from safetensors import safe_open
 
     with safe_open(path, framework="pt") as snapshot:
-        version = int((snapshot.metadata() or {}).get("version", -1))
-        if version == engine.policy_version:
+        metadata = snapshot.metadata() or {}
+        version = int(metadata.get("version", -1))
+        if version == installer.engine.policy_version:
             return None
         tensors = {name: snapshot.get_tensor(name) for name in snapshot.keys()}
-    engine.load_weights(tensors.items(), version)
+    installer.install(tensors, version, metadata.get("adapter_base"))
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def fetch_snapshot(engine: Engine, announcement: WeightAnnouncement, secret: str | None) -> int:
+def fetch_snapshot(installer: VersionInstaller, announcement: WeightAnnouncement, secret: str | None) -> int:
     """The announced version's snapshot over HTTP, verified against the announcement; its bytes."""
     from safetensors.torch import load
 
@@ -49,13 +50,13 @@ def fetch_snapshot(engine: Engine, announcement: WeightAnnouncement, secret: str
         raise FetchFailed(f"{url}: the snapshot lacks tensor {exc}") from exc
     if got != announcement.checksum:  # replaced by a newer version meanwhile, or not the learner's
         raise FetchFailed(f"{url}: checksum {got[:12]}… is not version {announcement.version}'s")
-    engine.load_weights(tensors.items(), announcement.version)
+    installer.install(tensors, announcement.version, announcement.adapter_base)
     log.info("caught up to version %d over HTTP (%s)", announcement.version, url)
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def catch_up(
-    engine: Engine, announcement: WeightAnnouncement, gate: AnnouncementGate, secret: str | None
+    installer: VersionInstaller, announcement: WeightAnnouncement, gate: AnnouncementGate, secret: str | None
 ) -> int | None:
     """A worker outside the broadcast group loads the announced snapshot: from disk when it lies in our
     run directory's snapshots/, else over HTTP. None when there is none to load (or we hold it)."""
@@ -63,10 +64,10 @@ def catch_up(
         return None
     local = gate.local_snapshot(announcement)
     if local is not None:
-        return load_snapshot(engine, str(local))
+        return load_snapshot(installer, str(local))
     if announcement.files_url is None:
         return None
-    return fetch_snapshot(engine, announcement, secret)
+    return fetch_snapshot(installer, announcement, secret)
 
 
 def model_dir_for(

@@ -80,6 +80,7 @@ class Engine(ABC):
 
     policy_version: int
     continues_prefixes: bool = False  # generate(prefixes=) continues cut-short samples; else refuses them
+    whole_versions: bool = False  # load_weights takes every tensor at once (vLLM); else any subset
 
     @property
     @abstractmethod

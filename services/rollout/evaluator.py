@@ -30,6 +30,7 @@ from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.common.weight_sync.files import FetchFailed
 from sparkrl.services.rollout.announcements import AnnouncementGate
 from sparkrl.services.rollout.catch_up import catch_up, model_dir_for
+from sparkrl.services.rollout.install import VersionInstaller
 from sparkrl.services.rollout.torch_engine import TorchEngine
 
 log = logging.getLogger("sparkrl.evaluator")
@@ -68,6 +69,7 @@ class Evaluator:
         self.engine = TorchEngine(
             model, TorchEngineSettings(threads=self.settings.threads, max_batch_sequences=256)
         )
+        self.installer = VersionInstaller(self.engine, model)  # a LoRA run's snapshots are adapters
         self.evaluated: int | None = None  # the last version evaluated
 
     def step(self) -> bool:
@@ -97,7 +99,7 @@ class Evaluator:
     def _load(self, announcement: WeightAnnouncement) -> int | None:
         """The announced snapshot, from disk or over HTTP; None when there is nothing newer to load."""
         try:
-            return catch_up(self.engine, announcement, self.gate, self.cfg.sync.secret)
+            return catch_up(self.installer, announcement, self.gate, self.cfg.sync.secret)
         except FetchFailed as exc:  # replaced by a newer version meanwhile, or the learner is restarting
             log.info("version %d not loaded (%s); the next announcement is tried", announcement.version, exc)
             return None

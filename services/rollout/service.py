@@ -27,10 +27,10 @@ from sparkrl.services.common.weight_sync import WeightReceiver
 from sparkrl.services.rollout.announcements import AnnouncementGate
 from sparkrl.services.rollout.catch_up import model_dir_for
 from sparkrl.services.rollout.control import WorkerControl
-from sparkrl.services.rollout.engine import Engine
 from sparkrl.services.rollout.engines import make_engine
 from sparkrl.services.rollout.health import HealthGuard
 from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
+from sparkrl.services.rollout.install import VersionInstaller
 from sparkrl.services.rollout.lockstep import Lockstep
 from sparkrl.services.rollout.metrics import WorkerMetrics
 from sparkrl.services.rollout.partials import Handover
@@ -54,6 +54,7 @@ def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
     native = cfg.sync.backend == "vllm_nccl"  # vLLM's own transfer engine receives the weights
     engine = make_engine(model, cfg.rollout.engine, native_transfer=native)
     clock.mark("engine")
+    installer = VersionInstaller(engine, model)
     telemetry, metrics = Telemetry(bus), WorkerMetrics(worker_id)
     state = WorkerState(worker_id, cfg.rollout.engine.kind, policy_version=engine.policy_version)
     control = WorkerControl(
@@ -70,7 +71,8 @@ def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
         metrics=metrics,
         stop=stop,
         gate=gate,
-        receiver=_receiver(worker_id, cfg, engine),
+        receiver=_receiver(worker_id, cfg, installer),
+        installer=installer,
         heartbeat=heartbeat,
         telemetry=telemetry,
         secret=cfg.sync.secret,
@@ -97,15 +99,15 @@ def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
     return worker
 
 
-def _receiver(worker_id: str, cfg: RolloutConfig, engine: Engine) -> WeightReceiver:
+def _receiver(worker_id: str, cfg: RolloutConfig, installer: VersionInstaller) -> WeightReceiver:
     """The weight receiver `sync.backend` names; for a vLLM engine one whose acknowledgement waits until
     vLLM holds the version (loaded in place, its checksum taken from what vLLM holds)."""
     if cfg.rollout.engine.kind == "vllm":
         from sparkrl.services.rollout.vllm_engine import VllmEngine
         from sparkrl.services.rollout.vllm_transfer import receiver_for
 
-        assert isinstance(engine, VllmEngine)  # make_engine builds the engine `kind` names
-        return receiver_for(worker_id, cfg.sync, engine)
+        assert isinstance(installer.engine, VllmEngine)  # make_engine builds the engine `kind` names
+        return receiver_for(worker_id, cfg.sync, installer)
     return WeightReceiver(worker_id, backend=cfg.sync.backend, timeout_s=cfg.sync.timeout_s)
 
 

@@ -37,10 +37,10 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from sparkrl.proto import Completion
-from sparkrl.services.common.modeling import load_tokenizer
+from sparkrl.services.common.modeling import checkpoint_state_dict, load_tokenizer, model_skeleton
 from sparkrl.services.common.settings import SamplingSettings, VllmEngineSettings
 from sparkrl.services.common.weight_sync import weights_checksum
 from sparkrl.services.rollout.engine import (
@@ -60,29 +60,6 @@ _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 Named = list[tuple[str, torch.Tensor]]
 
 
-def model_skeleton(model_path: Path) -> dict[str, torch.Tensor]:
-    """The Hugging Face model's state dict on the meta device (names, shapes, tied names), no weights."""
-    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    return skeleton.state_dict(keep_vars=True)
-
-
-def checkpoint_state_dict(model_path: Path) -> Named:
-    """The checkpoint's tensors in the Hugging Face model's state-dict order (the learner's broadcast
-    order), tied names resolved to the tensor they share; read from the safetensors files on CPU."""
-    from safetensors import safe_open
-
-    live = model_skeleton(model_path)
-    stored: dict[str, torch.Tensor] = {}
-    for file in sorted(model_path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as shard:
-            stored.update({name: shard.get_tensor(name) for name in shard.keys()})
-    # A tied weight (lm_head sharing embed_tokens) is stored once, under one of its names.
-    stored_name = {id(tensor): name for name, tensor in live.items() if name in stored}
-    return [(name, stored[stored_name[id(tensor)]]) for name, tensor in live.items()]
-
-
 def _buckets(named_tensors: Named, limit: int) -> Iterator[Named]:
     bucket: Named = []
     size = 0
@@ -100,6 +77,7 @@ def _buckets(named_tensors: Named, limit: int) -> Iterator[Named]:
 class VllmEngine(Engine):
     """`vllm.LLM` in this process's environment; weights swapped in place between `generate` calls."""
 
+    whole_versions = True  # vLLM's reload keeps what it is not given: every version is loaded whole
     model_path: Path
     settings: VllmEngineSettings
     launch: Launch

@@ -1,7 +1,7 @@
 """Weights into a vLLM engine, on the rollout worker's side: the contract of every backend
 (`weight_sync/receiver.py`), the acknowledgement given only once vLLM holds the version.
 
-- gloo / nccl / nccl4py: the receiver gets and verifies the bytes, then `installer(engine)` loads them
+- gloo / nccl / nccl4py: the receiver gets and verifies the bytes, then `installer(versions)` loads them
   into vLLM through vLLM's weight-update session on our registered `sparkrl` engine (`vllm_worker.py`),
   which reports the checksum of what vLLM's loader took; the member acknowledges that checksum. A failed
   load is undone by the engine (it serves the version it held) and acknowledged bad: the learner drops
@@ -15,7 +15,6 @@ Either way `receive` returns `LoadedInPlace`: CPU and GPU differ only in transpo
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
 from torch import Tensor
 
@@ -24,28 +23,30 @@ from sparkrl.services.common.settings import WeightSyncSettings
 from sparkrl.services.common.weight_sync import WeightReceiver, make_transport
 from sparkrl.services.common.weight_sync.receiver import Install
 from sparkrl.services.rollout.engine import WeightLoadFailed
-
-if TYPE_CHECKING:
-    from sparkrl.services.rollout.vllm_engine import VllmEngine
+from sparkrl.services.rollout.install import VersionInstaller
 
 log = logging.getLogger("sparkrl.rollout")
 
 
-def installer(engine: VllmEngine) -> Install:
-    """`WeightReceiver.install` for a vLLM engine: load, and answer the checksum vLLM now holds (the
-    version held before, unchanged, when the load failed and was undone)."""
+def installer(versions: VersionInstaller) -> Install:
+    """`WeightReceiver.install` for a vLLM engine: load (a LoRA adapter merged into the base first), and
+    answer the checksum of the version vLLM now holds (the one held before, unchanged, when the load
+    failed and was undone)."""
 
     def install(tensors: dict[str, Tensor], announcement: WeightAnnouncement) -> str:
         try:
-            engine.load_weights(tensors.items(), announcement.version, checksum=announcement.checksum)
+            versions.install(
+                tensors, announcement.version, announcement.adapter_base, checksum=announcement.checksum
+            )
         except (WeightLoadFailed, KeyError, ValueError) as exc:
             log.warning("vLLM did not take version %d: %s", announcement.version, exc)
-        return engine.weights_checksum()
+        return versions.checksum()
 
     return install
 
 
-def receiver_for(worker_id: str, sync: WeightSyncSettings, engine: VllmEngine) -> WeightReceiver:
+def receiver_for(worker_id: str, sync: WeightSyncSettings, versions: VersionInstaller) -> WeightReceiver:
     """The receiver of a worker whose engine is vLLM: the acknowledgement waits until vLLM holds it."""
-    transport = make_transport(sync.backend, engine=engine)
-    return WeightReceiver(worker_id, transport=transport, timeout_s=sync.timeout_s, install=installer(engine))
+    transport = make_transport(sync.backend, engine=versions.engine)
+    install = installer(versions)
+    return WeightReceiver(worker_id, transport=transport, timeout_s=sync.timeout_s, install=install)

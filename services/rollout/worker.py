@@ -44,9 +44,10 @@ from sparkrl.services.rollout.announcements import AnnouncementGate
 from sparkrl.services.rollout.batch import PromptBatch, pull_prompts, score_groups
 from sparkrl.services.rollout.catch_up import catch_up
 from sparkrl.services.rollout.control import WorkerControl
-from sparkrl.services.rollout.engine import Engine, Interrupts
+from sparkrl.services.rollout.engine import Engine, Interrupts, WeightLoadFailed
 from sparkrl.services.rollout.health import HealthGuard, diagnose
 from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
+from sparkrl.services.rollout.install import VersionInstaller
 from sparkrl.services.rollout.lockstep import Lockstep
 from sparkrl.services.rollout.metrics import WorkerMetrics
 from sparkrl.services.rollout.partials import Handover, Taken, fill_gaps
@@ -63,7 +64,7 @@ _REGENERATE_ROUNDS = 3  # a group is made again at most twice; the last round pu
 def sync_weights(
     gate: AnnouncementGate,
     receiver: WeightReceiver,
-    engine: Engine,
+    installer: VersionInstaller,
     state: WorkerState,
     metrics: WorkerMetrics,
     secret: str | None,
@@ -71,7 +72,7 @@ def sync_weights(
     """Between generation steps: take the announced version if we are in its group, else catch up from the
     snapshot; True when the weights were loaded. A failed sync only costs this version: the learner re-forms
     the group for the next one."""
-    announcement = gate.latest()
+    announcement, engine = gate.latest(), installer.engine
     if announcement is None:
         return False
     # `!=`, not `>`: a learner resumed from an older checkpoint is followed back too.
@@ -91,13 +92,13 @@ def sync_weights(
     state.state = "syncing"
     try:
         nbytes = (
-            _take(receiver, engine, announcement, gate, secret)
+            _take(receiver, installer, announcement, gate, secret)
             if awaited
-            else catch_up(engine, announcement, gate, secret)
+            else catch_up(installer, announcement, gate, secret)
         )
     except NotAMember:
         return False
-    except (SyncFailed, OSError) as exc:
+    except (SyncFailed, OSError, WeightLoadFailed) as exc:
         _count_failure(announcement.version, exc, state, metrics)
         return False
     finally:
@@ -105,7 +106,7 @@ def sync_weights(
     if nbytes is None:
         return False
     state.policy_version = engine.policy_version
-    state.weights_checksum = engine.weights_checksum()  # of what the engine holds, not what was sent
+    state.weights_checksum = installer.checksum()  # of what the engine holds (an adapter: the adapter's)
     state.last_sync_seconds, state.last_sync_bytes = time.monotonic() - start, nbytes
     metrics.sync_seconds.observe(state.last_sync_seconds)
     metrics.policy_version.set(engine.policy_version if engine.policy_version is not None else -1)
@@ -115,7 +116,7 @@ def sync_weights(
 
 def _take(
     receiver: WeightReceiver,
-    engine: Engine,
+    installer: VersionInstaller,
     announcement: WeightAnnouncement,
     gate: AnnouncementGate,
     secret: str | None,
@@ -127,9 +128,9 @@ def _take(
         delivery = receiver.receive(announcement)
     except EpochOver as exc:
         log.warning("%s; catching up from the snapshot instead", exc)
-        return catch_up(engine, announcement, gate, secret)
+        return catch_up(installer, announcement, gate, secret)
     if isinstance(delivery, Received):
-        engine.load_weights(delivery.tensors.items(), announcement.version)
+        installer.install(delivery.tensors, announcement.version, announcement.adapter_base)
     return announcement.total_bytes
 
 
@@ -158,6 +159,7 @@ class Worker:
     stop: threading.Event
     gate: AnnouncementGate
     receiver: WeightReceiver
+    installer: VersionInstaller  # loads what the receiver or a snapshot delivers (an adapter: merged)
     heartbeat: Heartbeat
     telemetry: Telemetry
     secret: str | None  # sync.secret: authenticates announcements and the learner's weight files
@@ -170,7 +172,9 @@ class Worker:
     def sync(self) -> None:
         """Follow the learner's newest version, if it is one we may follow."""
         started = time.perf_counter()
-        changed = sync_weights(self.gate, self.receiver, self.engine, self.state, self.metrics, self.secret)
+        changed = sync_weights(
+            self.gate, self.receiver, self.installer, self.state, self.metrics, self.secret
+        )
         self.parts["sync"] = self.parts.get("sync", 0.0) + time.perf_counter() - started
         if changed:
             self.heartbeat.beat()  # the learner and the monitor see the new version now, not a period later

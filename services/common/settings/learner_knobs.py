@@ -45,7 +45,8 @@ class AdvantageSettings(Section):
 class LoraSettings(Section):
     """LoRA (services/learner/lora.py): the base frozen, a rank-`r` adapter trained on the layers
     `target_modules` names (peft's LoraConfig: `r`, `lora_alpha`, `lora_dropout`, `target_modules`); the
-    workers receive the merged model. Needs the `lora` extra (peft)."""
+    workers receive the adapter alone and merge it into the base they loaded (`sync`). Needs the `lora`
+    extra (peft)."""
 
     r: int = Field(
         0, ge=0, le=1024, description="The adapter's rank (peft's r); 0: off, every weight trained."
@@ -64,6 +65,12 @@ class LoraSettings(Section):
         "all-linear",
         description="peft's target_modules: names (or suffixes) of the layers to adapt, e.g. [q_proj, "
         "v_proj]; all-linear: every linear layer but the output projection.",
+    )
+    sync: Literal["adapter", "merged"] = Field(
+        "adapter",
+        description="What a version sends the workers: adapter, the adapter's tensors alone (r · (in + "
+        "out) per layer instead of in · out; each worker merges them into its base, which must be the "
+        "learner's: checked by checksum); merged, the whole merged model, as without LoRA.",
     )
 
 

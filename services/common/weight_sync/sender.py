@@ -125,9 +125,11 @@ class WeightSender:
         epoch: int,
         members: Sequence[str],
         snapshot_path: str | None = None,
+        adapter_base: str | None = None,
     ) -> WeightAnnouncement:
         """The announcement to publish (in Redis) before `broadcast`: manifest, checksum, rendezvous, and
-        this sender's incarnation and the announcement's sequence number (its freshness).
+        this sender's incarnation and the announcement's sequence number (its freshness). `adapter_base`:
+        the tensors are a LoRA adapter for the base of that checksum (`WeightAnnouncement.adapter_base`).
 
         Hashes every tensor (a device-to-host copy for GPU tensors), so call it once per version.
         """
@@ -149,6 +151,7 @@ class WeightSender:
             members=list(members),
             backend=self.backend,
             snapshot_path=snapshot_path,
+            adapter_base=adapter_base,
             created_at=time.time(),
         )
 
