@@ -113,9 +113,15 @@ def test_the_sampled_token_is_always_reported_even_outside_the_top_k(
     assert outside > 0, "no sampled token fell outside the top-2: the case was not exercised"
 
 
-def _push(sender: WeightSender, receiver: Any, state: dict[str, torch.Tensor], version: int) -> Any:
+def _push(
+    sender: WeightSender,
+    receiver: Any,
+    state: dict[str, torch.Tensor],
+    version: int,
+    adapter_base: str | None = None,
+) -> Any:
     """The learner announces and broadcasts on a thread; the worker receives (and installs) here."""
-    announcement = sender.announce(state, version=version, epoch=1, members=["w"])
+    announcement = sender.announce(state, version=version, epoch=1, members=["w"], adapter_base=adapter_base)
     outcome: list[Any] = []
 
     def broadcast() -> None:
@@ -160,6 +166,53 @@ def test_three_learner_versions_pushed_into_the_running_engine(engine: Any, tied
             assert session["problems"] == [] and session["read_back"] >= 3  # norms, embedding
             expected = hf_logprobs(learner_model, prompt, completion)
             np.testing.assert_allclose(vllm_logprobs(engine, prompt, completion), expected, atol=1e-4)
+    receiver.close()
+
+
+def test_lora_adapter_versions_are_merged_into_the_base_and_loaded_whole(
+    engine: Any, tied_model_dir: Path
+) -> None:
+    """`learner.lora.sync: adapter` into vLLM: each version is the adapter alone (`<layer>.lora_A`,
+    `<layer>.lora_B`, scaling folded in); the worker's installer merges it into the base it read from its
+    model directory and loads the whole merged model through the weight-update session. Acknowledged
+    with the adapter's checksum; vLLM's log-probs of a fixed completion are Hugging Face's under
+    W0 + B A. A version for another base is refused and acknowledged bad, and vLLM keeps serving."""
+    from sparkrl.services.rollout.install import VersionInstaller
+    from sparkrl.services.rollout.vllm_transfer import receiver_for
+
+    prompt = engine.tokenizer(PROMPT)["input_ids"]
+    completion = engine.tokenizer("3*7=21")["input_ids"]
+    base = reference(tied_model_dir)
+    layers = sorted(
+        name for name, m in base.named_modules() if isinstance(m, torch.nn.Linear) and name != "lm_head"
+    )
+    base_sum = weights_checksum((layer, base.get_submodule(layer).weight.float()) for layer in layers)
+    sync = WeightSyncSettings(backend="gloo", timeout_s=60)
+    receiver = receiver_for("w", sync, VersionInstaller(engine, engine.model_path))
+    with WeightSender(backend="gloo", timeout_s=60) as sender:
+        for version in (11, 12, 13):
+            generator = torch.Generator().manual_seed(version)
+            adapter: dict[str, torch.Tensor] = {}
+            for layer in layers:
+                out_features, in_features = base.get_submodule(layer).weight.shape
+                adapter[f"{layer}.lora_A"] = 0.2 * torch.randn(8, in_features, generator=generator)
+                adapter[f"{layer}.lora_B"] = 0.2 * torch.randn(out_features, 8, generator=generator)
+            announcement, received, report = _push(sender, receiver, adapter, version, base_sum)
+            assert received == LoadedInPlace(announcement.checksum) and report.members == ("w",)
+            assert engine.policy_version == version
+            merged = reference(tied_model_dir)
+            with torch.no_grad():
+                for layer in layers:
+                    weight = merged.get_submodule(layer).weight
+                    weight += adapter[f"{layer}.lora_B"] @ adapter[f"{layer}.lora_A"]
+            expected = hf_logprobs(merged, prompt, completion)
+            np.testing.assert_allclose(vllm_logprobs(engine, prompt, completion), expected, atol=1e-4)
+
+        held = vllm_logprobs(engine, prompt, completion)
+        other = {name: 2 * tensor for name, tensor in adapter.items()}
+        announcement, received, _ = _push(sender, receiver, other, 14, "0" * 64)  # for another base
+        assert isinstance(received, SyncFailed) and engine.policy_version == 13
+        np.testing.assert_allclose(vllm_logprobs(engine, prompt, completion), held, atol=0)
     receiver.close()
 
 

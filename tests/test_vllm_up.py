@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from _faults import assert_exactly_once, kill9, steps_done, wait
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
 from conftest import start_stack
@@ -121,3 +124,99 @@ def test_up_with_a_vllm_worker_killed_mid_run(
     assert_exactly_once(plan, steps)
     assert_trained_on_vllm(plan, steps)
     assert_workers_end_on_the_final_version(plan, steps, ["worker-0", "worker-1"])
+
+
+_HELD_LOGPROBS = """
+import json, sys
+from pathlib import Path
+from sparkrl.services.common.settings import VllmEngineSettings
+from sparkrl.services.rollout.catch_up import load_snapshot
+from sparkrl.services.rollout.engines import make_engine
+from sparkrl.services.rollout.install import VersionInstaller
+from vllm import SamplingParams
+from vllm.inputs import TokensPrompt
+
+model, snapshot, ids = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+settings = VllmEngineSettings(device="cpu", dtype="float32", threads=1, kv_cache_gib=0.25)
+engine = make_engine(Path(model), settings)
+installer = VersionInstaller(engine, model)
+load_snapshot(installer, snapshot)
+[out] = engine.llm.generate(
+    [TokensPrompt(prompt_token_ids=ids)], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False
+)
+print(json.dumps({"checksum": installer.checksum(), "version": engine.policy_version,
+                  "logprobs": [out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]}))
+engine.close()
+"""
+
+
+def test_up_with_lora_sends_the_adapter_and_vllm_workers_merge_it(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+    stacks: list[Stack],
+) -> None:
+    """LoRA with vLLM workers: each version is the adapter alone, the workers (no peft there) merge it into
+    their base and load it whole into vLLM; every group is trained once, the worker ends on the final
+    adapter, and vLLM's log-probs of a fixed completion under the final version, merged by the worker's
+    code, are the checkpoint's merged export's."""
+    steps = 3
+    cfg = load_settings(
+        "vllm-cpu",
+        [
+            *(f"{k}={v}" for k, v in [("model", tiny_model_dir), ("run_dir", tmp_path / "run")]),
+            f"rollout.python={vllm_python()}",
+            "rollout.prompts_per_batch=2",
+            "rollout.sampling.n=4",
+            "rollout.sampling.max_new_tokens=16",
+            "rollout.sampling.topk_logprobs=8",
+            f"learner.max_steps={steps}",
+            f"learner.prompts_per_step={PER_STEP}",
+            f"learner.checkpoint_every={steps}",
+            "learner.max_staleness=1000",
+            "learner.lora.r=8",
+            "learner.lora.alpha=16",
+            "learner.lr=1e-3",
+            f"prompts.count={steps * PER_STEP}",
+            "bus.trajectory_maxlen=12",
+        ],
+    )
+    plan = plan_stack(cfg, workers=1, private_redis=True)
+    write_configs(plan)
+    stack = start_stack(stacks, Stack(plan, ready_timeout_s=180))
+    learner = stack.procs["learner"]
+    wait("the learner to finish", lambda: learner.poll() is not None, plan.run_dir, timeout_s=420)
+    assert learner.returncode == 0, (plan.run_dir / "logs" / "learner.log").read_text()[-3000:]
+    assert_exactly_once(plan, steps)
+    assert_trained_on_vllm(plan, steps)
+
+    bus = RedisBus(plan.settings.bus)
+    announcement = WeightAnnouncement.model_validate_json(bus.get_value("weights"))
+    base = load_model(tiny_model_dir)
+    assert announcement.version == steps and announcement.adapter_base is not None
+    assert (
+        announcement.total_bytes < sum(t.numel() * t.element_size() for t in base.state_dict().values()) / 4
+    )
+
+    def synced() -> bool:
+        raw = bus.statuses("worker").get("worker-0")
+        held = WorkerStatus.model_validate_json(raw) if raw else None
+        return held is not None and held.weights_checksum == announcement.checksum
+
+    wait("the worker to hold the final adapter", synced, plan.run_dir, timeout_s=240)
+    bus.close()
+
+    ids = (base.config.bos_token_id is not None and [base.config.bos_token_id]) or []
+    ids += list(range(40, 64))
+    done = subprocess.run(
+        [str(vllm_python()), "-c", _HELD_LOGPROBS, str(tiny_model_dir), announcement.snapshot_path or "",
+         json.dumps(ids)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    held = json.loads(done.stdout.strip().splitlines()[-1])
+    assert held["checksum"] == announcement.checksum and held["version"] == steps
+    merged = load_model(plan.run_dir / "checkpoints" / f"step-{steps:06d}" / "hf")
+    with torch.no_grad():
+        logits = merged(torch.tensor([ids])).logits[0, :-1].float()
+    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    np.testing.assert_allclose(held["logprobs"], expected.numpy(), atol=1e-4)
