@@ -144,8 +144,25 @@ def _engine(cfg: SparkSettings, model_config: dict | None) -> tuple[list[Problem
     """The engine's problems, and (vLLM) whether the workers' vLLM is its CPU build (None: unknown)."""
     kind = cfg.rollout.engine.kind
     if kind == "vllm":
-        return _vllm(cfg, model_config)
+        problems, cpu = _vllm(cfg, model_config)
+        return problems + _vllm_lora(cfg), cpu
     return _torch_engine(cfg), None
+
+
+def _vllm_lora(cfg: SparkSettings) -> list[Problem]:
+    """vLLM serving adapters (`max_lora_rank`) takes only adapter versions: vLLM's reload in place does not
+    reach the layers its LoRA wraps, so a whole version could not be loaded."""
+    engine, lora = cfg.rollout.engine, cfg.learner.lora
+    rank = getattr(engine, "max_lora_rank", None)
+    if rank is None:
+        return []
+    if lora.r == 0 or lora.sync != "adapter":
+        why = "learner.lora.r is 0" if lora.r == 0 else "learner.lora.sync is merged"
+        what = f"is set but {why}: every version is a whole model, which vLLM cannot reload in place "
+        return [Problem("rollout.engine.max_lora_rank", what + "while serving LoRA; unset max_lora_rank")]
+    if lora.r > rank:
+        return [Problem("rollout.engine.max_lora_rank", f"{rank} is below learner.lora.r={lora.r}: raise it")]
+    return []
 
 
 def _vllm(cfg: SparkSettings, model_config: dict | None) -> tuple[list[Problem], bool | None]:

@@ -39,6 +39,10 @@ def test_cpu_defaults_start_fast_and_share_prefixes() -> None:
     assert kwargs["logprobs_mode"] == "processed_logprobs" and kwargs["generation_config"] == "vllm"
     assert kwargs["kv_cache_memory_bytes"] == GIB and "gpu_memory_utilization" not in kwargs
     assert kwargs["seed"] == 7 and kwargs["max_logprobs"] == 1024 and kwargs["enable_prefix_caching"]
+    assert "enable_lora" not in kwargs
+    serving = VllmEngineSettings(max_lora_rank=16, max_loras=3)  # a LoRA run's adapters served as such
+    lora = {k: launch.llm_kwargs("/m", serving)[k] for k in ("enable_lora", "max_lora_rank", "max_loras")}
+    assert lora == {"enable_lora": True, "max_lora_rank": 16, "max_loras": 3}
 
 
 def test_gpu_defaults_are_vllms_own() -> None:
@@ -97,6 +101,17 @@ def test_the_preflight_probes_the_workers_vllm(tiny_model_dir: Path, tmp_path: P
     )
     base = [f"model={tiny_model_dir}", f"rollout.python={python}"]
     assert check(load_settings("vllm-cpu", base)) == []
+
+    # vLLM serving LoRA adapters takes adapter versions only, of a rank it was started for.
+    serving = [*base, "rollout.engine.max_lora_rank=8"]
+    for extra, said in [
+        ([], "learner.lora.r is 0"),
+        (["learner.lora.r=8", "learner.lora.sync=merged"], "learner.lora.sync is merged"),
+        (["learner.lora.r=16"], "below learner.lora.r=16"),
+    ]:
+        found_problems = {p.setting: p.message for p in check(load_settings("vllm-cpu", serving + extra))}
+        assert said in found_problems["rollout.engine.max_lora_rank"], found_problems
+    assert check(load_settings("vllm-cpu", [*serving, "learner.lora.r=8"])) == []
 
     # A head size vLLM's CPU attention lacks (16), and sampling the engine refuses: each named.
     narrow = tmp_path / "narrow"

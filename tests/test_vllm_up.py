@@ -150,15 +150,18 @@ engine.close()
 """
 
 
-def test_up_with_lora_sends_the_adapter_and_vllm_workers_merge_it(
+@pytest.mark.parametrize("served", [False, True], ids=["merged", "served"])
+def test_up_with_lora_sends_the_adapter_to_vllm_workers(
     tiny_model_dir: Path,  # noqa: F811
     tmp_path: Path,
     stacks: list[Stack],
+    served: bool,
 ) -> None:
-    """LoRA with vLLM workers: each version is the adapter alone, the workers (no peft there) merge it into
-    their base and load it whole into vLLM; every group is trained once, the worker ends on the final
-    adapter, and vLLM's log-probs of a fixed completion under the final version, merged by the worker's
-    code, are the checkpoint's merged export's."""
+    """LoRA with vLLM workers: each version is the adapter alone; the workers (no peft there) merge it into
+    their base and load it whole into vLLM, or (`rollout.engine.max_lora_rank`) serve it as a vLLM LoRA
+    adapter. Every group is trained once, the worker ends on the final adapter, and vLLM's log-probs of
+    a fixed completion under the final version (the snapshot, merged by the worker's code) are the
+    checkpoint's merged export's."""
     steps = 3
     cfg = load_settings(
         "vllm-cpu",
@@ -178,6 +181,7 @@ def test_up_with_lora_sends_the_adapter_and_vllm_workers_merge_it(
             "learner.lr=1e-3",
             f"prompts.count={steps * PER_STEP}",
             "bus.trajectory_maxlen=12",
+            *(["rollout.engine.max_lora_rank=8"] if served else []),
         ],
     )
     plan = plan_stack(cfg, workers=1, private_redis=True)
@@ -204,6 +208,8 @@ def test_up_with_lora_sends_the_adapter_and_vllm_workers_merge_it(
 
     wait("the worker to hold the final adapter", synced, plan.run_dir, timeout_s=240)
     bus.close()
+    log = (plan.run_dir / "logs" / "worker-0.log").read_text()
+    assert ("'enable_lora': True" in log) == served, "vLLM started with LoRA serving as configured"
 
     ids = (base.config.bos_token_id is not None and [base.config.bos_token_id]) or []
     ids += list(range(40, 64))

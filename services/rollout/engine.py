@@ -23,7 +23,7 @@ Both engines satisfy the same contract, checked by `tests/test_engine_contract.p
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -81,6 +81,7 @@ class Engine(ABC):
     policy_version: int
     continues_prefixes: bool = False  # generate(prefixes=) continues cut-short samples; else refuses them
     whole_versions: bool = False  # load_weights takes every tensor at once (vLLM); else any subset
+    serves_adapters: bool = False  # load_adapter serves a LoRA version as it is (vLLM's LoRA), no merge
 
     @property
     @abstractmethod
@@ -148,6 +149,11 @@ class Engine(ABC):
     @abstractmethod
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy these (Hugging Face-named) tensors into the model in place; tag later tokens `version`."""
+
+    def load_adapter(self, adapter: Mapping[str, torch.Tensor], version: int) -> None:
+        """Serve `adapter` (`<layer>.lora_A` / `.lora_B`, scaling folded in) over the base from now on;
+        only where `serves_adapters` (install.py merges it for the others)."""
+        raise WeightLoadFailed(f"{type(self).__name__} serves no LoRA adapters: merge the version instead")
 
     @abstractmethod
     def weights_checksum(self) -> str:

@@ -9,8 +9,10 @@ from a model nobody trained), merges
     <layer>.weight = W0 + lora_B · lora_A        (float32, cast to the engine's dtype as it loads)
 
 and loads the merged layers; an engine that loads whole versions only (vLLM) gets the base's other
-tensors with them. The engine then holds the adapter's version: `checksum()` is the adapter's, the one
-the learner announced and checks the fleet against; for a whole version it is the engine's own.
+tensors with them. An engine that serves adapters itself (vLLM with `rollout.engine.max_lora_rank`,
+vllm_lora.py) gets the adapter as it came, once its base is checked. The engine then holds the
+adapter's version: `checksum()` is the adapter's, the one the learner announced and checks the fleet
+against; for a whole version it is the engine's own.
 """
 
 from __future__ import annotations
@@ -59,8 +61,13 @@ class VersionInstaller:
             load(self.engine, tensors.items(), version, checksum)
             self.adapter = None
             return
-        merged = self.merged(tensors, adapter_base)
-        load(self.engine, merged.items(), version, None)
+        if self.engine.serves_adapters:  # vLLM's own LoRA: checked against the base, served as it is
+            self._base_for(adapted_layers(tensors), adapter_base)
+            self._base = None  # nothing to merge into: the base is not kept
+            self.engine.load_adapter(tensors, version)
+        else:
+            merged = self.merged(tensors, adapter_base)
+            load(self.engine, merged.items(), version, None)
         self.adapter = weights_checksum(sorted(tensors.items()))  # names' order: the learner's manifest
 
     def checksum(self) -> str:
@@ -86,6 +93,8 @@ class VersionInstaller:
 
     def _base_for(self, layers: list[str], adapter_base: str) -> dict[str, Tensor]:
         """The base as loaded, its adapted layers in float32; checked once per announced base checksum."""
+        if self._base is None and adapter_base in self._base_checked and self.engine.serves_adapters:
+            return {}  # checked already; an engine serving adapters needs no base to merge into
         if self._base is None:
             self._base = dict(checkpoint_state_dict(self.model_dir))
         missing = [layer for layer in layers if f"{layer}.weight" not in self._base]

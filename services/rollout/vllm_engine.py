@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from sparkrl.services.rollout.engine import (
     make_completion,
 )
 from sparkrl.services.rollout.vllm_launch import Launch, plan_launch
+from sparkrl.services.rollout.vllm_lora import AdapterSlots
 
 log = logging.getLogger("sparkrl.rollout.vllm")
 
@@ -108,6 +109,8 @@ class VllmEngine(Engine):
         self._eos_ids = _eos_ids(self.model_path, self._tokenizer)
         self._skeleton = model_skeleton(self.model_path)
         self._serving, self._on_device, self._checksum, self._broken = None, False, None, None
+        rank = settings.max_lora_rank
+        self._adapters = AdapterSlots(rank) if rank is not None else None  # LoRA versions served as such
         self.llm = self._start()
 
     def _start(self) -> Any:
@@ -191,6 +194,7 @@ class VllmEngine(Engine):
             [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts],
             [self._sampling_params(sampling, i) for i in range(len(prompts))],
             use_tqdm=False,
+            lora_request=self._adapters.current if self._adapters is not None else None,
         )
         return [
             [self._completion(sample, sampling.topk_logprobs, version) for sample in output.outputs]
@@ -227,6 +231,12 @@ class VllmEngine(Engine):
         KeyError / ValueError (untouched), WeightLoadFailed (undone), EngineBroken."""
         if self._broken is not None:
             raise EngineBroken(self._broken)
+        if self._adapters is not None:  # checked before anything is touched: the engine stays as it is
+            raise WeightLoadFailed(
+                "rollout.engine.max_lora_rank is set: this vLLM serves LoRA adapters and cannot reload a "
+                "whole model in place (its reload does not reach the layers LoRA wraps); unset it for a run "
+                "that sends whole versions (learner.lora.r 0, or learner.lora.sync merged)"
+            )
         tensors = self._in_model_order(list(named_tensors))
         expected = checksum or weights_checksum(tensors)
         problem = self._try_install(tensors, expected)
@@ -236,6 +246,21 @@ class VllmEngine(Engine):
                                    f"version {self.policy_version}")  # fmt: skip
         self._serving, self._on_device = tensors, False
         self._checksum, self.policy_version = expected, version
+
+    @property
+    def serves_adapters(self) -> bool:  # type: ignore[override]
+        return self._adapters is not None
+
+    def load_adapter(self, adapter: Mapping[str, torch.Tensor], version: int) -> None:
+        """Serve a LoRA version as vLLM's LoRA adapter (vllm_lora.py) from the next batch on; raises
+        WeightLoadFailed (the version held keeps serving)."""
+        if self._broken is not None:
+            raise EngineBroken(self._broken)
+        if self._adapters is None:
+            super().load_adapter(adapter, version)
+            return
+        self._adapters.put(self.llm, adapter, version)
+        self.policy_version = version
 
     def _in_model_order(self, tensors: Named) -> Named:
         """Every tensor of the model, each named and shaped as the model's (a partial update would leave
@@ -338,6 +363,8 @@ class VllmEngine(Engine):
         model, the KV cache and its process groups, collecting garbage itself)."""
         llm, self.llm = getattr(self, "llm", None), None
         self._broken = self._broken or "engine is closed"
+        if getattr(self, "_adapters", None) is not None:
+            self._adapters.close()
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
 

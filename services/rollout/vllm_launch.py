@@ -70,6 +70,9 @@ class Launch:
             # (and every restart) the same stream, as vLLM's default of 0 does.
             "seed": self.seed,
         }
+        if settings.max_lora_rank is not None:  # a LoRA run's versions served as adapters (vllm_lora.py)
+            kwargs |= {"enable_lora": True, "max_lora_rank": settings.max_lora_rank}
+            kwargs["max_loras"] = settings.max_loras
         if not self.cpu:
             kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
         if self.block_size is not None:

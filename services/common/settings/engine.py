@@ -140,6 +140,22 @@ class VllmEngineSettings(Section):
         "no memory); rollout.sampling.topk_logprobs must not exceed it.",
     )
 
+    max_lora_rank: int | None = Field(
+        None,
+        ge=1,
+        le=512,
+        description="Serve a LoRA run's versions (learner.lora.sync: adapter) as vLLM LoRA adapters of at "
+        "most this rank (enable_lora; a new adapter id per version, the base never reloaded); None: merge "
+        "each adapter into the base and reload the whole model through the weight-update session.",
+    )
+    max_loras: int = Field(
+        2,
+        ge=1,
+        le=64,
+        description="vLLM's max_loras with max_lora_rank set: adapters held at once. A worker takes a "
+        "version between batches, so one serves at a time; the previous one stays until the next arrives.",
+    )
+
     @model_validator(mode="after")
     def _cpu_fits(self) -> VllmEngineSettings:
         if self.device == "cpu" and self.block_size is not None and self.block_size % 32:
