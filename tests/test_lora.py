@@ -215,3 +215,19 @@ def test_a_checkpoint_holds_the_adapter_and_the_merged_model_and_resumes_exactly
     ):
         state_mine, state_theirs = trainer.engine.optimizer.state[mine], engine.optimizer.state[theirs]
         assert torch.equal(state_mine["exp_avg"], state_theirs["exp_avg"])
+
+
+def test_lora_under_zero_3_is_refused_with_the_fix(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    """LoRA under ZeRO-3 fails in the backward (measured); the settings say so before anything starts, and
+    ZeRO-2 gives the same adapter as ZeRO-0 (bit for bit, measured) so it is the stage to use."""
+    with pytest.raises(ValueError, match="zero_stage 2 or lower"):
+        settings(tiny_model_dir, tmp_path / "run", *LORA, "learner.zero_stage=3")
+    versions = []
+    for stage in (0, 2):
+        cfg = settings(tiny_model_dir, tmp_path / f"run{stage}", *LORA, f"learner.zero_stage={stage}")
+        trainer = one_rank(cfg)
+        for step in (1, 2):
+            trainer.update(Batch(groups=_groups(step), entries=[]), step, cfg.learner)
+        versions.append(trainer.weights())
+    assert set(versions[0]) == set(versions[1])
+    assert all(torch.equal(versions[0][name], versions[1][name]) for name in versions[0])
