@@ -110,9 +110,11 @@ def resumed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 def test_3_a_resume_reports_itself_as_a_fresh_start(resumed: Resumed) -> None:
     assert resumed.returncode == 0, resumed.output[-3000:]
     lines = resumed.output.splitlines()
-    # No row of the start before (it ended at step 3, checkpointed): the first step line is step 4.
+    # No row of the start before (it ended at step 3, checkpointed): the first step line is of step 4 or
+    # later (the line shows the newest row when the launcher looks: steps 4 and 5 may both pass before).
     steps = [line for line in lines if line.startswith("step ")]
-    assert steps and steps[0].startswith("step 4/30"), steps[:3]
+    assert steps and "/30 " in steps[0], steps[:3]
+    assert int(steps[0].split()[1].split("/")[0]) >= 4, steps[:3]
     # While it starts, it says so (once per change off a terminal, not once a second), then its own phases.
     started = next(i for i, line in enumerate(lines) if line.startswith("started in "))
     starting = [line for line in lines[:started] if line.startswith("starting ")]
