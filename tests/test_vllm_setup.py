@@ -102,17 +102,6 @@ def test_the_preflight_probes_the_workers_vllm(tiny_model_dir: Path, tmp_path: P
     base = [f"model={tiny_model_dir}", f"rollout.python={python}"]
     assert check(load_settings("vllm-cpu", base)) == []
 
-    # vLLM serving LoRA adapters takes adapter versions only, of a rank it was started for.
-    serving = [*base, "rollout.engine.max_lora_rank=8"]
-    for extra, said in [
-        ([], "learner.lora.r is 0"),
-        (["learner.lora.r=8", "learner.lora.sync=merged"], "learner.lora.sync is merged"),
-        (["learner.lora.r=16"], "below learner.lora.r=16"),
-    ]:
-        found_problems = {p.setting: p.message for p in check(load_settings("vllm-cpu", serving + extra))}
-        assert said in found_problems["rollout.engine.max_lora_rank"], found_problems
-    assert check(load_settings("vllm-cpu", [*serving, "learner.lora.r=8"])) == []
-
     # A head size vLLM's CPU attention lacks (16), and sampling the engine refuses: each named.
     narrow = tmp_path / "narrow"
     shutil.copytree(tiny_model_dir, narrow)
@@ -137,3 +126,20 @@ def test_the_preflight_names_a_missing_environment(tiny_model_dir: Path, tmp_pat
     problems = dict(vllm_check.problems(cfg, old, None))
     assert "sparkrl needs vLLM ≥ 0.32" in problems["rollout.python"]
     assert "holds a GPU build of vLLM" in problems["rollout.engine.device"]
+
+
+def test_the_preflight_refuses_vllm_lora_serving_where_versions_are_whole(tiny_model_dir: Path) -> None:  # noqa: F811
+    """vLLM serving LoRA adapters (`max_lora_rank`) takes adapter versions only, of a rank it was started
+    for: the preflight's engine check says which setting to change (its part that needs no vLLM probe)."""
+    from sparkrl.preflight import _vllm_lora
+
+    serving = [f"model={tiny_model_dir}", "rollout.engine.max_lora_rank=8"]
+    for extra, said in [
+        ([], "learner.lora.r is 0"),
+        (["learner.lora.r=8", "learner.lora.sync=merged"], "learner.lora.sync is merged"),
+        (["learner.lora.r=16"], "below learner.lora.r=16"),
+    ]:
+        [problem] = _vllm_lora(load_settings("vllm-cpu", serving + extra))
+        assert problem.setting == "rollout.engine.max_lora_rank" and said in problem.message
+    assert _vllm_lora(load_settings("vllm-cpu", [*serving, "learner.lora.r=8"])) == []
+    assert _vllm_lora(load_settings("vllm-cpu", [f"model={tiny_model_dir}"])) == []
