@@ -19,6 +19,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from sparkrl.services.rollout.install import LORA_A, LORA_B, VersionInstaller
 from sparkrl.services.rollout.torch_engine import TorchEngine
 
 RANK = 16
+Versions = list[dict[str, torch.Tensor]]
 SAMPLING = SamplingSettings(n=8, max_new_tokens=24, temperature=1.0, topk_logprobs=20)  # the demo's
 PROMPTS = 8  # the demo's prompts per batch
 
@@ -53,21 +55,28 @@ def prompts(engine: TorchEngine) -> list[list[int]]:
     ]
 
 
-def merged(model_dir: Path, threads: int, repeats: int) -> dict[str, float]:
-    engine = TorchEngine(model_dir, TorchEngineSettings(dtype="float32", threads=threads))
-    installer = VersionInstaller(engine, model_dir)
-    _, base = adapter_for(engine.model, 0)  # the base's checksum, before any version is merged into it
+def timed(
+    engine: TorchEngine, take: Callable[[int, dict[str, torch.Tensor]], None], versions: Versions
+) -> dict[str, float]:
+    """Per version: `take` it (timed), then sample one batch (timed); the medians. Closes the engine."""
     per_version, per_batch = [], []
-    for version in range(1, repeats + 1):
-        adapter, _ = adapter_for(engine.model, version)
+    for version, adapter in enumerate(versions, start=1):
         started = time.perf_counter()
-        installer.install(adapter, version, base)
+        take(version, adapter)
         per_version.append(time.perf_counter() - started)
         started = time.perf_counter()
         engine.generate(prompts(engine), SAMPLING)
         per_batch.append(time.perf_counter() - started)
     engine.close()
     return {"version_s": statistics.median(per_version), "batch_s": statistics.median(per_batch)}
+
+
+def merged(model_dir: Path, threads: int, repeats: int) -> dict[str, float]:
+    engine = TorchEngine(model_dir, TorchEngineSettings(dtype="float32", threads=threads))
+    installer = VersionInstaller(engine, model_dir)
+    _, base = adapter_for(engine.model, 0)  # the base's checksum, before any version is merged into it
+    versions = [adapter_for(engine.model, version)[0] for version in range(1, repeats + 1)]
+    return timed(engine, lambda version, adapter: installer.install(adapter, version, base), versions)
 
 
 def on_the_fly(model_dir: Path, threads: int, repeats: int) -> dict[str, float]:
@@ -78,21 +87,16 @@ def on_the_fly(model_dir: Path, threads: int, repeats: int) -> dict[str, float]:
     layers = sorted({name.removesuffix(LORA_A) for name in versions[0] if name.endswith(LORA_A)})
     config = LoraConfig(r=RANK, lora_alpha=RANK, target_modules=[n.rsplit(".", 1)[-1] for n in layers])
     engine.model = inject_adapter_in_model(config, engine.model)  # alpha = r: B carries the scaling
-    per_version, per_batch = [], []
-    for version, adapter in enumerate(versions, start=1):
-        started = time.perf_counter()
-        with torch.no_grad():
-            for layer in layers:
-                module: Any = engine.model.get_submodule(layer)
-                module.lora_A["default"].weight.copy_(adapter[layer + LORA_A])
-                module.lora_B["default"].weight.copy_(adapter[layer + LORA_B])
+
+    @torch.no_grad()
+    def take(version: int, adapter: dict[str, torch.Tensor]) -> None:
+        for layer in layers:
+            module: Any = engine.model.get_submodule(layer)
+            module.lora_A["default"].weight.copy_(adapter[layer + LORA_A])
+            module.lora_B["default"].weight.copy_(adapter[layer + LORA_B])
         engine.policy_version = version
-        per_version.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        engine.generate(prompts(engine), SAMPLING)
-        per_batch.append(time.perf_counter() - started)
-    engine.close()
-    return {"version_s": statistics.median(per_version), "batch_s": statistics.median(per_batch)}
+
+    return timed(engine, take, versions)
 
 
 def main() -> None:

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.slow
 PER_STEP = 4
 
 
-def vllm_settings(model_dir: Path, run_dir: Path, steps: int) -> SparkSettings:
+def vllm_settings(model_dir: Path, run_dir: Path, steps: int, *extra: str) -> SparkSettings:
+    """The vllm-cpu preset scaled to a test; `extra` overrides come last (they win)."""
     return load_settings(
         "vllm-cpu",
         [
@@ -47,6 +48,7 @@ def vllm_settings(model_dir: Path, run_dir: Path, steps: int) -> SparkSettings:
             f"prompts.count={steps * PER_STEP}",
             "bus.trajectory_maxlen=12",
             "bus.claim_idle_ms=2000",  # a killed worker's prompts come back quickly
+            *extra,
         ],
     )
 
@@ -163,27 +165,10 @@ def test_up_with_lora_sends_the_adapter_to_vllm_workers(
     a fixed completion under the final version (the snapshot, merged by the worker's code) are the
     checkpoint's merged export's."""
     steps = 3
-    cfg = load_settings(
-        "vllm-cpu",
-        [
-            *(f"{k}={v}" for k, v in [("model", tiny_model_dir), ("run_dir", tmp_path / "run")]),
-            f"rollout.python={vllm_python()}",
-            "rollout.prompts_per_batch=2",
-            "rollout.sampling.n=4",
-            "rollout.sampling.max_new_tokens=16",
-            "rollout.sampling.topk_logprobs=8",
-            f"learner.max_steps={steps}",
-            f"learner.prompts_per_step={PER_STEP}",
-            f"learner.checkpoint_every={steps}",
-            "learner.max_staleness=1000",
-            "learner.lora.r=8",
-            "learner.lora.alpha=16",
-            "learner.lr=1e-3",
-            f"prompts.count={steps * PER_STEP}",
-            "bus.trajectory_maxlen=12",
-            *(["rollout.engine.max_lora_rank=8"] if served else []),
-        ],
-    )
+    lora = ["learner.lora.r=8", "learner.lora.alpha=16", "learner.lr=1e-3"]
+    lora.append(f"learner.checkpoint_every={steps}")  # the final step's checkpoint: its merged export
+    served_by_vllm = ["rollout.engine.max_lora_rank=8"] if served else []
+    cfg = vllm_settings(tiny_model_dir, tmp_path / "run", steps, *lora, *served_by_vllm)
     plan = plan_stack(cfg, workers=1, private_redis=True)
     write_configs(plan)
     stack = start_stack(stacks, Stack(plan, ready_timeout_s=180))
