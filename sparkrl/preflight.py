@@ -296,6 +296,9 @@ def _vllm_transfer(cfg: SparkSettings) -> list[Problem]:
         problems.append(
             Problem("sync.backend", f"vllm_nccl: vLLM is not installed in {sys.executable}: {fix}")
         )
+    if cfg.learner.lora.r > 0 and cfg.learner.lora.sync == "adapter":  # it loads whole state dicts only
+        fix = "use nccl (the workers merge the adapter), or learner.lora.sync=merged"
+        problems.append(Problem("sync.backend", f"vllm_nccl does not carry LoRA adapter versions: {fix}"))
     return problems
 
 

@@ -92,6 +92,9 @@ def test_the_gpu_sync_backends_name_what_they_lack(tiny_model_dir: Path) -> None
     assert any("set rollout.engine.kind=vllm" in p.message for p in native)  # the demo samples with torch
     if importlib.util.find_spec("vllm") is None:
         assert any("vLLM is not installed" in p.message for p in native)
+    assert not any("LoRA" in p.message for p in native)
+    lora = check(_settings(tiny_model_dir, "sync.backend=vllm_nccl", "learner.lora.r=8"))
+    assert any("does not carry LoRA adapter versions" in p.message for p in lora)  # whole state dicts only
 
 
 def test_up_on_ray_refuses_several_learner_ranks(tmp_path: Path) -> None:
