@@ -86,11 +86,17 @@ class Fleet:
                 return True
             time.sleep(0.05)
 
+    def drain(self) -> None:
+        """Wait (at most `timeout_s`) until the version handed over last is published: its snapshot
+        written, its broadcast ended. Before the learner says it is paused, so a paused run's files hold
+        still (a user may copy them)."""
+        self.publisher.flush(self.timeout_s)
+
     def settle(self, version: int) -> None:
         """At the last step: the last row should show where the fleet ends up, not where it was
         mid-broadcast; and a worker outside the group (it joined late, or is still loading) catches up
         over HTTP while we still serve the snapshot: a fleet under compose or Kubernetes outlives us."""
-        self.publisher.flush(self.timeout_s)
+        self.drain()
         fleet = tuple(dict.fromkeys([*self.publisher.members, *self.telemetry.worker_versions()]))
         self.telemetry.wait_for_fleet(fleet, version, timeout_s=self.timeout_s)
 

@@ -118,6 +118,8 @@ class Learner:
                     self.checkpoint_command(command)
                 if todo.stop is not None:
                     return Ending(command=todo.stop)
+                if self.control.paused:  # a paused run writes nothing: the version in flight lands first
+                    self.fleet.drain()
                 self.reports.turn(self.control.paused, hparams_in_force(self.trainer.lr(), self.live))
                 if self.control.paused:
                     self.idle()
