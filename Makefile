@@ -31,7 +31,7 @@ chromium:
 # "not installed" skips into failures, so `make test` never passes without it.
 test: install chromium vllm-env
 	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -m "not vllm" --durations=15
-	SPARKRL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_engine_contract.py tests/test_vllm_cpu.py tests/test_vllm_lora.py
+	SPARKRL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_engine_contract.py tests/test_engine_in_flight.py tests/test_vllm_cpu.py tests/test_vllm_lora.py
 
 # The inner loop's tier: unit and contract tests, no stack and no DeepSpeed start-up (`slow` marks those);
 # a few minutes (docs/testing.md). `make test` runs everything.

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from sparkrl.proto import Completion
 from sparkrl.services.common.modeling import load_model
 from sparkrl.services.common.settings import SamplingSettings, TorchEngineSettings, VllmEngineSettings
+from sparkrl.services.common.settings.rollout import RolloutSettings
 from sparkrl.services.rollout.engine import Engine, Interrupts
 from sparkrl.services.rollout.engines import make_engine
 
@@ -212,3 +213,17 @@ def test_prefixes_that_do_not_fit_are_refused(engine: Engine) -> None:
     with pytest.raises(ValueError, match="nothing left to sample"):
         budget = SamplingSettings(n=1, max_new_tokens=c.num_tokens, topk_logprobs=4)
         engine.generate(prompts, budget, prefixes=[[aborted]])
+
+
+def test_in_flight_updates_on_vllm_need_the_engine_core_in_process_and_no_served_adapters() -> None:
+    """Refused at settings time, naming the fix: a spawned engine core decodes on its own (no token
+    boundary for the new version), and a served LoRA adapter is named by each request when it begins."""
+    in_flight = {"weight_updates": "in_flight"}
+    for engine in ({"kind": "vllm", "in_process": False}, {"kind": "vllm", "device": "cuda"}):
+        with pytest.raises(ValueError, match=r"rollout\.engine\.in_process true"):
+            RolloutSettings.model_validate(in_flight | {"engine": engine})
+    with pytest.raises(ValueError, match="unset max_lora_rank"):
+        RolloutSettings.model_validate(in_flight | {"engine": {"kind": "vllm", "max_lora_rank": 16}})
+    fine = ({"kind": "vllm"}, {"kind": "vllm", "device": "cuda", "in_process": True}, {"kind": "torch"})
+    for engine in fine:
+        RolloutSettings.model_validate(in_flight | {"engine": engine})

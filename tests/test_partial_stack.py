@@ -15,16 +15,18 @@ from pathlib import Path
 import pytest
 from _faults import assert_exactly_once, settings, wait
 from _stream_follower import StreamFollower
-from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from _tiny import babbling_model_dir, tiny_model_dir  # noqa: F401  (fixtures)
 from conftest import start_stack
+from test_vllm_up import vllm_settings
 
 from sparkrl.launcher import Stack, plan_stack, write_configs
 from sparkrl.plan import StackPlan
 from sparkrl.services.common.bus import RedisBus
+from sparkrl.services.common.settings import SparkSettings
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-PROMPTS, PER_STEP, T = 12, 4, 96
+PROMPTS, PER_STEP, T, T_VLLM = 12, 4, 96, 192
 HANDED = re.compile(r"handed (\d+) groups over \((\d+) samples unfinished; (\d+) prompts released\): (.*)")
 CONTINUED = re.compile(r"continuing (\d+) samples of (\d+) groups from saved partial work \((\d+) made again")
 
@@ -44,6 +46,33 @@ def test_a_stopped_workers_unfinished_groups_are_continued_by_another_and_traine
         "learner.max_steps=100",  # the data ends the run
         "learner.checkpoint_every=100",
     )
+    handed_over_and_continued(cfg, stacks, T, after_s=1.0)
+
+
+def test_a_stopped_vllm_workers_unfinished_groups_are_continued_by_another(
+    babbling_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+    stacks: list[Stack],
+) -> None:
+    """The same with two vLLM workers (its CPU build, .venv-vllm): a continued sample is a request of the
+    prompt and the tokens so far. vLLM refuses min_new_tokens: the babbling model's completions run to the
+    cap instead."""
+    cfg = vllm_settings(
+        babbling_model_dir,
+        tmp_path / "run",
+        100,  # the data ends the run
+        f"rollout.sampling.max_new_tokens={T_VLLM}",
+        "rollout.prompts_per_batch=4",
+        f"prompts.count={PROMPTS}",
+        "learner.checkpoint_every=100",
+    )
+    handed_over_and_continued(cfg, stacks, T_VLLM, after_s=0.5)
+
+
+def handed_over_and_continued(cfg: SparkSettings, stacks: list[Stack], T: int, after_s: float) -> None:
+    """Two workers; worker-0 is stopped (SIGTERM) `after_s` into generating: its groups are handed over,
+    worker-1 continues every sample (none from scratch, counted), every group is trained once, and each
+    continued sample runs to T tokens."""
     plan = plan_stack(cfg, workers=2, private_redis=True)
     write_configs(plan)
     stack = start_stack(stacks, Stack(plan, ready_timeout_s=180))
@@ -55,7 +84,7 @@ def test_a_stopped_workers_unfinished_groups_are_continued_by_another_and_traine
             lambda: '"generating"' in (bus.status("worker", "worker-0") or ""),
             plan.run_dir,
         )
-    time.sleep(1.0)  # past the prefill (reported up to a heartbeat late): its samples hold tokens
+    time.sleep(after_s)  # past the prefill (reported up to a heartbeat late): its samples hold tokens
     os.killpg(stack.procs["worker-0"].pid, signal.SIGTERM)  # as `sparkrl up` or a scale-down stops one
     assert stack.procs["worker-0"].wait(30) == 0
     learner = stack.procs["learner"]

@@ -55,6 +55,9 @@ def test_gpu_defaults_are_vllms_own() -> None:
     )
     kwargs = launch.llm_kwargs("/m", VllmEngineSettings())
     assert kwargs["gpu_memory_utilization"] == 0.85 and "block_size" not in kwargs
+    assert "async_scheduling" not in kwargs  # vLLM's own choice (on) for a spawned engine core
+    in_process = VllmEngineSettings(in_process=True)  # in-flight updates: a step's tokens are its own pass's
+    assert plan_launch(in_process, cpu=False).llm_kwargs("/m", in_process)["async_scheduling"] is False
     assert (
         plan_launch(VllmEngineSettings(), cpu=False).seed != plan_launch(VllmEngineSettings(), cpu=False).seed
     )

@@ -4,7 +4,7 @@ engine.
 vLLM is imported lazily, inside the methods that need it: it lives in its own environment
 (`rollout.python`: `make vllm-env` for the CPU build, the `vllm` extra on GPU); CPU code and tests of
 the main environment never import it. How it is started is `vllm_launch.py`; what runs inside its worker
-is `vllm_worker.py`.
+is `vllm_worker.py`; how a batch is decoded, a step at a time, `vllm_steps.py`.
 
 Facts of vLLM's API this relies on (0.32: vllm/v1/sample/sampler.py, entrypoints/llm.py,
 v1/worker/gpu_worker.py, distributed/weight_transfer/base.py):
@@ -32,10 +32,10 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-import numpy as np
 import torch
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
@@ -49,15 +49,14 @@ from sparkrl.services.rollout.engine import (
     Interrupts,
     Prefixes,
     WeightLoadFailed,
-    make_completion,
 )
 from sparkrl.services.rollout.vllm_launch import Launch, plan_launch
 from sparkrl.services.rollout.vllm_lora import AdapterSlots
+from sparkrl.services.rollout.vllm_steps import stepped_generate
 
 log = logging.getLogger("sparkrl.rollout.vllm")
 
 RPC_BUCKET_BYTES = 256 << 20  # tensors per update_weights message across processes: bounds the payload
-_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 Named = list[tuple[str, torch.Tensor]]
 
 
@@ -79,6 +78,7 @@ class VllmEngine(Engine):
     """`vllm.LLM` in this process's environment; weights swapped in place between `generate` calls."""
 
     whole_versions = True  # vLLM's reload keeps what it is not given: every version is loaded whole
+    continues_prefixes = True  # a continued sample is a request of prompt + its tokens so far
     model_path: Path
     settings: VllmEngineSettings
     launch: Launch
@@ -109,6 +109,8 @@ class VllmEngine(Engine):
         self._eos_ids = _eos_ids(self.model_path, self._tokenizer)
         self._skeleton = model_skeleton(self.model_path)
         self._serving, self._on_device, self._checksum, self._broken = None, False, None, None
+        self._mid_batch: Literal["keep", "recompute"] | None = None  # a batch is being decoded
+        self._stale_cache = False  # a version was taken mid-batch with the cache kept: drop it after
         rank = settings.max_lora_rank
         self._adapters = AdapterSlots(rank) if rank is not None else None  # LoRA versions served as such
         self.llm = self._start()
@@ -135,20 +137,21 @@ class VllmEngine(Engine):
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def _sampling_params(self, sampling: SamplingSettings, prompt_index: int) -> Any:
+    def sampling_params(self, sampling: SamplingSettings, n: int, seed: int | None, max_tokens: int) -> Any:
+        """vLLM's `SamplingParams` for `n` samples of one prompt (`seed`: the first's; child j gets seed + j)
+        with `max_tokens` to go."""
         from vllm import SamplingParams
 
         return SamplingParams(
-            n=sampling.n,
+            n=n,
             temperature=sampling.temperature,
             top_p=1.0,
-            max_tokens=sampling.max_new_tokens,
+            max_tokens=max_tokens,
             stop=list(sampling.stop) or None,
             stop_token_ids=self._eos_ids or None,
             include_stop_str_in_output=False,
             skip_special_tokens=True,
-            # Distinct streams per prompt: children of prompt i use seed + i * n + j.
-            seed=None if sampling.seed is None else sampling.seed + prompt_index * sampling.n,
+            seed=seed,
             logprobs=sampling.topk_logprobs,
         )
 
@@ -181,47 +184,45 @@ class VllmEngine(Engine):
         prefixes: Prefixes | None = None,
         interrupts: Interrupts | None = None,
     ) -> list[list[Completion]]:
-        """`LLM.generate` runs the batch whole: `interrupts` is not polled (a version is taken between
-        batches), and no prefix is continued (`continues_prefixes` False: a worker makes saved partial
-        work again from the prompt)."""
-        from vllm.inputs import TokensPrompt
-
-        if prefixes is not None and any(p is not None for group in prefixes for p in group):
-            raise ValueError("the vLLM engine continues no prefixes")
+        """A step at a time (`vllm_steps.py`): `interrupts` polled between two decoding steps (a version
+        taken there tags every later token; a stop cuts the rows short), `prefixes` continued."""
         self._check_inputs(prompts, sampling)
-        version = self.policy_version
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=list(prompt)) for prompt in prompts],
-            [self._sampling_params(sampling, i) for i in range(len(prompts))],
-            use_tqdm=False,
-            lora_request=self._adapters.current if self._adapters is not None else None,
-        )
-        return [
-            [self._completion(sample, sampling.topk_logprobs, version) for sample in output.outputs]
-            for output in outputs  # LLM.generate returns them in prompt order
-        ]
+        self.check_prefixes(prompts, sampling, prefixes)
+        return stepped_generate(self, prompts, sampling, prefixes, interrupts)
 
-    @staticmethod
-    def _completion(sample: Any, k: int, version: int) -> Completion:
-        """A vLLM `CompletionOutput` → `Completion`; the sampled token's entry may lie outside the top-k."""
-        token_ids = list(sample.token_ids)
-        T = len(token_ids)
-        logprobs = np.empty(T, dtype=np.float32)
-        topk_ids = np.empty((T, k), dtype=np.int32)
-        topk_logprobs = np.empty((T, k), dtype=np.float32)
-        for t, (token, entries) in enumerate(zip(token_ids, sample.logprobs or [], strict=True)):
-            if token not in entries:
-                raise RuntimeError(f"vLLM reported no log-prob for the sampled token {token} at position {t}")
-            logprobs[t] = entries[token].logprob
-            # Sorted by value, not by vLLM's rank: the extra sampled entry (rank > k) falls off the end.
-            best = sorted(entries.items(), key=lambda item: item[1].logprob, reverse=True)[:k]
-            if len(best) < k:
-                raise RuntimeError(f"vLLM returned {len(best)} log-probs at position {t}, expected {k}")
-            topk_ids[t] = [token_id for token_id, _ in best]
-            topk_logprobs[t] = [entry.logprob for _, entry in best]
-        # vLLM finishes with stop (EOS or stop string), length or abort; anything else was cut short too.
-        reason = _FINISH_REASONS.get(sample.finish_reason, "abort")
-        return make_completion(token_ids, logprobs, topk_ids, topk_logprobs, version, sample.text, reason)
+    def adapter_request(self) -> Any:
+        """The `LoRARequest` of the adapter served (None: the base's weights are the version)."""
+        return self._adapters.current if self._adapters is not None else None
+
+    @contextmanager
+    def mid_batch(self, kv_cache: Literal["keep", "recompute"] | None) -> Iterator[None]:
+        """While a batch is decoded: a version installed then treats the running samples' KV cache as
+        `kv_cache` says (None: no swap expected); a cache kept is dropped once the batch is over."""
+        self._mid_batch = kv_cache
+        try:
+            yield
+        finally:
+            self._mid_batch = None
+            if self._stale_cache and self.llm is not None:
+                self._stale_cache = not self.llm.reset_prefix_cache()
+                if self._stale_cache:
+                    log.warning("vLLM kept its prefix cache after a batch with a version taken mid-way")
+
+    def _drop_prefix_cache(self) -> str | None:
+        """After new weights, no KV block the old ones computed may serve again; why not, or None. Mid-batch
+        the running samples' blocks are kept (`keep`, dropped when the batch ends) or preempted: vLLM runs
+        their prompt and tokens so far again under the new weights (`recompute`)."""
+        if self._mid_batch is not None and not self.launch.in_process:
+            return (
+                "vLLM's engine core runs in its own process, so a version taken mid-batch has no exact "
+                "token boundary: set rollout.engine.in_process true (or weight_updates between_batches)"
+            )
+        if self._mid_batch == "keep":
+            self._stale_cache = True
+            return None
+        if not self.llm.reset_prefix_cache(reset_running_requests=self._mid_batch == "recompute"):
+            return "vLLM could not drop its prefix cache (requests were running)"
+        return None
 
     def load_weights(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *, checksum: str | None = None
@@ -259,6 +260,8 @@ class VllmEngine(Engine):
         if self._adapters is None:
             super().load_adapter(adapter, version)
             return
+        if self._mid_batch is not None:  # the running requests named the adapter served when they began
+            raise WeightLoadFailed("a LoRA adapter served by vLLM is taken between batches, not mid-batch")
         self._adapters.put(self.llm, adapter, version)
         self.policy_version = version
 
@@ -291,9 +294,7 @@ class VllmEngine(Engine):
                 return "; ".join(report["problems"])
             if report["checksum"] != expected:
                 return f"vLLM loaded bytes with checksum {report['checksum']}, not {expected}"
-        if not self.llm.reset_prefix_cache():
-            return "vLLM could not drop its prefix cache (requests were running)"
-        return None
+        return self._drop_prefix_cache()
 
     def _session(self, tensors: Named) -> list[dict[str, Any]]:
         """start → update (per bucket) → finish on every worker; their reports."""
@@ -341,8 +342,9 @@ class VllmEngine(Engine):
     def weights_arrived(self, version: int, checksum: str) -> None:
         """Weights loaded by vLLM's NCCL engine (`vllm_transfer.py`), every worker having reported
         `checksum` of what it loaded: drop the prefix cache, take the version."""
-        if not self.llm.reset_prefix_cache():
-            raise WeightLoadFailed("vLLM could not drop its prefix cache (requests were running)")
+        problem = self._drop_prefix_cache()
+        if problem is not None:
+            raise WeightLoadFailed(problem)
         self._serving, self._on_device = None, True
         self._checksum, self.policy_version = checksum, version
 

@@ -19,6 +19,9 @@ follows:
   `nobind`: OMP_NUM_THREADS, inherited). In-process there is no binding, and vLLM's CPU worker disables
   `torch.set_num_threads` once it starts: the threads are set before it does.
 - `max_logprobs` only bounds what a request may ask (default 20).
+- On GPU vLLM schedules the next step while one runs (`async_scheduling`, on by default; the CPU platform
+  turns it off): in-process it is turned off, so that a step returns what its own forward pass sampled and
+  a version taken between two steps tags exactly the tokens after it (`vllm_steps.py`).
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ class Launch:
             kwargs["max_loras"] = settings.max_loras
         if not self.cpu:
             kwargs["gpu_memory_utilization"] = settings.gpu_memory_utilization
+        if self.in_process and not self.cpu:  # a step returns the tokens its own forward pass sampled
+            kwargs["async_scheduling"] = False
         if self.block_size is not None:
             kwargs["block_size"] = self.block_size
         if self.kv_cache_bytes is not None:

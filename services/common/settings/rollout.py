@@ -6,7 +6,12 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from sparkrl.services.common.settings.engine import EngineSettings, SamplingSettings, TorchEngineSettings
+from sparkrl.services.common.settings.engine import (
+    EngineSettings,
+    SamplingSettings,
+    TorchEngineSettings,
+    VllmEngineSettings,
+)
 from sparkrl.services.common.settings.section import Section
 from sparkrl.services.common.settings.servers import MetricsEndpoint
 from sparkrl.services.common.settings.supervision import WorkerHealthSettings
@@ -161,6 +166,25 @@ class RolloutSettings(Section):
             raise ValueError(
                 "rollout.weight_updates in_flight does not combine with rollout.lockstep_groups: lockstep "
                 "makes each version's share whole (on-policy), in-flight updates change version mid-sample"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _in_flight_on_vllm(self) -> RolloutSettings:
+        engine = self.engine
+        if self.weight_updates != "in_flight" or not isinstance(engine, VllmEngineSettings):
+            return self
+        if engine.in_process is False or (engine.in_process is None and engine.device == "cuda"):
+            raise ValueError(
+                "rollout.weight_updates in_flight with vLLM needs its engine core in the worker's process "
+                "(rollout.engine.in_process true): a spawned core decodes on its own, so no token boundary "
+                "for the new version is known"
+            )
+        if engine.max_lora_rank is not None:
+            raise ValueError(
+                "rollout.weight_updates in_flight does not combine with rollout.engine.max_lora_rank: a "
+                "served LoRA adapter is named by each request when it begins (unset max_lora_rank: the "
+                "adapter is merged into the base, which is swapped mid-batch)"
             )
         return self
 
