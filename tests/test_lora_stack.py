@@ -39,14 +39,18 @@ def _logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
 
 
+@pytest.mark.parametrize("zero_stage", [0, 3])
 def test_lora_trains_and_the_workers_hold_the_merged_model(
+    zero_stage: int,
     tiny_model_dir: Path,  # noqa: F811
     tmp_path: Path,
     stacks: list[Stack],
 ) -> None:
+    """Under ZeRO-0 and ZeRO-3 (the adapter, the base's checksum and the merged export gathered)."""
     cfg = settings(
         tiny_model_dir,
         tmp_path / "run",
+        f"learner.zero_stage={zero_stage}",
         "learner.lora.r=8",
         "learner.lora.alpha=16",
         "learner.lr=1e-3",

@@ -64,13 +64,14 @@ def supports_chunking(model: torch.nn.Module) -> bool:
     head, decoder = get_head(), get_decoder()
     if head is None or head is not getattr(module, "lm_head", None) or decoder in (None, module):
         return False  # a BERT-style `cls` block or an extra transform around the projection
-    if (
-        dist.is_initialized()
-        and dist.get_world_size() > 1
-        and any(hasattr(p, "ds_id") for p in head.parameters())
-    ):
+    partitioned = [p for p in head.parameters() if hasattr(p, "ds_id")]  # ZeRO-3
+    if partitioned and dist.is_initialized() and dist.get_world_size() > 1:
         # ZeRO-3 across ranks: every call of the projection gathers its weight, a collective, and the
         # ranks' micro-batches (so their numbers of chunks) differ: one call per micro-batch instead.
+        return False
+    if any(not p.requires_grad for p in partitioned):
+        # A frozen output layer (LoRA) under ZeRO-3: gathered for the forward, but not again when the
+        # backward recomputes a checkpointed chunk (it sees the empty partition): one call instead.
         return False
     config = getattr(module, "config", None)
     configs = [config, config.get_text_config()] if hasattr(config, "get_text_config") else [config]

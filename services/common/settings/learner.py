@@ -283,16 +283,6 @@ class LearnerSettings(Section):
         return self
 
     @model_validator(mode="after")
-    def _lora_below_zero_3(self) -> LearnerSettings:
-        if self.lora.r > 0 and self.zero_stage == 3:
-            raise ValueError(
-                "learner.lora with learner.zero_stage 3 fails in the backward (the chunked log-probs' "
-                "recompute of the frozen output layer under ZeRO-3's partitioning); use zero_stage 2 or "
-                "lower: the adapter's optimizer state is small, so ZeRO-3 buys little with LoRA"
-            )
-        return self
-
-    @model_validator(mode="after")
     def _mismatch_needs_the_learners_old_policy(self) -> LearnerSettings:
         if self.is_mask != "none" and self.old_logp_source != "recompute":
             raise ValueError(
