@@ -90,12 +90,18 @@ def _ranks_settings(model_dir: Path, run_dir: Path, *extra: str):
     )
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_a_two_rank_learner_trains_every_group_once_and_the_workers_end_on_its_version(
+    lora: bool,
     tiny_model_dir: Path,  # noqa: F811
     tmp_path: Path,
     stacks: list[Stack],
 ) -> None:
-    plan = plan_stack(_ranks_settings(tiny_model_dir, tmp_path / "run"), workers=1, private_redis=True)
+    """With every weight trained, and with a LoRA adapter (each version the adapter alone, its base's
+    checksum announced by rank 0, merged by the worker)."""
+    extra = ("learner.lora.r=8", "learner.lora.alpha=16", "learner.lr=1e-3") if lora else ()
+    cfg = _ranks_settings(tiny_model_dir, tmp_path / "run", *extra)
+    plan = plan_stack(cfg, workers=1, private_redis=True)
     write_configs(plan)
     learner = next(spec for spec in plan.services if spec.name == "learner")
     assert "torch.distributed.run" in learner.command and "--nproc-per-node=2" in learner.command
@@ -110,6 +116,7 @@ def test_a_two_rank_learner_trains_every_group_once_and_the_workers_end_on_its_v
     with RedisBus(plan.settings.bus) as bus:
         announcement = WeightAnnouncement.model_validate_json(bus.get_value("weights"))
         assert announcement.version == STEPS
+        assert (announcement.adapter_base is not None) == lora
 
         def synced() -> bool:
             statuses = [WorkerStatus.model_validate_json(raw) for raw in bus.statuses("worker").values()]
