@@ -263,7 +263,7 @@ def test_vllm_output_conversion_handles_the_extra_sampled_entry() -> None:
     """vLLM's per-token dict holds the top-k and the sampled token, which may rank below k."""
     from types import SimpleNamespace
 
-    from sparkrl.services.rollout.vllm_engine import VllmEngine
+    from sparkrl.services.rollout.vllm_steps import Sample
 
     def entry(logprob: float, rank: int) -> SimpleNamespace:  # vllm.logprobs.Logprob's fields
         return SimpleNamespace(logprob=logprob, rank=rank)
@@ -276,17 +276,25 @@ def test_vllm_output_conversion_handles_the_extra_sampled_entry() -> None:
         ],
         text="x",
         finish_reason="stop",
+        stop_reason=None,
     )
-    c = VllmEngine._completion(sample, k=2, version=5)
+    engine = SimpleNamespace(tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: "x"))
+
+    def convert(k: int) -> Completion:
+        made = Sample(None, k)
+        made.extend(sample, version=5)  # one step's delta: both tokens
+        return made.completion(engine)  # type: ignore[arg-type]
+
+    c = convert(2)
     np.testing.assert_allclose(c.logprobs, [-6.0, -0.4])
     assert c.topk_ids.tolist() == [[4, 5], [2, 5]]
     np.testing.assert_allclose(c.topk_logprobs, [[-0.1, -2.5], [-0.4, -1.2]])
     assert c.policy_versions.tolist() == [5, 5] and c.finish_reason == "stop"
     with pytest.raises(RuntimeError, match="expected 3"):
-        VllmEngine._completion(sample, k=3, version=5)
+        convert(3)
     sample.logprobs[1].pop(2)
     with pytest.raises(RuntimeError, match="no log-prob for the sampled token 2"):
-        VllmEngine._completion(sample, k=2, version=5)
+        convert(2)
 
 
 def test_vllm_initial_checksum_is_the_learners(tiny_model_dir: Path, reference: PreTrainedModel) -> None:  # noqa: F811

@@ -58,7 +58,7 @@ def position_entries(
 
 
 @dataclass
-class _Sample:
+class Sample:
     """One sample of the batch as it grows: the prefix it continues, then what vLLM sampled after it."""
 
     prefix: Completion | None
@@ -118,7 +118,7 @@ def stepped_generate(
     llm_engine, n, k = engine.llm.llm_engine, sampling.n, sampling.topk_logprobs
     batch = f"sparkrl-{next(_batches)}"
     out: list[list[Completion | None]] = [[None] * n for _ in prompts]
-    samples: dict[str, tuple[int, int, _Sample]] = {}
+    samples: dict[str, tuple[int, int, Sample]] = {}
     lora = engine.adapter_request()
     for i, prompt in enumerate(prompts):
         for j in range(n):
@@ -131,7 +131,7 @@ def stepped_generate(
             params = engine.sampling_params(sampling, 1, seed, sampling.max_new_tokens - len(held))
             params.output_kind = RequestOutputKind.DELTA
             request_id = f"{batch}-{i}-{j}"
-            samples[request_id] = (i, j, _Sample(prefix, k))
+            samples[request_id] = (i, j, Sample(prefix, k))
             llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt) + held), params,
                                    lora_request=lora)  # fmt: skip
     with engine.mid_batch(None if interrupts is None else interrupts.kv_cache):
