@@ -113,6 +113,20 @@ def test_the_sampled_token_is_always_reported_even_outside_the_top_k(
     assert outside > 0, "no sampled token fell outside the top-2: the case was not exercised"
 
 
+def test_a_batch_that_fails_midway_leaves_nothing_in_the_engine(engine: Any) -> None:
+    """A prompt vLLM refuses when it is added (longer than the engine's context), after another's samples
+    were added: the batch raises, none of its requests stays in the engine, and the next batch (the
+    worker's diagnosis, one prompt at a time) runs as if nothing happened."""
+    prompt = engine.tokenizer(PROMPT)["input_ids"]
+    too_long = prompt * (engine.llm.llm_engine.model_config.max_model_len // len(prompt) + 1)
+    sampling = SamplingSettings(n=4, max_new_tokens=8, topk_logprobs=2, seed=3)
+    with pytest.raises(Exception, match="maximum context length"):  # vLLM's VLLMValidationError
+        engine.generate([prompt, too_long], sampling)
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+    [group] = engine.generate([prompt], sampling)
+    assert len(group) == 4 and all(c.finish_reason in ("stop", "length") for c in group)
+
+
 def _push(
     sender: WeightSender,
     receiver: Any,

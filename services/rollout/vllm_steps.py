@@ -120,32 +120,40 @@ def stepped_generate(
     out: list[list[Completion | None]] = [[None] * n for _ in prompts]
     samples: dict[str, tuple[int, int, Sample]] = {}
     lora = engine.adapter_request()
-    for i, prompt in enumerate(prompts):
-        for j in range(n):
-            prefix = prefixes[i][j] if prefixes is not None else None
-            if finished(prefix):
-                out[i][j] = prefix
-                continue
-            held = [] if prefix is None else prefix.token_ids.tolist()
-            seed = None if sampling.seed is None else sampling.seed + i * n + j
-            params = engine.sampling_params(sampling, 1, seed, sampling.max_new_tokens - len(held))
-            params.output_kind = RequestOutputKind.DELTA
-            request_id = f"{batch}-{i}-{j}"
-            samples[request_id] = (i, j, Sample(prefix, k))
-            llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt) + held), params,
-                                   lora_request=lora)  # fmt: skip
-    with engine.mid_batch(None if interrupts is None else interrupts.kv_cache):
-        while llm_engine.has_unfinished_requests():
-            version = engine.policy_version  # the weights this step runs with (in-process)
-            for output in llm_engine.step():
-                samples[output.request_id][2].extend(output.outputs[0], version)
-            if interrupts is None or not llm_engine.has_unfinished_requests():
-                continue
-            if interrupts.poll():  # stopped: the rows not finished come back cut short
-                llm_engine.abort_request([r for r, (_, _, s) in samples.items() if s.finish is None])
-                break
+    try:
+        for i, prompt in enumerate(prompts):
+            for j in range(n):
+                prefix = prefixes[i][j] if prefixes is not None else None
+                if finished(prefix):
+                    out[i][j] = prefix
+                    continue
+                held = [] if prefix is None else prefix.token_ids.tolist()
+                seed = None if sampling.seed is None else sampling.seed + i * n + j
+                params = engine.sampling_params(sampling, 1, seed, sampling.max_new_tokens - len(held))
+                params.output_kind = RequestOutputKind.DELTA
+                request_id = f"{batch}-{i}-{j}"
+                samples[request_id] = (i, j, Sample(prefix, k))
+                prompt_ids = TokensPrompt(prompt_token_ids=list(prompt) + held)
+                llm_engine.add_request(request_id, prompt_ids, params, lora_request=lora)
+        with engine.mid_batch(None if interrupts is None else interrupts.kv_cache):
+            while llm_engine.has_unfinished_requests():
+                version = engine.policy_version  # the weights this step runs with (in-process)
+                for output in llm_engine.step():
+                    samples[output.request_id][2].extend(output.outputs[0], version)
+                if interrupts is None or not llm_engine.has_unfinished_requests():
+                    continue
+                if interrupts.poll():  # stopped: the rows not finished come back cut short
+                    llm_engine.abort_request(_unfinished(samples))
+                    break
+    except BaseException:  # nothing of this batch may stay in the engine for the next one to meet
+        llm_engine.abort_request(_unfinished(samples))
+        raise
     for i, j, sample in samples.values():
         out[i][j] = (
             sample.completion(engine) if sample.tokens or sample.finish else cut_short(sample.prefix, k)
         )
     return [[c if c is not None else cut_short(None, k) for c in group] for group in out]
+
+
+def _unfinished(samples: dict[str, tuple[int, int, Sample]]) -> list[str]:
+    return [request_id for request_id, (_, _, sample) in samples.items() if sample.finish is None]
