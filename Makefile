@@ -29,14 +29,18 @@ chromium:
 
 # The vLLM tier (`-m vllm`: vLLM's CPU build) runs in its own environment; SPARKRL_REQUIRE_VLLM turns its
 # "not installed" skips into failures, so `make test` never passes without it.
+# The fast tier runs on both cores (pytest-xdist, one file per process: a module's fixtures stay shared); the
+# slow tier one test at a time, its stacks already using both (measured in parallel: 19 min against 24,
+# and tests sharing a run directory, a lock or a module's stack collide; docs/testing.md).
 test: install chromium vllm-env
-	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -m "not vllm" --durations=15
+	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -m "not slow and not vllm" -n 2 --dist loadfile
+	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -m "slow and not vllm" --durations=15
 	SPARKRL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_engine_contract.py tests/test_engine_in_flight.py tests/test_vllm_cpu.py tests/test_vllm_lora.py
 
 # The inner loop's tier: unit and contract tests, no stack and no DeepSpeed start-up (`slow` marks those);
 # a few minutes (docs/testing.md). `make test` runs everything.
 test-fast: install
-	$(VENV)/bin/pytest -q -m "not slow and not vllm" --durations=10
+	$(VENV)/bin/pytest -q -m "not slow and not vllm" -n 2 --dist loadfile --durations=10
 
 # ruff, then the import contracts (pyproject.toml's [tool.importlinter]). import-linter finds a package's
 # modules by walking its folder, and sparkrl.proto and sparkrl.services live in proto/ and services/
