@@ -25,6 +25,7 @@ from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.settings import BusSettings
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.common.weight_sync import WeightSender
+from sparkrl.services.rollout import announcements
 from sparkrl.services.rollout.announcements import ANNOUNCEMENT_KEY, AnnouncementGate
 
 SECRET = "replay-test-secret-0123456789abcdef"
@@ -196,6 +197,37 @@ def test_a_worker_with_no_history_asks_the_learners_store_and_refuses_a_replay(
         finally:
             if successor is not None:
                 successor.close()
+
+
+def test_an_announcement_superseded_while_the_store_is_asked_is_not_called_a_replay(
+    bus_settings: BusSettings,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A fresh gate reads version 1, and while it asks the learner's store the learner publishes version 2
+    (a worker starting while the learner trains): version 1 is no longer current, but it was not replayed.
+    Nothing is refused or logged as an error; the next look follows version 2."""
+    learner = WeightSender()
+    with RedisBus(bus_settings) as bus:
+        try:
+            first, second = _announce(learner, 1), _announce(learner, 2, epoch=2)
+            _publish(bus, learner, first)
+            asked = announcements.ask_current
+
+            def racing(host: str, port: int, timeout_s: float) -> object:  # the real store, a step later
+                _publish(bus, learner, second)
+                return asked(host, port, timeout_s)
+
+            monkeypatch.setattr(announcements, "ask_current", racing)
+            gate = AnnouncementGate(bus, SECRET, tmp_path)
+            with caplog.at_level(logging.DEBUG, logger="sparkrl.rollout"):
+                assert gate.latest() is None
+                monkeypatch.setattr(announcements, "ask_current", asked)
+                assert gate.latest() == second
+            assert "refusing" not in caplog.text
+        finally:
+            learner.close()
 
 
 def _step_gaps(run_dir: Path, since: float) -> list[float]:

@@ -214,10 +214,9 @@ def test_a_forged_announcement_is_refused(live_stack: Live) -> None:  # noqa: F8
         # The learner rewrites the announcement at every version: write the forgery until a worker,
         # looking between batches, has seen (and refused) it.
         client.set(key, forged.model_dump_json())
-        return "refusing a weight announcement" in log.read_text()
+        return "its signature does not verify" in log.read_text()  # a refusal of this forgery, no other
 
     live_stack.wait("worker-0 to refuse a forged announcement", refused, timeout_s=60)
-    assert "its signature does not verify" in log.read_text()
     versions = {w["policy_version"] for w in live_stack.get("/api/v1/workers")["workers"]}
     assert real.version + 1000 not in versions
     unsigned = forged.model_copy(update={"signature": None})

@@ -84,6 +84,8 @@ class AnnouncementGate:
         if self.newest is None or announcement.incarnation > self.newest[0]:
             refusal = self._not_current(announcement)
             if refusal is not None:
+                if self.bus.get_value(ANNOUNCEMENT_KEY) != raw:
+                    return None  # superseded while the store was asked, not replayed: the next look takes it
                 return self._refuse(raw, refusal)
         self.newest = (announcement.incarnation, announcement.sequence, announcement.version)
         return announcement
