@@ -27,17 +27,35 @@ in the kept tokens and ends in the new ones is not seen (vLLM matches stop strin
 from __future__ import annotations
 
 import itertools
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal, Protocol
 
 import numpy as np
+from transformers import PreTrainedTokenizerBase
 
 from sparkrl.proto import Completion
 from sparkrl.services.common.settings import SamplingSettings
 from sparkrl.services.rollout.engine import Interrupts, Prefixes, cut_short, finished, make_completion
 
-if TYPE_CHECKING:
-    from sparkrl.services.rollout.vllm_engine import VllmEngine
+
+class SteppedEngine(Protocol):
+    """What the step loop needs of `VllmEngine` (named here, not imported: the engine imports this)."""
+
+    llm: Any  # vllm.LLM
+    policy_version: int
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase: ...
+
+    def sampling_params(
+        self, sampling: SamplingSettings, n: int, seed: int | None, max_tokens: int
+    ) -> Any: ...
+
+    def adapter_request(self) -> Any: ...
+
+    def mid_batch(self, kv_cache: Literal["keep", "recompute"] | None) -> AbstractContextManager[None]: ...
+
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
 _batches = itertools.count()
@@ -84,7 +102,7 @@ class Sample:
             self.finish = _FINISH_REASONS.get(output.finish_reason, "abort")
             self.stop_string = output.stop_reason if isinstance(output.stop_reason, str) else None
 
-    def completion(self, engine: VllmEngine) -> Completion:
+    def completion(self, engine: SteppedEngine) -> Completion:
         """The sample whole: the prefix's arrays, then the new ones; the text decoded from every token."""
         p, k = self.prefix, self.k
         ids = np.asarray(self.tokens, dtype=np.int32)
@@ -104,7 +122,7 @@ class Sample:
 
 
 def stepped_generate(
-    engine: VllmEngine,
+    engine: SteppedEngine,
     prompts: list[list[int]],
     sampling: SamplingSettings,
     prefixes: Prefixes | None,
