@@ -137,13 +137,12 @@ class VllmEngine(Engine):
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def sampling_params(self, sampling: SamplingSettings, n: int, seed: int | None, max_tokens: int) -> Any:
-        """vLLM's `SamplingParams` for `n` samples of one prompt (`seed`: the first's; child j gets seed + j)
-        with `max_tokens` to go."""
+    def sampling_params(self, sampling: SamplingSettings, seed: int | None, max_tokens: int) -> Any:
+        """vLLM's `SamplingParams` for one sample with `max_tokens` to go."""
         from vllm import SamplingParams
 
         return SamplingParams(
-            n=n,
+            n=1,
             temperature=sampling.temperature,
             top_p=1.0,
             max_tokens=max_tokens,

@@ -48,9 +48,7 @@ class SteppedEngine(Protocol):
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase: ...
 
-    def sampling_params(
-        self, sampling: SamplingSettings, n: int, seed: int | None, max_tokens: int
-    ) -> Any: ...
+    def sampling_params(self, sampling: SamplingSettings, seed: int | None, max_tokens: int) -> Any: ...
 
     def adapter_request(self) -> Any: ...
 
@@ -147,7 +145,7 @@ def stepped_generate(
                     continue
                 held = [] if prefix is None else prefix.token_ids.tolist()
                 seed = None if sampling.seed is None else sampling.seed + i * n + j
-                params = engine.sampling_params(sampling, 1, seed, sampling.max_new_tokens - len(held))
+                params = engine.sampling_params(sampling, seed, sampling.max_new_tokens - len(held))
                 params.output_kind = RequestOutputKind.DELTA
                 request_id = f"{batch}-{i}-{j}"
                 samples[request_id] = (i, j, Sample(prefix, k))
