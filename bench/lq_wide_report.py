@@ -24,7 +24,7 @@ from learning_quality import (
     table,
     verdict,
 )
-from lq_records import CONFIG_DIR, read_record_steps
+from lq_records import CONFIG_DIR, read_record_steps, recorded_steps
 
 from sparkrl.proto.telemetry import StepMetrics
 from sparkrl.run_files import read_evals
@@ -33,6 +33,10 @@ if TYPE_CHECKING:
     from learning_quality_wide import Spec  # which imports this module
 
 K_TARGET = 20  # the issue's floor for k per micro-batch at ρ = 1%
+EARLIER = {  # earlier series' records, beside the report: folder → what set that series apart
+    "wide-v1": "the first series, without dynamic sampling (`learner.filter_groups: none`): a step trained "
+    "the 256 groups sampled, however many of them scored alike",
+}
 
 
 def read_record(spec: Spec, records: Path) -> Run:
@@ -65,11 +69,32 @@ def skipping(runs: dict[Spec, Run], records: Path) -> list[str]:
     is over the trained tokens only."""
     on = []
     for spec in runs:
-        config = yaml.safe_load((records / spec.name / CONFIG_DIR / "learner.yaml").read_text()) or {}
-        learner = config.get("learner") or {}
+        learner = learner_config(records / spec.name)
         if learner.get("skip_zero_advantage", True) and not learner.get("entropy_of_skipped", False):
             on.append(spec.name)
     return on
+
+
+def learner_config(record_dir: Path) -> dict:
+    """The `learner:` block of the run's recorded learner.yaml."""
+    config = yaml.safe_load((record_dir / CONFIG_DIR / "learner.yaml").read_text()) or {}
+    return config.get("learner") or {}
+
+
+def sampling_text(runs: dict[Spec, Run], records: Path) -> str:
+    """How the runs' steps were filled: dynamic sampling or not (each run's recorded config), and the
+    share of the groups sampled that dynamic sampling set aside (`rollout/filtered_share`, per step)."""
+    filtering = [s for s in runs if learner_config(records / s.name).get("filter_groups", "none") != "none"]
+    if not filtering:
+        return "every step trains the groups sampled, however many scored alike (no dynamic sampling)"
+    shares = [float(np.nanmean(np.nan_to_num(_series(runs[s], "rollout/filtered_share")))) for s in filtering]
+    said = "every loss" if len(filtering) == len(runs) else ", ".join(s.name for s in filtering)
+    return (
+        f"dynamic sampling for {said} (`learner.filter_groups: zero_variance`, DAPO's filter): a group whose "
+        "answers all score alike carries no gradient and does not count toward a step, so every step trains "
+        f"its full batch of informative groups; {min(shares):.0%}–{max(shares):.0%} of the groups sampled "
+        "were set aside (mean per step, by run)"
+    )
 
 
 def per_spec(runs: dict[Spec, Run], records: Path, n: int) -> dict[str, dict[str, float]]:
@@ -238,8 +263,8 @@ def intro(runs: dict[Spec, Run], plan: list[Spec], scale: Scale, records: Path, 
         f"{len(runs)} of {len(plan)} runs, {hours:.1f} hours of runs on this machine). {scale.steps} steps, "
         f"seeds {list(seeds)}; {', '.join(LABELS[x] for x in losses)}: every loss with its defaults and the "
         f"preset's settings, Lp-Reg at the preset's {lp_text} (the paper's defaults: nothing tuned for it); "
-        f"{entropy_text}. Held-out evaluation: {scale.eval_problems} problems, {n} samples at T = 1 and "
-        f"greedy, every {scale.eval_every} versions and on the final one.",
+        f"{entropy_text}; {sampling_text(runs, records)}. Held-out evaluation: {scale.eval_problems} "
+        f"problems, {n} samples at T = 1 and greedy, every {scale.eval_every} versions and on the final one.",
     ]
 
 
@@ -248,6 +273,15 @@ def wide_report(
 ) -> tuple[str, dict[str, dict[str, float]]]:
     """The section's markdown (its images written to `out`) and the numbers per run, from the records
     of `runs` (those of `plan` that are in)."""
+    if not runs:  # only an earlier series is in: this one's plan and where its records will go
+        return "\n".join([
+            f"## At the paper's tokens per step: `configs/{scale.preset}.yaml` (0 of {len(plan)} runs)",
+            "",
+            f"No run of this series is recorded yet (its records go to `{records.name}/RUN/` beside this "
+            f"report; `python bench/learning_quality.py --wide` runs them: "
+            f"{', '.join(s.name for s in plan)}).",
+            *earlier(plan, scale, out),
+        ]), {}  # fmt: skip
     n = scale.eval_n
     stats = per_spec(runs, records, n)
     losses, seeds = compared(runs, tuple(dict.fromkeys(s.loss for s in plan if s.rho is None)), scale.seeds)
@@ -288,8 +322,38 @@ def wide_report(
         "### Every run",
         "",
         *run_rows(stats, n),
+        *earlier(plan, scale, out),
     ]
     return "\n".join(text), stats
+
+
+def earlier(plan: list[Spec], scale: Scale, out: Path) -> list[str]:
+    """Each earlier series whose records are beside the report (EARLIER): its verdict, k and table, by
+    the same measures as the series above."""
+    lines: list[str] = []
+    for folder, how in EARLIER.items():
+        records = out / folder
+        runs = {s: read_record(s, records) for s in plan if recorded_steps(records / s.name) is not None}
+        if not runs:
+            continue
+        stats = per_spec(runs, records, scale.eval_n)
+        planned = tuple(dict.fromkeys(s.loss for s in plan if s.rho is None))
+        losses, seeds = compared(runs, planned, scale.seeds)
+        at_preset = [spec for spec in runs if spec.loss == "lp_reg" and spec.rho is None]
+        on_first = [spec for spec in runs if spec.loss == "lp_reg" and spec.seed == scale.seeds[0]]
+        dose = sorted(((hparam(records / s.name, "rho"), s) for s in on_first), key=lambda p: p[0])
+        lines += [
+            "",
+            f"### An earlier series: {folder}/",
+            "",
+            f"{how.capitalize()}; otherwise the preset above ({len(runs)} runs, records at `{folder}/RUN/`). "
+            + verdict(stats, losses, seeds)
+            + k_line(stats, at_preset)
+            + dose_line(stats, dose, losses, scale.seeds[0]),
+            "",
+            table(stats, losses, seeds, scale.eval_n),
+        ]
+    return lines
 
 
 def splice(report: Path, section: str) -> None:

@@ -38,8 +38,11 @@ OLD_REPORT = "# Learning quality\n\nThe explore experiment's report, kept as it 
 PASSWORD, SECRET = "hunter2-redis", "hunter2-sync"  # as `sparkrl up` writes them into every config
 
 
-def write_run(run_dir: Path, loss: str, pass1: float, steps: int = 4, rho: float = 0.01) -> None:
-    """A finished run's files as `sparkrl up` leaves them: step rows, evaluations, summary, config."""
+def write_run(
+    run_dir: Path, loss: str, pass1: float, steps: int = 4, rho: float = 0.01, filtered: float | None = None
+) -> None:
+    """A finished run's files as `sparkrl up` leaves them: step rows, evaluations, summary, config.
+    `filtered`: dynamic sampling on, that share of each step's sampled groups set aside."""
     run_dir.mkdir(parents=True)
     rows = []
     for step in range(1, steps + 1):
@@ -48,6 +51,8 @@ def write_run(run_dir: Path, loss: str, pass1: float, steps: int = 4, rho: float
             "explore/low_prob_share": 0.05,
             "rollout/tokens": 20_000.0,
         }
+        if filtered is not None:
+            metrics["rollout/filtered_share"] = filtered
         hparams: dict[str, float | str] = {"loss": loss, "lr": 1e-3}
         if loss == "lp_reg":
             metrics |= {"loss/k_neg": K_NEG[step - 1], "loss/reg_tokens": REG_TOKENS[step - 1]}
@@ -70,6 +75,8 @@ def write_run(run_dir: Path, loss: str, pass1: float, steps: int = 4, rho: float
         "sync": {"secret": SECRET},
         "learner": {"loss": {"name": loss}, "skip_zero_advantage": False},
     }
+    if filtered is not None:
+        learner["learner"]["filter_groups"] = "zero_variance"
     (run_dir / "config" / "learner.yaml").write_text("# learner: resolved\n" + yaml.safe_dump(learner))
     (run_dir / "config" / "redis.conf").write_text(f"requirepass {PASSWORD}\n")
 
@@ -207,6 +214,41 @@ def test_the_section_while_runs_are_still_to_come_says_how_many_are_in(
     assert re.search(r"^\| lp_reg-s2 \| 4 \|", report, flags=re.M)  # every run in, in the last table
 
 
+def test_an_earlier_series_is_reported_beside_this_one_by_the_same_measures(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs, out = tmp_path / "runs", tmp_path / "report"
+    earlier = {"lp_reg-s1": ("lp_reg", 0.2), "grpo-s1": ("grpo", 0.35)}  # filter_groups none
+    for name, (loss, pass1) in earlier.items():
+        write_run(tmp_path / "v1" / name, loss, pass1=pass1)
+        write_record(tmp_path / "v1" / name, out / "wide-v1" / name, {"run": name})
+
+    # Only the earlier series is in: the section says so, and reports the earlier one.
+    run_wide(args(runs, out, report_only=True))
+    assert "the section says 0 of 2 runs" in capsys.readouterr().out
+    report = (out / "report.md").read_text()
+    assert "`configs/smoke.yaml` (0 of 2 runs)" in report and "No run of this series is recorded yet" in report
+    assert "### An earlier series: wide-v1/\n\nThe first series, without dynamic sampling" in report
+    assert "does **not** beat the best baseline by more than the seed spread: pass@1 0.200" in report
+
+    # This series' runs, with dynamic sampling, come first; the earlier series after, unchanged.
+    write_run(runs / "lp_reg-s1", "lp_reg", pass1=0.4, filtered=0.25)
+    write_run(runs / "grpo-s1", "grpo", pass1=0.3, filtered=0.5)
+    run_wide(args(runs, out, report_only=True))
+    report = (out / "report.md").read_text()
+    assert "dynamic sampling for every loss (`learner.filter_groups: zero_variance`" in report
+    assert "25%–50% of the groups sampled were set aside" in report
+    ours, theirs = report.split("### An earlier series: wide-v1/")
+    assert "Lp-Reg's held-out pass@1 (0.400) beats the best baseline, GRPO (0.300)" in ours
+    assert "pass@1 0.200 ± 0.000 against GRPO's 0.350 ± 0.000" in theirs
+    assert "(2 runs, records at `wide-v1/RUN/`)" in theirs and "median 33, lowest 24" in theirs
+
+
+def test_without_any_record_report_only_says_there_is_nothing_to_report(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="no run recorded in .* yet"):
+        run_wide(args(tmp_path / "runs", tmp_path / "report", report_only=True))
+
+
 def test_record_only_records_the_finished_runs_and_starts_nothing(tmp_path: Path) -> None:
     runs, out = tmp_path / "runs", tmp_path / "report"
     write_run(runs / "lp_reg-s1", "lp_reg", pass1=0.4)
@@ -293,6 +335,10 @@ def test_the_wide_preset_is_the_papers_lp_reg_with_a_whole_step_in_one_micro_bat
     assert (learner.loss.name, learner.loss.rho, learner.proxy_kappa) == ("lp_reg", 0.01, 0.02)
     assert (learner.skip_zero_advantage is False or learner.entropy_of_skipped) and learner.max_steps >= 300
     assert learner.prompts_per_step * sampling.n == 8 * 32 * 16  # 8× explore's 32 prompts × 16
+    # Dynamic sampling: every step trains 256 informative groups (k held late in a run), and the prompts
+    # cannot run out before the last step even with 90% of the groups set aside.
+    assert learner.filter_groups == "zero_variance"
+    assert (wide.prompts.count or 0) >= 10 * learner.max_steps * learner.prompts_per_step
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     prompts = itertools.islice(countdown_prompts(wide.prompts), 2000)
     longest = max(len(apply_chat_template_if_any(tokenizer, p.text or "")) for p in prompts)
