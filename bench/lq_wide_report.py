@@ -93,7 +93,7 @@ def sampling_text(runs: dict[Spec, Run], records: Path) -> str:
         f"dynamic sampling for {said} (`learner.filter_groups: zero_variance`, DAPO's filter): a group whose "
         "answers all score alike carries no gradient and does not count toward a step, so every step trains "
         f"its full batch of informative groups; {min(shares):.0%}–{max(shares):.0%} of the groups sampled "
-        "were set aside (mean per step, by run)"
+        "were set aside (mean per step, by run), and `loss/entropy` is over the groups trained"
     )
 
 
