@@ -227,7 +227,8 @@ def test_an_earlier_series_is_reported_beside_this_one_by_the_same_measures(
     run_wide(args(runs, out, report_only=True))
     assert "the section says 0 of 2 runs" in capsys.readouterr().out
     report = (out / "report.md").read_text()
-    assert "`configs/smoke.yaml` (0 of 2 runs)" in report and "No run of this series is recorded yet" in report
+    assert "`configs/smoke.yaml` (0 of 2 runs)" in report
+    assert "No run of this series is recorded yet" in report
     assert "### An earlier series: wide-v1/\n\nThe first series, without dynamic sampling" in report
     assert "does **not** beat the best baseline by more than the seed spread: pass@1 0.200" in report
 
@@ -245,7 +246,7 @@ def test_an_earlier_series_is_reported_beside_this_one_by_the_same_measures(
 
 
 def test_without_any_record_report_only_says_there_is_nothing_to_report(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="no run recorded in .* yet"):
+    with pytest.raises(SystemExit, match=r"no run recorded in .* yet"):
         run_wide(args(tmp_path / "runs", tmp_path / "report", report_only=True))
 
 
