@@ -92,3 +92,33 @@ def test_groups_past_reach_are_sent_back_to_be_made_again(bus_settings: BusSetti
         bus.ack("trajectories", [e.entry_id for e in batch.entries])  # trained
         assert not bus.send_back(batch.entries[0], "p", b"")  # no longer pending: nothing is sent back
         assert bus.pending_info("prompts").lag == 0
+
+
+def test_a_group_made_again_is_judged_by_its_own_versions(bus_settings: BusSettings) -> None:
+    """The collector works a held group's oldest version out once (the stale check looks at every held
+    group on every read); a group sent back stale and made again under the same id (its prompt's) by
+    newer weights is judged by the new copy, not by what was worked out for the old one."""
+    with RedisBus(bus_settings) as bus:
+        old = sampled_by(0, 0)
+        assert bus.publish_prompt(old.prompt.prompt_id, b"as fed")
+        assert bus.publish_group(old.group_id, encode_group(old))
+        bus.ack("prompts", [e.entry_id for e in bus.read("prompts", "worker", 1)])
+        c = collector(bus)
+        c.read_ahead(0, STALENESS)
+        assert [g.group_id for g in c.groups] == [old.group_id] and c.oldest == {old.group_id: 0}
+        c.read_ahead(3, STALENESS)  # version 3: 3 versions behind, past max_staleness 2
+        assert c.groups == [] and c.oldest == {}
+        assert bus.pending_info("prompts").lag == 1  # fed again
+        again = old.model_copy(
+            update={
+                "completions": [
+                    done.model_copy(update={"policy_versions": np.full_like(done.policy_versions, 3)})
+                    for done in old.completions
+                ]
+            }
+        )
+        assert again.group_id == old.group_id
+        assert bus.publish_group(again.group_id, encode_group(again))
+        c.read_ahead(3, STALENESS)
+        assert [g.group_id for g in c.groups] == [old.group_id] and c.oldest == {old.group_id: 3}
+        assert c.dropped == 1  # the first copy only

@@ -57,6 +57,9 @@ class BatchCollector:
     progress: Progress = field(default_factory=Tally)  # the learner's TrainState: what it has trained
     ran_out: Fed | None = None  # the feed is done and all of it is read: no more data will come
     counts: PromptCounts | None = None  # how the prompts fed ended, as the last end reason said
+    # Each held group's oldest policy version, worked out once: the stale check looks at every held group
+    # on every read, and a group's 16 version arrays read each time took a third of a wide run's learner.
+    oldest: dict[str, int | None] = field(default_factory=dict)
 
     @property
     def exhausted(self) -> str | None:
@@ -99,17 +102,19 @@ class BatchCollector:
             # The rest of a worker's burst (its groups are published one by one) joins now, not after
             # this step, when the oldest of it may be past reach.
             self.read_ahead(version, max_staleness)
-        order = sorted(range(len(self.groups)), key=lambda i: (_oldest(self.groups[i], version), i))
+        order = sorted(range(len(self.groups)), key=lambda i: (self._oldest(self.groups[i], version), i))
         # learner.batch grow: a held group that would be too stale for the next step joins this one (the
         # step grows to at most what read-ahead holds): a burst is trained, not made again. fixed: it
         # stays held, and the next read sends it back (its prompt fed again): every step is `need` groups.
         doomed = [
-            i for i in order[need:] if too_stale(_oldest(self.groups[i], version), version + 1, max_staleness)
+            i
+            for i in order[need:]
+            if too_stale(self._oldest(self.groups[i], version), version + 1, max_staleness)
         ]
         grown = min(len(doomed), self.reach(max_staleness) - need) if self.cfg.batch == "grow" else 0
         cut = need + grown
         chosen, kept = order[:cut], sorted(order[cut:])
-        lags = [version - _oldest(self.groups[i], version) for i in chosen]
+        lags = [version - self._oldest(self.groups[i], version) for i in chosen]
         batch = Batch(
             [self.groups[i] for i in chosen],
             [self.entries[i] for i in chosen],
@@ -119,6 +124,7 @@ class BatchCollector:
         )
         self.groups, self.entries = [self.groups[i] for i in kept], [self.entries[i] for i in kept]
         self.seen, self.dropped, self.filtered = {g.group_id for g in self.groups}, 0, 0
+        self.oldest = {gid: self.oldest[gid] for gid in self.seen if gid in self.oldest}
         return batch
 
     def _data_exhausted(self) -> Fed | None:
@@ -193,7 +199,9 @@ class BatchCollector:
             self._set_aside(aside, version)
         # Held groups age as the version moves on: those past reach are sent back to be made again.
         stale = [
-            i for i, g in enumerate(self.groups) if too_stale(_oldest(g, version), version, max_staleness)
+            i
+            for i, g in enumerate(self.groups)
+            if too_stale(self._oldest(g, version), version, max_staleness)
         ]
         for i in reversed(stale):
             group = self.groups[i]
@@ -202,6 +210,7 @@ class BatchCollector:
             )
             self.dropped += 1
             self.seen.discard(group.group_id)
+            self.oldest.pop(group.group_id, None)  # its prompt is made again, maybe under the same id
             del self.groups[i], self.entries[i]
         if stale:
             log.info(
@@ -252,6 +261,14 @@ class BatchCollector:
         self.entries.append(entry)
         return False
 
+    def _oldest(self, group: TrajectoryGroup, version: int) -> int:
+        """The held group's oldest policy version; `version` when it generated nothing (nothing can be
+        stale)."""
+        if group.group_id not in self.oldest:
+            self.oldest[group.group_id] = group.oldest_policy_version
+        oldest = self.oldest[group.group_id]
+        return version if oldest is None else oldest
+
     def _set_aside(self, aside: list[tuple[Entry, TrajectoryGroup]], version: int) -> None:
         """Uninformative groups, used at once: recorded as filtered, marked, acknowledged (FilteredLog)."""
         if self.filtered_log is None:
@@ -259,9 +276,3 @@ class BatchCollector:
         entries, groups = [e for e, _ in aside], [g for _, g in aside]
         self.acked += self.filtered_log.set_aside(groups, entries, version)
         self.filtered += len(groups)
-
-
-def _oldest(group: TrajectoryGroup, version: int) -> int:
-    """The group's oldest policy version; `version` when it generated nothing (nothing can be stale)."""
-    oldest = group.oldest_policy_version
-    return version if oldest is None else oldest
