@@ -268,6 +268,18 @@ def intro(runs: dict[Spec, Run], plan: list[Spec], scale: Scale, records: Path, 
     ]
 
 
+def compared_runs(
+    runs: dict[Spec, Run], plan: list[Spec], scale: Scale, records: Path
+) -> tuple[tuple[str, ...], tuple[int, ...], list[Spec], list[tuple[float, Spec]]]:
+    """What a series' verdict compares: its losses and seeds (`compared`), Lp-Reg's runs at the preset's
+    ρ, and its dose-response points (ρ, run) on the first seed, by ρ."""
+    losses, seeds = compared(runs, tuple(dict.fromkeys(s.loss for s in plan if s.rho is None)), scale.seeds)
+    at_preset = [spec for spec in runs if spec.loss == "lp_reg" and spec.rho is None]
+    on_first = [spec for spec in runs if spec.loss == "lp_reg" and spec.seed == scale.seeds[0]]
+    dose = sorted(((hparam(records / s.name, "rho"), s) for s in on_first), key=lambda p: p[0])
+    return losses, seeds, at_preset, dose
+
+
 def wide_report(
     runs: dict[Spec, Run], plan: list[Spec], scale: Scale, records: Path, out: Path, quick: bool
 ) -> tuple[str, dict[str, dict[str, float]]]:
@@ -284,11 +296,8 @@ def wide_report(
         ]), {}  # fmt: skip
     n = scale.eval_n
     stats = per_spec(runs, records, n)
-    losses, seeds = compared(runs, tuple(dict.fromkeys(s.loss for s in plan if s.rho is None)), scale.seeds)
+    losses, seeds, at_preset, dose_points = compared_runs(runs, plan, scale, records)
     main = [run for spec, run in runs.items() if spec.rho is None and spec.loss in losses]
-    at_preset = [spec for spec in runs if spec.loss == "lp_reg" and spec.rho is None]
-    on_first = [spec for spec in runs if spec.loss == "lp_reg" and spec.seed == scale.seeds[0]]
-    dose_points = sorted(((hparam(records / s.name, "rho"), s) for s in on_first), key=lambda p: p[0])
     images = plots(main, losses, out, n, prefix="wide_")
     if dose_points:
         images.append(dose_plot(stats, dose_points, out))
@@ -337,11 +346,7 @@ def earlier(plan: list[Spec], scale: Scale, out: Path) -> list[str]:
         if not runs:
             continue
         stats = per_spec(runs, records, scale.eval_n)
-        planned = tuple(dict.fromkeys(s.loss for s in plan if s.rho is None))
-        losses, seeds = compared(runs, planned, scale.seeds)
-        at_preset = [spec for spec in runs if spec.loss == "lp_reg" and spec.rho is None]
-        on_first = [spec for spec in runs if spec.loss == "lp_reg" and spec.seed == scale.seeds[0]]
-        dose = sorted(((hparam(records / s.name, "rho"), s) for s in on_first), key=lambda p: p[0])
+        losses, seeds, at_preset, dose = compared_runs(runs, plan, scale, records)
         lines += [
             "",
             f"### An earlier series: {folder}/",
