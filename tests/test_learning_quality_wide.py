@@ -321,7 +321,7 @@ def test_the_wide_preset_is_the_papers_lp_reg_with_a_whole_step_in_one_micro_bat
     tiny_model_dir: Path,  # noqa: F811
 ) -> None:
     """ρ 1% and κ 2% (the paper's, untuned), entropy over the same tokens for every loss, ≥ 300 steps, and
-    Lp-Reg's k counted over a whole step: 256 × 16 rows of the longest prompt plus the longest answer fit
+    Lp-Reg's k counted over a whole step: 192 × 16 rows of the longest prompt plus the longest answer fit
     one micro-batch (batch.py packs B · L positions)."""
     import itertools
 
@@ -335,8 +335,8 @@ def test_the_wide_preset_is_the_papers_lp_reg_with_a_whole_step_in_one_micro_bat
     learner, sampling = wide.learner, wide.rollout.sampling
     assert (learner.loss.name, learner.loss.rho, learner.proxy_kappa) == ("lp_reg", 0.01, 0.02)
     assert (learner.skip_zero_advantage is False or learner.entropy_of_skipped) and learner.max_steps >= 300
-    assert learner.prompts_per_step * sampling.n == 8 * 32 * 16  # 8× explore's 32 prompts × 16
-    # Dynamic sampling: every step trains 256 informative groups (k held late in a run), and the prompts
+    assert learner.prompts_per_step * sampling.n == 6 * 32 * 16  # 6× explore's 32 prompts × 16
+    # Dynamic sampling: every step trains 192 informative groups (k held late in a run), and the prompts
     # cannot run out before the last step even with 90% of the groups set aside.
     assert learner.filter_groups == "zero_variance"
     assert (wide.prompts.count or 0) >= 10 * learner.max_steps * learner.prompts_per_step
