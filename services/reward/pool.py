@@ -254,7 +254,7 @@ class VerifierPool:
                 if conn.poll(min(_WATCH_S, left)):
                     score, status, detail = conn.recv()
                     return _result(score, status, detail, time.monotonic() - started)
-                if job.cancelled.is_set():
+                if job.cancelled:
                     self._restart(slot, "its request was cancelled (the client went away)")
                     return _result(
                         0.0, "error", "cancelled: the client went away", time.monotonic() - started
