@@ -89,11 +89,13 @@ def sampling_text(runs: dict[Spec, Run], records: Path) -> str:
         return "every step trains the groups sampled, however many scored alike (no dynamic sampling)"
     shares = [float(np.nanmean(np.nan_to_num(_series(runs[s], "rollout/filtered_share")))) for s in filtering]
     said = "every loss" if len(filtering) == len(runs) else ", ".join(s.name for s in filtering)
+    low, high = f"{min(shares):.0%}", f"{max(shares):.0%}"
+    share = low if low == high else f"{low}–{high}"
     return (
         f"dynamic sampling for {said} (`learner.filter_groups: zero_variance`, DAPO's filter): a group whose "
         "answers all score alike carries no gradient and does not count toward a step, so every step trains "
-        f"its full batch of informative groups; {min(shares):.0%}–{max(shares):.0%} of the groups sampled "
-        "were set aside (mean per step, by run), and `loss/entropy` is over the groups trained"
+        f"its full batch of informative groups; {share} of the groups sampled were set aside (mean per step"
+        f"{', by run' if len(filtering) > 1 else ''}), and `loss/entropy` is over the groups trained"
     )
 
 
