@@ -74,8 +74,15 @@ def wait_healthy(client: httpx.Client, process: subprocess.Popen[bytes], log_pat
 
 @contextlib.contextmanager
 def reward_service(log_dir: Path, **overrides: object) -> Iterator[httpx.Client]:
-    """The service (2 verifier processes, this folder's `sleep_forever` verifier) until the block ends;
-    then SIGTERM, and every process it started must be gone."""
+    """The service (2 verifier processes, this folder's `sleep_forever` and `sleep_a_second` verifiers)
+    until the block ends; then SIGTERM, and every process it started must be gone."""
+    with reward_service_process(log_dir, **overrides) as (client, _):
+        yield client
+
+
+@contextlib.contextmanager
+def reward_service_process(log_dir: Path, **overrides: object) -> Iterator[tuple[httpx.Client, int]]:
+    """`reward_service`, with the service's pid (to signal it)."""
     port = free_port()
     settings = RewardSettings(
         host="127.0.0.1",
@@ -83,7 +90,7 @@ def reward_service(log_dir: Path, **overrides: object) -> Iterator[httpx.Client]
         url=f"http://127.0.0.1:{port}",
         verifier_processes=2,
         # A test module's verifier: the service imports it by path, as it would a user's.
-        custom_verifiers=["test_reward_pool:sleep_forever"],
+        custom_verifiers=["test_reward_pool:sleep_forever", "test_reward_pool:sleep_a_second"],
         **overrides,
     )
     code = (
@@ -107,7 +114,7 @@ def reward_service(log_dir: Path, **overrides: object) -> Iterator[httpx.Client]
     client = httpx.Client(base_url=settings.url, timeout=120.0)
     try:
         wait_healthy(client, process, log_path)
-        yield client
+        yield client, process.pid
         stop_cleanly(process, log_path)
     finally:
         client.close()

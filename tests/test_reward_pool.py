@@ -21,6 +21,14 @@ def sleep_forever(
         time.sleep(3600)
 
 
+def sleep_a_second(
+    completion: str, answer: str | None, task_data: dict[str, Any] | None
+) -> tuple[float, str, str]:
+    """A custom verifier that takes a second, then says correct: a slow item well within its limit."""
+    time.sleep(1.0)
+    return 1.0, "correct", "slept a second"
+
+
 def die_now(completion: str, answer: str | None, task_data: dict[str, Any] | None) -> tuple[float, str, str]:
     """A custom verifier whose process dies mid-item (as a segfault or the OOM killer would)."""
     os._exit(3)

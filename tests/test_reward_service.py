@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from _reward import reward_service
+from _reward import descendants, reward_service, reward_service_process
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[1]
@@ -224,3 +227,31 @@ def test_healthz_lists_verifiers_and_pool(service: httpx.Client) -> None:
     assert {"math", "countdown", "sleep_forever"} <= set(health["verifiers"])
     assert health["pool"]["processes"] == 2
     assert {"alive", "busy", "queued", "restarts", "timeouts", "crashes"} <= set(health["pool"])
+
+
+def test_an_item_in_flight_across_a_pause_of_the_whole_service_does_not_time_out(tmp_path: Path) -> None:
+    """SIGSTOP of the service and its pool (as `bench/hold_experiment.py` pauses an experiment) for longer
+    than an item's limit: on SIGCONT the item goes on and is scored — the pause is not the item's time
+    (before, every item in flight across a pause came back `timeout`, a wrong reward)."""
+    with reward_service_process(tmp_path, item_timeout_s=3.0) as (client, pid):
+        replies: list[httpx.Response] = []
+        item = {"task": "sleep_a_second", "completion": "x"}
+
+        def score() -> None:
+            replies.append(client.post("/score", json={"items": [item]}))
+
+        sender = threading.Thread(target=score)
+        sender.start()
+        time.sleep(0.4)  # the item is running: its verifier sleeps a second
+        tree = [pid, *descendants(pid)]
+        for member in reversed(tree):
+            os.kill(member, signal.SIGSTOP)
+        time.sleep(4.0)  # past the item's 3 s limit
+        for member in tree:
+            os.kill(member, signal.SIGCONT)
+        sender.join(timeout=60)
+        (reply,) = replies
+        assert reply.status_code == 200, reply.text
+        (result,) = reply.json()["results"]
+        assert (result["status"], result["score"]) == ("correct", 1.0), result
+        assert result["elapsed_s"] >= 4.0  # wall time, the pause included

@@ -35,6 +35,10 @@ log = logging.getLogger("sparkrl.reward.pool")
 _PRELOAD = ["sparkrl.services.reward.pool", "sparkrl.services.reward.preload"]
 _KILL_WAIT_S = 5.0
 _WATCH_S = 0.05  # how often a running job checks for a cancelled request or a preemption
+# A watch slice that took longer than this was the whole service stopped (SIGSTOP of its process group,
+# as `bench/hold_experiment.py` pauses an experiment; a suspended VM), not the item running: it counts as
+# this much of the item's limit. Without the cap, every item in flight across a pause timed out on resume.
+_STALL_S = 1.0
 _SHUTDOWN = "the reward service is shutting down"
 
 
@@ -248,12 +252,15 @@ class VerifierPool:
         if conn is None:
             return _result(0.0, "error", _SHUTDOWN, 0.0)
         started = time.monotonic()
+        watched = 0.0  # the item's time: watch slices, each counted at most _STALL_S (see _STALL_S)
         try:
             conn.send((job.task, job.completion, job.answer, job.task_data))
-            while (left := limit - (time.monotonic() - started)) > 0:
+            while (left := limit - watched) > 0:
+                before = time.monotonic()
                 if conn.poll(min(_WATCH_S, left)):
                     score, status, detail = conn.recv()
                     return _result(score, status, detail, time.monotonic() - started)
+                watched += min(time.monotonic() - before, _STALL_S)
                 if job.cancelled:
                     self._restart(slot, "its request was cancelled (the client went away)")
                     return _result(
