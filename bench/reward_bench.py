@@ -14,6 +14,7 @@ median per side, and the ratios. Pause a running experiment first (`bench/hold_e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -113,11 +114,9 @@ def _service(source: Path | None) -> Iterator[tuple[httpx.Client, int]]:
         while True:
             if process.poll() is not None:
                 raise SystemExit(f"the reward service exited: {process.stderr.read().decode()[-2000:]}")
-            try:
+            with contextlib.suppress(httpx.TransportError):  # not listening yet
                 if client.get("/healthz", timeout=1.0).status_code == 200:
                     break
-            except httpx.TransportError:
-                pass
             if time.monotonic() > deadline:
                 raise SystemExit("the reward service was not healthy after 60 s")
             time.sleep(0.2)
