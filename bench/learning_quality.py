@@ -271,7 +271,7 @@ def verdict(per_run: dict[str, dict[str, float]], losses: tuple[str, ...], seeds
     text += "".join(f"; {other}" for other in others)
     reg = statistics.fmean(per_run[f"lp_reg-s{s}"]["reg_tokens"] for s in seeds)
     tokens = statistics.fmean(per_run[f"lp_reg-s{s}"]["tokens"] for s in seeds)
-    text += f". Lp-Reg regularized {reg:.1f} tokens per step of {tokens:.0f} generated."
+    text += f". Lp-Reg regularized {reg:.1f} tokens per step of the {tokens:.0f} it trained."
     return text
 
 

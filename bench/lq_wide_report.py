@@ -213,7 +213,7 @@ def dose_plot(stats: dict[str, dict[str, float]], dose: list[tuple[float, Spec]]
 
 
 def run_rows(stats: dict[str, dict[str, float]], n: int) -> list[str]:
-    head = "| run | steps | s / step | training (min) | pass@1 | pass@" + str(n) + " | greedy |"
+    head = "| run | steps | median s / step | wall, all steps (min) | pass@1 | pass@" + str(n) + " | greedy |"
     lines = [head + " entropy first → final | k / micro-batch | reg. tokens / step | tokens / step |"]
     lines.append("|---" * 11 + "|")
     for name, v in stats.items():
@@ -333,6 +333,11 @@ def wide_report(
         "### Every run",
         "",
         *run_rows(stats, n),
+        "",
+        "Median s / step: the median gap between two step rows. Wall, all steps: the sum of those gaps "
+        "(start-up left out, a resume's pause counted as one median step); with dynamic sampling the late "
+        "steps wait longest on data, so it is more than steps × the median. Tokens / step: `rollout/tokens`, "
+        "the generated tokens of the groups a step trained (set-aside groups not counted).",
         *earlier(plan, scale, out),
     ]
     return "\n".join(text), stats
