@@ -25,6 +25,7 @@ from learning_quality import (
     verdict,
 )
 from lq_records import CONFIG_DIR, read_record_steps, recorded_steps
+from lq_settings import settings_line
 
 from sparkrl.proto.telemetry import StepMetrics
 from sparkrl.run_files import read_evals
@@ -311,7 +312,8 @@ def wide_report(
         preliminary(runs, plan, losses, seeds)
         + verdict(stats, losses, seeds)
         + k_line(stats, at_preset)
-        + dose_line(stats, dose_points, losses, scale.seeds[0]),
+        + dose_line(stats, dose_points, losses, scale.seeds[0])
+        + settings_line({spec.name: (spec.seed, records / spec.name) for spec in runs}),
         "",
         f"### Final models (mean ± std over {len(seeds)} seed{'s' if len(seeds) > 1 else ''})",
         "",
@@ -361,7 +363,8 @@ def earlier(plan: list[Spec], scale: Scale, out: Path) -> list[str]:
             f"{how.capitalize()}; otherwise the preset above ({len(runs)} runs, records at `{folder}/RUN/`). "
             + verdict(stats, losses, seeds)
             + k_line(stats, at_preset)
-            + dose_line(stats, dose, losses, scale.seeds[0]),
+            + dose_line(stats, dose, losses, scale.seeds[0])
+            + settings_line({spec.name: (spec.seed, records / spec.name) for spec in runs}),
             "",
             table(stats, losses, seeds, scale.eval_n),
         ]

@@ -243,6 +243,10 @@ def test_an_earlier_series_is_reported_beside_this_one_by_the_same_measures(
     assert "Lp-Reg's held-out pass@1 (0.400) beats the best baseline, GRPO (0.300)" in ours
     assert "pass@1 0.200 ± 0.000 against GRPO's 0.350 ± 0.000" in theirs
     assert "(2 runs, records at `wide-v1/RUN/`)" in theirs and "median 33, lowest 24" in theirs
+    # Each series' recorded settings compared across its runs (bench/lq_settings.py).
+    for series in (ours, theirs):
+        assert "**Same settings for every loss, checked** from the 2 records' `config/*.yaml`" in series
+        assert "none differs besides the loss" in series
 
 
 def test_without_any_record_report_only_says_there_is_nothing_to_report(tmp_path: Path) -> None:
