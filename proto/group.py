@@ -4,7 +4,7 @@ Writer: a rollout worker, after the reward service scored it (published binary, 
 Reader: the learner.
 """
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationInfo, model_validator
 
@@ -21,6 +21,7 @@ from sparkrl.proto.trajectory import (
     SamplingParams,
     group_id_for,
     is_prechecked,
+    prechecked_context,
 )
 
 
@@ -133,6 +134,15 @@ class TrajectoryGroup(WireModel):
         """The lowest policy version of any generated token (staleness); None when no token was generated."""
         versions = [int(c.policy_versions.min()) for c in self.completions if c.num_tokens]
         return min(versions) if versions else None
+
+    @classmethod
+    def of_made_completions(cls, **fields: Any) -> "TrajectoryGroup":
+        """A worker's group, built from completions its engine just made, right before it is encoded: each
+        completion's values were scanned by its own validator when it was made, so that scan is not
+        repeated here (pydantic re-runs a nested model's validators on an instance); shapes, K, T and the
+        group's own fields are checked as always. The ids' bound by `vocab_size` is checked when the group
+        is encoded: `encode_group` validates every value it writes, as for any group."""
+        return cls.model_validate(fields, context=prechecked_context())
 
     @model_validator(mode="after")
     def _check(self, info: ValidationInfo) -> "TrajectoryGroup":

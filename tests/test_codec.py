@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from pydantic import ValidationError
 
 from sparkrl.proto import (
     MAGIC,
@@ -230,20 +231,20 @@ def payload_with(i: int, field: str, index: tuple[int, ...], value: float) -> by
     return unchecked_payload(group)
 
 
-@pytest.mark.parametrize(
-    ("i", "field", "index", "value", "message"),
-    [
-        (1, "token_ids", (3,), 1000, "token id 1000 at position 3 is not below vocab_size=1000"),
-        (0, "token_ids", (0,), -7, "negative token id -7 at position 0"),
-        (2, "topk_ids", (5, 1), 5000, "token id 5000 at position 5, rank 1 is not below vocab_size=1000"),
-        (0, "logprobs", (9,), 0.001, "log-prob 0.001 at position 9 is positive (more than 0.0001 above 0)"),
-        (3, "logprobs", (2,), np.nan, "log-prob nan at position 2 is not finite"),
-        (1, "topk_logprobs", (4, 0), np.inf, "log-prob inf at position 4, rank 0 is not finite"),
-        (2, "topk_logprobs", (6, 4), -np.inf, "log-prob -inf at position 6, rank 4 is not finite"),
-        (3, "topk_logprobs", (17, 4), 0.0, "not sorted descending at position 17: rank 3 is"),
-        (1, "policy_versions", (11,), -1, "negative policy version -1 at position 11"),
-    ],
-)
+BAD_VALUES = [
+    (1, "token_ids", (3,), 1000, "token id 1000 at position 3 is not below vocab_size=1000"),
+    (0, "token_ids", (0,), -7, "negative token id -7 at position 0"),
+    (2, "topk_ids", (5, 1), 5000, "token id 5000 at position 5, rank 1 is not below vocab_size=1000"),
+    (0, "logprobs", (9,), 0.001, "log-prob 0.001 at position 9 is positive (more than 0.0001 above 0)"),
+    (3, "logprobs", (2,), np.nan, "log-prob nan at position 2 is not finite"),
+    (1, "topk_logprobs", (4, 0), np.inf, "log-prob inf at position 4, rank 0 is not finite"),
+    (2, "topk_logprobs", (6, 4), -np.inf, "log-prob -inf at position 6, rank 4 is not finite"),
+    (3, "topk_logprobs", (17, 4), 0.0, "not sorted descending at position 17: rank 3 is"),
+    (1, "policy_versions", (11,), -1, "negative policy version -1 at position 11"),
+]
+
+
+@pytest.mark.parametrize(("i", "field", "index", "value", "message"), BAD_VALUES)
 def test_decode_rejects_bad_values(
     i: int, field: str, index: tuple[int, ...], value: float, message: str
 ) -> None:
@@ -291,6 +292,16 @@ def encode_error(group: TrajectoryGroup) -> CodecError:
     return info.value
 
 
+@pytest.mark.parametrize(("i", "field", "index", "value", "message"), BAD_VALUES)
+def test_encode_rejects_the_bad_values_decode_rejects(
+    i: int, field: str, index: tuple[int, ...], value: float, message: str
+) -> None:
+    group = small_group()
+    getattr(group.completions[i], field)[index] = value  # in place: no validator runs
+    error = encode_error(group)
+    assert error.path == f"completions[{i}].{field}" and message in error.reason
+
+
 def test_encode_revalidates_in_place_edits() -> None:
     group = small_group()
     group.completions[2].topk_logprobs[17, 2] = 0.5
@@ -325,3 +336,38 @@ def test_messages_reject_group_payloads_and_garbage() -> None:
         decode_message(VALID, LearnerStatus)
     with pytest.raises(CodecError, match="Invalid JSON"):
         decode_message(b"{", LearnerStatus)
+
+
+# ── a worker's group, built from completions its engine just made ────────────────────────────────────
+
+
+def _fields(group: TrajectoryGroup) -> dict:
+    return {name: getattr(group, name) for name in type(group).model_fields}
+
+
+def test_a_worker_built_group_skips_the_completions_value_scan_that_encoding_then_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import sparkrl.proto.trajectory as trajectory
+
+    group = random_group(np.random.default_rng(3), n=4, T=5, k=4, vocab_size=260, max_new_tokens=8)
+    scans: list[int] = []
+    real = trajectory.check_token_arrays
+    monkeypatch.setattr(trajectory, "check_token_arrays", lambda *a, **k: (scans.append(1), real(*a, **k)))
+    built = TrajectoryGroup.of_made_completions(**_fields(group))
+    assert built == group and scans == []  # pydantic re-ran each completion's validator: shapes only
+    TrajectoryGroup(**_fields(group))
+    assert len(scans) == 4  # the plain constructor scans every completion again
+
+    # What the skipped scan would have caught, encoding catches: nothing bad reaches the bus.
+    built.completions[1].token_ids[2] = 260  # past vocab_size, edited in place after construction
+    with pytest.raises(CodecError, match=r"token_ids"):
+        encode_group(built)
+
+
+def test_a_worker_built_group_still_checks_shapes_and_the_groups_own_fields() -> None:
+    group = random_group(np.random.default_rng(4), n=2, T=3, k=4, vocab_size=260, max_new_tokens=8)
+    with pytest.raises(ValidationError, match=r"topk"):
+        TrajectoryGroup.of_made_completions(**(_fields(group) | {"topk": 5}))
+    with pytest.raises(ValidationError, match=r"rewards"):
+        TrajectoryGroup.of_made_completions(**(_fields(group) | {"rewards": [1.0]}))

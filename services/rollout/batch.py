@@ -106,7 +106,7 @@ def score_groups(
         details = [next(results) for _ in group]
         penalties = [overlong_penalty(c.num_tokens, sampling.max_new_tokens, buffer) for c in group]
         groups.append(
-            TrajectoryGroup(
+            TrajectoryGroup.of_made_completions(
                 group_id=group_id_for(prompt.prompt_id),
                 prompt=prompt,
                 prompt_token_ids=prompt_ids,
