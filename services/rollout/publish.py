@@ -36,13 +36,43 @@ def publish_groups(
 ) -> Published:
     """Publish each group, then ack its prompt.
 
-    A replay is dropped by the bus, yet acked. While the trajectory stream is full (the learner sets the
-    pace, or is paused) this waits in short slices, calling `waiting(groups still in hand)` between them
-    (control commands are answered, weights followed) and honouring a stop; groups left unpublished keep
-    their prompts unacked (the caller hands them over, or leaves them to be reclaimed). A group `doomed`
-    (it would reach the learner too stale to train on) is not published: its prompt stays in hand, for the
-    caller to generate again. Groups neither done nor to redo were left unpublished.
+    The batch goes out in two round trips: every group that is not doomed is offered at once, then the
+    prompts of those the bus took (or had: a replay is dropped by the bus, yet acked) are acknowledged
+    together. A group the full stream refused is published alone after that (`publish_waiting`). A
+    group `doomed` (it would reach the learner too stale to train on) is not published: its prompt stays
+    in hand, for the caller to generate again. Groups neither done nor to redo were left unpublished.
     """
+    redo = [i for i, group in enumerate(groups) if doomed(group)]
+    offered = [i for i in range(len(groups)) if i not in redo]
+    now = time.time()
+    payloads = {i: encode_group(groups[i].model_copy(update={"published_at": now})) for i in offered}
+    taken = bus.publish_groups_once([(groups[i].group_id, payloads[i]) for i in offered])
+    done = [i for i, took in zip(offered, taken, strict=True) if took is not None]
+    bus.ack("prompts", [entries[i].entry_id for i in done])
+    new = sum(1 for took in taken if took)
+    refused = [i for i, took in zip(offered, taken, strict=True) if took is None]
+    if refused:
+        later = publish_waiting(bus, [groups[i] for i in refused], [entries[i] for i in refused], stop,
+                                waiting, doomed)  # fmt: skip
+        new += later.new
+        done += [refused[i] for i in later.done]
+        redo += [refused[i] for i in later.redo]
+    return Published(new, sorted(done), sorted(redo))
+
+
+def publish_waiting(
+    bus: RedisBus,
+    groups: list[TrajectoryGroup],
+    entries: list[Entry],
+    stop: threading.Event,
+    waiting: Callable[[int], None],
+    doomed: Callable[[TrajectoryGroup], bool],
+) -> Published:
+    """Publish the groups one by one into a stream that may be full, each prompt acked once its group is
+    in: while the stream is full (the learner sets the pace, or is paused) this waits in short slices,
+    calling `waiting(groups still in hand)` between them (control commands are answered, weights followed)
+    and honouring a stop; groups left unpublished keep their prompts unacked (the caller hands them over,
+    or leaves them to be reclaimed). A group that became doomed while it waited is not published."""
     new, done, redo = 0, [], []
     for index, (group, entry) in enumerate(zip(groups, entries, strict=True)):
         deadline = time.monotonic() + bus.settings.publish_timeout_s

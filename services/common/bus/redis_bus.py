@@ -119,6 +119,25 @@ class RedisBus:
         """Add a trajectory group unless this group id was published before; False for a duplicate."""
         return self._publish("trajectories", group_id, payload, timeout_s)
 
+    def publish_groups_once(self, groups: list[tuple[str, bytes]]) -> list[bool | None]:
+        """Try to add each (group id, payload) in one round trip, in order, each add atomic as in
+        `publish_group`, none waiting: per group True (added), False (published before: a duplicate) or
+        None (the stream was full; publish it with `publish_group`, which waits)."""
+        if not groups:
+            return []
+        kind: StreamKind = "trajectories"
+        key, maxlen, ttl_ms = self.stream_key(kind), self._maxlen(kind), int(self.dedup_ttl_s * 1000)
+
+        def publish_all() -> list[object]:
+            pipe = self._redis.pipeline(transaction=False)
+            for group_id, payload in groups:
+                keys = [self._published_key(kind, group_id), key]
+                self._publish_script(keys=keys, args=[ttl_ms, maxlen, group_id, payload], client=pipe)
+            return pipe.execute()
+
+        # A retry after a lost reply finds the groups added before it as duplicates: none is doubled.
+        return [None if result == -1 else result != 0 for result in self._run(publish_all, kind)]
+
     def _publish(
         self,
         kind: StreamKind,
