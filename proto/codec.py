@@ -34,8 +34,9 @@ group at k=20, 4.29 MB at k=64), so a bigger payload does not look faster:
 This format's framing is one copy to encode and none to decode (views), so the validated numbers are
 the checks' cost: ≈0.36 ms to encode and ≈0.26 ms to decode such a group at k=20. Both check each field
 of the whole group in one vectorized pass (encoding did it completion by completion until 2026-12: 2600
-and 4900 MB/s then; `bench/publish_bench.py` measures what that means for a worker's small groups). A group costs
-4·(3 + 2K) bytes per generated token plus its header (texts, prompt ids: a few bytes per token).
+and 4900 MB/s then; `bench/publish_bench.py` measures what that means for a worker's small groups).
+A group costs 4·(3 + 2K) bytes per generated token plus its header (texts, prompt ids: a few bytes per
+token).
 """
 
 import struct
