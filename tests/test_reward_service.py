@@ -135,6 +135,40 @@ def test_countdown_items(service: httpx.Client) -> None:
     assert "task_data.target" in results[4]["detail"]
 
 
+def test_countdown_is_scored_in_the_service_while_every_verifier_process_is_busy(
+    service: httpx.Client,
+) -> None:
+    """Countdown's verifier is bounded (verifiers.py): it runs in the service's process, without the
+    round trip to a verifier process. With both of the pool's processes held by stuck items, countdown
+    items of the same request still come back scored at once, in request order, around the pool's."""
+    assert service.get("/healthz").json()["inline"] == ["countdown"]
+    task_data = {"numbers": [3, 5, 3], "target": 24}
+    items = [
+        {"task": "sleep_forever", "completion": "x"},
+        {"task": "countdown", "completion": "(3+5)*3", "task_data": task_data},
+        {"task": "sleep_forever", "completion": "x"},
+        {"task": "countdown", "completion": "3*5+3", "task_data": task_data},
+        {"task": "countdown", "completion": "(" * 40 + "3" + ")" * 40, "task_data": task_data},
+        {"task": "countdown", "completion": "9" * 20_000, "task_data": task_data},
+    ]
+    started = time.monotonic()
+    results = _score(service, items, timeout_s=2.0)
+    assert [r["status"] for r in results] == [
+        "timeout",
+        "correct",
+        "timeout",
+        "incorrect",
+        "incorrect",
+        "incorrect",
+    ]
+    assert "nested deeper than 32" in results[4]["detail"] and "longer than 256" in results[5]["detail"]
+    here = [results[i] for i in (1, 3, 4, 5)]
+    assert all(r["elapsed_s"] < 0.5 for r in here), here  # none waited for a verifier process
+    assert time.monotonic() - started < 2.0 + SLACK_S
+    health = service.get("/healthz").json()
+    assert health["pool"]["timeouts"] >= 2 and health["pool"]["alive"] == 2
+
+
 @pytest.mark.parametrize(
     ("body", "where", "message"),
     [

@@ -9,6 +9,7 @@ import pytest
 from sparkrl.services.common.tasks.answers import last_boxed
 from sparkrl.services.reward.verifiers import (
     MAX_ANSWER_CHARS,
+    bounded_tasks,
     load_custom_verifiers,
     nesting_depth,
     parse_gold,
@@ -138,3 +139,22 @@ def test_registry_and_custom_loading() -> None:
         load_custom_verifiers(["no_such_module_xyz:fn"])
     with pytest.raises(ValueError, match="1-64 characters"):
         register_verifier("", _partial)
+
+
+def test_only_a_verifier_registered_bounded_runs_in_the_service() -> None:
+    assert "countdown" in bounded_tasks() and "math" not in bounded_tasks()  # sympy can run long
+    register_verifier("bounded_credit", _partial, bounded=True)
+    assert "bounded_credit" in bounded_tasks()
+    register_verifier("bounded_credit", _partial)  # registered again without it: back to the pool
+    assert "bounded_credit" not in bounded_tasks()
+
+
+def test_countdown_scores_the_costliest_input_its_limits_let_through() -> None:
+    """What makes countdown bounded: its limits are checked before any work, so the costliest expression
+    they admit (under 256 characters, nested 32 deep, the largest numbers multiplied) is still a small
+    parse and a few big-integer products. Not timed here (a shared machine); it must score."""
+    task_data = {"numbers": [999_999_999] * 16, "target": 1}
+    worst = "(" * 32 + "*".join(["999999999"] * 16) + ")" * 32
+    assert len(worst) <= 256
+    score, status, detail = run_verifier(verify_countdown, worst, None, task_data)
+    assert status == "incorrect" and score == 0.0, detail

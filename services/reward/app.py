@@ -2,9 +2,11 @@
 
 One process, one event loop. The loop only parses, dispatches and answers; every verification runs in
 the pool (`pool.py`), which enforces each item's time limit by killing the stuck worker, so no input can
-stall the loop or take the service down. Each request has a budget set by the server
-(`reward.max_request_seconds`, and per item at most `reward.max_item_timeout_s` whatever the client asks),
-takes turns with the other requests, and is cancelled as soon as its client disconnects.
+stall the loop or take the service down — but for the tasks whose verifier is registered bounded
+(countdown: it checks limits on its input before any work, so it cannot run long), scored on a thread of
+this process without the round trip to a verifier process (verifiers.py). Each request has a budget set by
+the server (`reward.max_request_seconds`, and per item at most `reward.max_item_timeout_s` whatever the
+client asks), takes turns with the other requests, and is cancelled as soon as its client disconnects.
 """
 
 from __future__ import annotations
@@ -31,7 +33,13 @@ from sparkrl.services.common.http import AsciiJSON, BodyLimit, install_validatio
 from sparkrl.services.common.settings import RewardSettings
 from sparkrl.services.reward.metrics import RewardMetrics
 from sparkrl.services.reward.pool import VerifierPool
-from sparkrl.services.reward.verifiers import load_custom_verifiers, registry
+from sparkrl.services.reward.verifiers import (
+    VerifyFn,
+    bounded_tasks,
+    load_custom_verifiers,
+    registry,
+    run_verifier,
+)
 
 log = logging.getLogger("sparkrl.reward")
 
@@ -59,6 +67,7 @@ def create_app(settings: RewardSettings) -> FastAPI:
     load_custom_verifiers(settings.custom_verifiers)
     verifiers = registry()
     known = sorted(verifiers)
+    inline = {task: fn for task, fn in verifiers.items() if task in bounded_tasks()}
     pool = VerifierPool(settings.verifier_processes, verifiers)
     metrics = RewardMetrics(pool.stats)
     for task in known:  # the timeout series exist at zero from the first scrape, not from the first timeout
@@ -85,7 +94,8 @@ def create_app(settings: RewardSettings) -> FastAPI:
         if unknown:
             return AsciiJSON({"detail": unknown}, status_code=422)
         started = time.monotonic()
-        results = await _verify_all(pool, request, http, settings, started + settings.max_request_seconds)
+        deadline = started + settings.max_request_seconds
+        results = await _verify_all(pool, inline, request, http, settings, deadline)
         if results is None:
             metrics.cancelled.inc()
             return Response(status_code=499)
@@ -94,7 +104,7 @@ def create_app(settings: RewardSettings) -> FastAPI:
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
-        return {"status": "ok", "verifiers": known, "pool": asdict(pool.stats())}
+        return {"status": "ok", "verifiers": known, "inline": sorted(inline), "pool": asdict(pool.stats())}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -104,24 +114,35 @@ def create_app(settings: RewardSettings) -> FastAPI:
 
 
 async def _verify_all(
-    pool: VerifierPool, request: RewardRequest, http: Request, settings: RewardSettings, deadline: float
+    pool: VerifierPool,
+    inline: dict[str, VerifyFn],
+    request: RewardRequest,
+    http: Request,
+    settings: RewardSettings,
+    deadline: float,
 ) -> list[RewardResult] | None:
     """Every item's result, in request order; None when the client went away first (its work is then
-    cancelled: nobody waits for the answer)."""
+    cancelled: nobody waits for the answer). Items of a bounded task (`inline`) are scored on a thread of
+    this process while the pool works on the rest."""
     timeout_s = min(request.timeout_s or settings.item_timeout_s, settings.max_item_timeout_s)
     request_id = uuid.uuid4().hex
+    pooled = [i for i, item in enumerate(request.items) if item.task not in inline]
     futures = [
         pool.submit(
-            item.task,
-            item.completion,
-            item.answer,
-            item.task_data,
+            request.items[i].task,
+            request.items[i].completion,
+            request.items[i].answer,
+            request.items[i].task_data,
             timeout_s,
             request_id=request_id,
             deadline=deadline,
         )
-        for item in request.items
+        for i in pooled
     ]
+    results: dict[int, RewardResult] = {}
+    if len(pooled) < len(request.items):
+        here = [i for i, item in enumerate(request.items) if item.task in inline]
+        results.update(zip(here, await asyncio.to_thread(_verify_here, inline, request, here), strict=True))
     done = _all_done(futures)
     while not done.done():
         await asyncio.wait({done}, timeout=_DISCONNECT_POLL_S)
@@ -131,7 +152,23 @@ async def _verify_all(
                 "client went away: cancelled a request of %d items (%d not started)", len(futures), dropped
             )
             return None
-    return [future.result() for future in futures]
+    results.update(zip(pooled, (future.result() for future in futures), strict=True))
+    return [results[i] for i in range(len(request.items))]
+
+
+def _verify_here(
+    inline: dict[str, VerifyFn], request: RewardRequest, indices: list[int]
+) -> list[RewardResult]:
+    """The items `indices` of `request`, each by its bounded verifier, in this process."""
+    results = []
+    for i in indices:
+        item = request.items[i]
+        started = time.perf_counter()
+        score, status, detail = run_verifier(inline[item.task], item.completion, item.answer, item.task_data)
+        results.append(
+            RewardResult(score=score, status=status, detail=detail, elapsed_s=time.perf_counter() - started)
+        )
+    return results
 
 
 def _all_done(futures: list[Future[RewardResult]]) -> asyncio.Future[None]:
