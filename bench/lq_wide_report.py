@@ -117,6 +117,7 @@ def per_spec(runs: dict[Spec, Run], records: Path, n: int) -> dict[str, dict[str
             "step_s": step_seconds(read_record_steps(records / spec.name).rows)[0],
             "train_s": run.seconds,
             "entropy_kept": row["entropy_final"] / row["entropy_first"] if row["entropy_first"] else 0.0,
+            "staleness": float(np.nanmean(_series(run, "rollout/staleness_mean"))),
         }
         out[spec.name] = row
     return out
@@ -215,13 +216,16 @@ def dose_plot(stats: dict[str, dict[str, float]], dose: list[tuple[float, Spec]]
 
 def run_rows(stats: dict[str, dict[str, float]], n: int) -> list[str]:
     head = "| run | steps | median s / step | wall, all steps (min) | pass@1 | pass@" + str(n) + " | greedy |"
-    lines = [head + " entropy first → final | k / micro-batch | reg. tokens / step | tokens / step |"]
-    lines.append("|---" * 11 + "|")
+    lines = [
+        head + " entropy first → final | k / micro-batch | reg. tokens / step | tokens / step | staleness |"
+    ]
+    lines.append("|---" * 12 + "|")
     for name, v in stats.items():
         lines.append(
             f"| {name} | {v['steps']:.0f} | {v['step_s']:.1f} | {v['train_s'] / 60:.0f} | "
             f"{v['pass@1']:.3f} | {v[f'pass@{n}']:.3f} | {v['greedy']:.3f} | {v['entropy_first']:.3f} → "
-            f"{v['entropy_final']:.3f} | {v['k_mean']:.1f} | {v['reg_tokens']:.1f} | {v['tokens']:.0f} |"
+            f"{v['entropy_final']:.3f} | {v['k_mean']:.1f} | {v['reg_tokens']:.1f} | {v['tokens']:.0f} | "
+            f"{v['staleness']:.2f} |"
         )
     return lines
 
@@ -339,7 +343,9 @@ def wide_report(
         "Median s / step: the median gap between two step rows. Wall, all steps: the sum of those gaps "
         "(start-up left out, a resume's pause counted as one median step); with dynamic sampling the late "
         "steps wait longest on data, so it is more than steps × the median. Tokens / step: `rollout/tokens`, "
-        "the generated tokens of the groups a step trained (set-aside groups not counted).",
+        "the generated tokens of the groups a step trained (set-aside groups not counted). Staleness: "
+        "`rollout/staleness_mean`, the policy versions a trained group lagged the learner, mean over steps "
+        "(bounded by `learner.max_staleness`; a faster fleet, from a later checkout, can shift it).",
         *earlier(plan, scale, out),
     ]
     return "\n".join(text), stats
