@@ -47,6 +47,7 @@ from sparkrl.proto.trajectory import (
     Completion,
     Prompt,
     SamplingParams,
+    completions_of_rows,
     group_id_for,
 )
 from sparkrl.proto.views import (
@@ -136,6 +137,7 @@ __all__ = [
     "WorkerView",
     "WorkersView",
     "announcement_verifies",
+    "completions_of_rows",
     "decode_group",
     "decode_message",
     "encode_group",

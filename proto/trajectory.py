@@ -9,6 +9,7 @@ tokens, K the number of top-k entries recorded per position, P the prompt's numb
 import hashlib
 from typing import Any, Literal
 
+import numpy as np
 from pydantic import Field, ValidationInfo, model_validator
 
 from sparkrl.proto.base import WireModel
@@ -190,3 +191,38 @@ class Completion(WireModel):
                 self.token_ids, self.logprobs, self.policy_versions, self.topk_ids, self.topk_logprobs, None
             )
         return self
+
+
+def completions_of_rows(
+    token_ids: np.ndarray,
+    logprobs: np.ndarray,
+    topk_ids: np.ndarray,
+    topk_logprobs: np.ndarray,
+    policy_versions: np.ndarray,
+    lengths: list[int],
+    texts: list[str],
+    finish_reasons: list[str],
+) -> list[Completion]:
+    """An engine's batch as completions: row r of each array ([B, S] or [B, S, K], padded past
+    `lengths[r]`) holds completion r. Every value is checked in one vectorized pass over the rows' valid
+    parts (errors name `completions[r].<field>`), not row by row as each `Completion` alone would."""
+    mask = np.arange(token_ids.shape[1]) < np.asarray(lengths)[:, None]
+    arrays = {
+        "token_ids": token_ids.astype(np.int32, copy=False),
+        "logprobs": logprobs.astype(np.float32, copy=False),
+        "topk_ids": topk_ids.astype(np.int32, copy=False),
+        "topk_logprobs": topk_logprobs.astype(np.float32, copy=False),
+        "policy_versions": policy_versions.astype(np.int32, copy=False),
+    }
+    check_token_arrays(
+        **{name: array[mask] for name, array in arrays.items()}, vocab_size=None, lengths=lengths
+    )
+    context = prechecked_context()
+    return [
+        Completion.model_validate(
+            {name: array[row, :length] for name, array in arrays.items()}
+            | {"text": text, "finish_reason": finish},
+            context=context,
+        )
+        for row, (length, text, finish) in enumerate(zip(lengths, texts, finish_reasons, strict=True))
+    ]

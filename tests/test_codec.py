@@ -17,6 +17,7 @@ from sparkrl.proto import (
     Completion,
     LearnerStatus,
     TrajectoryGroup,
+    completions_of_rows,
     decode_group,
     decode_message,
     encode_group,
@@ -24,6 +25,7 @@ from sparkrl.proto import (
     group_id_for,
 )
 from sparkrl.proto.codec import frame, header_meta
+from sparkrl.proto.errors import FieldError
 from sparkrl.proto.testing import random_group
 
 ARRAY_FIELDS = ("token_ids", "logprobs", "policy_versions", "topk_ids", "topk_logprobs")
@@ -371,3 +373,46 @@ def test_a_worker_built_group_still_checks_shapes_and_the_groups_own_fields() ->
         TrajectoryGroup.of_made_completions(**(_fields(group) | {"topk": 5}))
     with pytest.raises(ValidationError, match=r"rewards"):
         TrajectoryGroup.of_made_completions(**(_fields(group) | {"rewards": [1.0]}))
+
+
+# ── an engine's batch as completions, checked in one pass ────────────────────────────────────────────
+
+
+def _batch(B: int = 4, S: int = 6, K: int = 3) -> tuple[dict[str, np.ndarray], list[int]]:
+    rng = np.random.default_rng(5)
+    topk_logprobs = -np.sort(rng.random((B, S, K)), axis=-1).astype(np.float32)
+    arrays = {
+        "token_ids": rng.integers(0, 50, (B, S)),  # int64, as torch hands them over
+        "logprobs": topk_logprobs[:, :, 0].copy(),
+        "topk_ids": rng.integers(0, 50, (B, S, K)),
+        "topk_logprobs": topk_logprobs,
+        "policy_versions": np.full((B, S), 3, dtype=np.int32),
+    }
+    return arrays, [6, 0, 2, 4]
+
+
+def test_completions_of_rows_are_each_rows_valid_part() -> None:
+    arrays, lengths = _batch()
+    made = completions_of_rows(**arrays, lengths=lengths, texts=list("abcd"), finish_reasons=["stop"] * 4)
+    for row, (completion, length) in enumerate(zip(made, lengths, strict=True)):
+        alone = Completion(
+            **{name: a[row, :length].astype(completion_dtype(name)) for name, a in arrays.items()},
+            text="abcd"[row],
+            finish_reason="stop",
+        )
+        assert completion == alone and completion.num_tokens == length
+
+
+def completion_dtype(name: str) -> type:
+    return np.float32 if "logprobs" in name else np.int32
+
+
+def test_completions_of_rows_name_the_row_of_a_bad_value_and_ignore_padding() -> None:
+    arrays, lengths = _batch()
+    arrays["logprobs"][1, 3] = 0.5  # row 1 holds no token: padding, never read
+    arrays["topk_logprobs"][3, 5, 0] = np.nan  # row 3 holds 4 tokens: padding too
+    completions_of_rows(**arrays, lengths=lengths, texts=list("abcd"), finish_reasons=["stop"] * 4)
+    arrays["logprobs"][2, 1] = 0.5  # row 2's second token
+    with pytest.raises(FieldError) as info:
+        completions_of_rows(**arrays, lengths=lengths, texts=list("abcd"), finish_reasons=["stop"] * 4)
+    assert info.value.path == "completions[2].logprobs" and "position 1 is positive" in info.value.reason

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from sparkrl.proto import Completion
+from sparkrl.proto import Completion, completions_of_rows
 from sparkrl.services.common.modeling import load_model, load_tokenizer
 from sparkrl.services.common.settings import SamplingSettings, TorchEngineSettings
 from sparkrl.services.common.weight_sync import weights_checksum
@@ -28,7 +28,6 @@ from sparkrl.services.rollout.engine import (
     Prefixes,
     cut_short,
     finished,
-    make_completion,
 )
 from sparkrl.services.rollout.torch_rows import Live, Row, Sampled, distinct_adjacent, sample_next
 
@@ -286,28 +285,28 @@ class TorchEngine(Engine):
         return hits
 
     def _to_completions(self, sampled: Sampled, sampling: SamplingSettings) -> list[Completion]:
-        completions = []
-        tokens, logprobs, versions = sampled.tokens.cpu(), sampled.logprobs.cpu(), sampled.versions.cpu()
-        topk_ids, topk_logprobs = sampled.topk_ids.cpu(), sampled.topk_logprobs.cpu()
-        for row, length in enumerate(sampled.length.tolist()):
-            ids = tokens[row, :length]
-            text = self._tokenizer.decode(ids.tolist(), skip_special_tokens=True)
+        """The batch's rows as completions, checked in one pass (`completions_of_rows`), every row's text
+        decoded in one call."""
+        tokens = sampled.tokens.cpu().numpy()
+        lengths = sampled.length.tolist()
+        texts = self._tokenizer.batch_decode(
+            [tokens[row, :length].tolist() for row, length in enumerate(lengths)], skip_special_tokens=True
+        )
+        for row, text in enumerate(texts):
             if sampled.by_stop_string[row]:
                 # The stop string stays out of the text; its tokens stay in token_ids (as vLLM does).
                 cuts = [i for i in (text.find(stop) for stop in sampling.stop) if i >= 0]
-                text = text[: min(cuts)] if cuts else text
-            completions.append(
-                make_completion(
-                    ids.numpy(),
-                    logprobs[row, :length].numpy(),
-                    topk_ids[row, :length].numpy(),
-                    topk_logprobs[row, :length].numpy(),
-                    versions[row, :length].numpy(),
-                    text,
-                    sampled.finish[row],
-                )
-            )
-        return completions
+                texts[row] = text[: min(cuts)] if cuts else text
+        return completions_of_rows(
+            tokens,
+            sampled.logprobs.cpu().numpy(),
+            sampled.topk_ids.cpu().numpy(),
+            sampled.topk_logprobs.cpu().numpy(),
+            sampled.versions.cpu().numpy(),
+            lengths,
+            texts,
+            sampled.finish,
+        )
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
