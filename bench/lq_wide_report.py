@@ -108,8 +108,10 @@ def per_spec(runs: dict[Spec, Run], records: Path, n: int) -> dict[str, dict[str
     for spec, run in runs.items():
         row = next(iter(summarize([run], n).values()))
         k = _series(run, "loss/k_neg")
-        k = k[~np.isnan(k)] if not np.isnan(k).all() else np.zeros(1)
+        has_k = not np.isnan(k).all()  # Lp-Reg's; the other losses have no k and regularize nothing
+        k = k[~np.isnan(k)] if has_k else np.zeros(1)
         row |= {
+            "has_k": float(has_k),
             "k_min": float(k.min()),
             "k_median": float(np.median(k)),
             "k_mean": float(k.mean()),
@@ -221,11 +223,11 @@ def run_rows(stats: dict[str, dict[str, float]], n: int) -> list[str]:
     ]
     lines.append("|---" * 12 + "|")
     for name, v in stats.items():
+        k, reg = (f"{v['k_mean']:.1f}", f"{v['reg_tokens']:.1f}") if v["has_k"] else ("—", "—")
         lines.append(
             f"| {name} | {v['steps']:.0f} | {v['step_s']:.1f} | {v['train_s'] / 60:.0f} | "
             f"{v['pass@1']:.3f} | {v[f'pass@{n}']:.3f} | {v['greedy']:.3f} | {v['entropy_first']:.3f} → "
-            f"{v['entropy_final']:.3f} | {v['k_mean']:.1f} | {v['reg_tokens']:.1f} | {v['tokens']:.0f} | "
-            f"{v['staleness']:.2f} |"
+            f"{v['entropy_final']:.3f} | {k} | {reg} | {v['tokens']:.0f} | {v['staleness']:.2f} |"
         )
     return lines
 
