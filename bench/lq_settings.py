@@ -12,7 +12,8 @@ What may differ, and why:
   a gradient-equality test.
 
 Anything else that differs is named in the report as a difference. A setting recorded by only some runs
-(the code gained it between them) is counted, not compared.
+(the code gained it between them) is counted, not compared. What settings cannot show, how far off-policy
+each run trained (a later checkout's faster fleet shifts it), `staleness_line` gives from the step rows.
 """
 
 from __future__ import annotations
@@ -133,3 +134,14 @@ def settings_line(records: dict[str, tuple[int, Path]]) -> str:
         said = "1 setting is" if n == 1 else f"{n} settings are"
         text += f" {said} recorded by some runs only (the code gained them between runs)."
     return text
+
+
+def staleness_line(stats: dict[str, dict[str, float]]) -> str:
+    """How far off-policy each run trained: the runs of a series may sample on fleets of different speed
+    (a later checkout's), and this is where that shows."""
+    if len(stats) < 2:
+        return ""
+    by_run = ", ".join(f"{name} {v['staleness']:.2f}" for name, v in stats.items())
+    return (
+        f" Mean staleness (`rollout/staleness_mean`, the policy versions a trained group lagged): {by_run}."
+    )

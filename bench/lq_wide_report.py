@@ -25,7 +25,7 @@ from learning_quality import (
     verdict,
 )
 from lq_records import CONFIG_DIR, read_record_steps, recorded_steps
-from lq_settings import settings_line
+from lq_settings import settings_line, staleness_line
 
 from sparkrl.proto.telemetry import StepMetrics
 from sparkrl.run_files import read_evals
@@ -319,7 +319,8 @@ def wide_report(
         + verdict(stats, losses, seeds)
         + k_line(stats, at_preset)
         + dose_line(stats, dose_points, losses, scale.seeds[0])
-        + settings_line({spec.name: (spec.seed, records / spec.name) for spec in runs}),
+        + settings_line({spec.name: (spec.seed, records / spec.name) for spec in runs})
+        + staleness_line(stats),
         "",
         f"### Final models (mean ± std over {len(seeds)} seed{'s' if len(seeds) > 1 else ''})",
         "",

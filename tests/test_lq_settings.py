@@ -11,7 +11,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from lq_settings import compare, settings_line  # noqa: E402
+from lq_settings import compare, settings_line, staleness_line  # noqa: E402
 
 
 def record(root: Path, name: str, seed: int, loss: dict[str, Any], **learner: Any) -> Path:
@@ -76,3 +76,10 @@ def test_work_only_settings_and_settings_new_to_some_runs_are_told_apart(tmp_pat
 def test_one_run_has_nothing_to_compare_with(tmp_path: Path) -> None:
     folder = record(tmp_path, "lp_reg-s1", 1, {"name": "lp_reg"})
     assert settings_line({"lp_reg-s1": (1, folder)}) == ""
+
+
+def test_each_runs_staleness_is_said_once_there_are_runs_to_compare() -> None:
+    stats = {"lp_reg-s1": {"staleness": 0.25}, "kl_cov-s1": {"staleness": 0.614}}
+    line = staleness_line(stats)
+    assert line.endswith("lagged): lp_reg-s1 0.25, kl_cov-s1 0.61.")
+    assert staleness_line({"lp_reg-s1": {"staleness": 0.25}}) == ""
