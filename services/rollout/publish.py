@@ -43,10 +43,10 @@ def publish_groups(
     in hand, for the caller to generate again. Groups neither done nor to redo were left unpublished.
     """
     redo = [i for i, group in enumerate(groups) if doomed(group)]
-    offered = [i for i in range(len(groups)) if i not in redo]
+    offered = sorted(set(range(len(groups))) - set(redo))
     now = time.time()
-    payloads = {i: encode_group(groups[i].model_copy(update={"published_at": now})) for i in offered}
-    taken = bus.publish_groups_once([(groups[i].group_id, payloads[i]) for i in offered])
+    payloads = [encode_group(groups[i].model_copy(update={"published_at": now})) for i in offered]
+    taken = bus.publish_groups_once([(groups[i].group_id, p) for i, p in zip(offered, payloads, strict=True)])
     done = [i for i, took in zip(offered, taken, strict=True) if took is not None]
     bus.ack("prompts", [entries[i].entry_id for i in done])
     new = sum(1 for took in taken if took)
