@@ -24,6 +24,7 @@ from learning_quality import (
     table,
     verdict,
 )
+from lq_outcome import outcome_line
 from lq_records import CONFIG_DIR, read_record_steps, recorded_steps
 from lq_settings import settings_line, staleness_line
 
@@ -316,6 +317,7 @@ def wide_report(
         "### Verdict",
         "",
         preliminary(runs, plan, losses, seeds)
+        + outcome_line(stats, losses, seeds)
         + verdict(stats, losses, seeds)
         + k_line(stats, at_preset)
         + dose_line(stats, dose_points, losses, scale.seeds[0])

@@ -207,6 +207,7 @@ def test_the_section_while_runs_are_still_to_come_says_how_many_are_in(
         in report
     )
     assert "Lp-Reg's held-out pass@1 (0.400) beats the best baseline, GRPO (0.300)" in report
+    assert "(an effect, none, or one on entropy alone) waits for a second seed's spread" in report
     assert "### Final models (mean ± std over 1 seed)" in report
     assert (
         "**A = 0 completions skipped unmeasured in lp_reg-s2**: their entropy is over A ≠ 0 tokens" in report
