@@ -43,7 +43,8 @@ from typing import Any
 
 from learning_quality import ROOT, Scale, up_command
 from lq_records import recorded_steps, remove_stale_partials, write_record
-from lq_wide_report import EARLIER, read_record, splice, wide_report
+from lq_wide_others import EARLIER, RERUNS, others
+from lq_wide_report import read_record, splice, wide_report
 
 from sparkrl.run_files import SUMMARY_FILE, read_evals, read_steps
 
@@ -232,7 +233,7 @@ def run_wide(args: argparse.Namespace) -> None:
         return
     if todo and args.report_only:
         said = f"not finished: {', '.join(s.name for s in todo)}"
-        if len(todo) == len(plan) and not any((out / folder).is_dir() for folder in EARLIER):
+        if len(todo) == len(plan) and not any((out / f).is_dir() for f in (*EARLIER, *RERUNS)):
             raise SystemExit(f"no run recorded in {records} yet; {said} (run without --report-only)")
         print(f"{said}: the section says {len(plan) - len(todo)} of {len(plan)} runs", flush=True)
     if not args.report_only:
@@ -242,5 +243,5 @@ def run_wide(args: argparse.Namespace) -> None:
     }
     out.mkdir(parents=True, exist_ok=True)
     section, stats = wide_report(runs, plan, scale, records, out, args.quick)
-    splice(out / "report.md", section)
+    splice(out / "report.md", "\n".join([section, *others(plan, scale, out, records)]))
     print(json.dumps({"report": str(out / "report.md"), "records": str(records), "runs": stats}))

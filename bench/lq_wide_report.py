@@ -25,7 +25,7 @@ from learning_quality import (
     verdict,
 )
 from lq_outcome import outcome_line
-from lq_records import CONFIG_DIR, read_record_steps, recorded_steps
+from lq_records import CONFIG_DIR, read_record_steps
 from lq_settings import settings_line, staleness_line
 
 from sparkrl.proto.telemetry import StepMetrics
@@ -35,10 +35,6 @@ if TYPE_CHECKING:
     from learning_quality_wide import Spec  # which imports this module
 
 K_TARGET = 20  # the issue's floor for k per micro-batch at ρ = 1%
-EARLIER = {  # earlier series' records, beside the report: folder → what set that series apart
-    "wide-v1": "the first series, without dynamic sampling (`learner.filter_groups: none`): a step trained "
-    "the 256 groups sampled, however many of them scored alike",
-}
 
 
 def read_record(spec: Spec, records: Path) -> Run:
@@ -130,13 +126,14 @@ def compared(
     runs: dict[Spec, Run], losses: tuple[str, ...], seeds: tuple[int, ...]
 ) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The losses and seeds the table and the verdict compare (they need every pair): the seeds every
-    loss has finished, or, while the first seed is not complete, the losses that have it (the plan is
-    seed-major, so the first seed fills in first)."""
+    loss has finished, or, while no seed is complete, the losses of the seed that has the most (the
+    first such seed: the plan is seed-major, so the first seed usually fills in first)."""
     have = {(spec.loss, spec.seed) for spec in runs if spec.rho is None}
     full = tuple(seed for seed in seeds if all((loss, seed) in have for loss in losses))
     if full:
         return losses, full
-    return tuple(loss for loss in losses if (loss, seeds[0]) in have), seeds[:1]
+    most = max(seeds, key=lambda seed: sum((loss, seed) in have for loss in losses))
+    return tuple(loss for loss in losses if (loss, most) in have), (most,)
 
 
 def k_line(stats: dict[str, dict[str, float]], specs_at_preset: list[Spec]) -> str:
@@ -302,7 +299,6 @@ def wide_report(
             f"No run of this series is recorded yet (its records go to `{records.name}/RUN/` beside this "
             f"report; `python bench/learning_quality.py --wide` runs them: "
             f"{', '.join(s.name for s in plan)}).",
-            *earlier(plan, scale, out),
         ]), {}  # fmt: skip
     n = scale.eval_n
     stats = per_spec(runs, records, n)
@@ -351,35 +347,8 @@ def wide_report(
         "the generated tokens of the groups a step trained (set-aside groups not counted). Staleness: "
         "`rollout/staleness_mean`, the policy versions a trained group lagged the learner, mean over steps "
         "(bounded by `learner.max_staleness`; a faster fleet, from a later checkout, can shift it).",
-        *earlier(plan, scale, out),
     ]
     return "\n".join(text), stats
-
-
-def earlier(plan: list[Spec], scale: Scale, out: Path) -> list[str]:
-    """Each earlier series whose records are beside the report (EARLIER): its verdict, k and table, by
-    the same measures as the series above."""
-    lines: list[str] = []
-    for folder, how in EARLIER.items():
-        records = out / folder
-        runs = {s: read_record(s, records) for s in plan if recorded_steps(records / s.name) is not None}
-        if not runs:
-            continue
-        stats = per_spec(runs, records, scale.eval_n)
-        losses, seeds, at_preset, dose = compared_runs(runs, plan, scale, records)
-        lines += [
-            "",
-            f"### An earlier series: {folder}/",
-            "",
-            f"{how.capitalize()}; otherwise the preset above ({len(runs)} runs, records at `{folder}/RUN/`). "
-            + verdict(stats, losses, seeds)
-            + k_line(stats, at_preset)
-            + dose_line(stats, dose, losses, scale.seeds[0])
-            + settings_line({spec.name: (spec.seed, records / spec.name) for spec in runs}),
-            "",
-            table(stats, losses, seeds, scale.eval_n),
-        ]
-    return lines
 
 
 def splice(report: Path, section: str) -> None:

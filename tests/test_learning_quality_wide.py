@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from learning_quality import WIDE_BEGIN, WIDE_END, wide_section  # noqa: E402
 from learning_quality_wide import WIDE_QUICK, Spec, finished, run_wide, specs  # noqa: E402
 from lq_records import read_record_steps, write_record  # noqa: E402
+from lq_wide_report import compared  # noqa: E402
 
 from sparkrl.run_files import read_evals, read_steps  # noqa: E402
 
@@ -248,6 +249,47 @@ def test_an_earlier_series_is_reported_beside_this_one_by_the_same_measures(
     for series in (ours, theirs):
         assert "**Same settings for every loss, checked** from the 2 records' `config/*.yaml`" in series
         assert "none differs besides the loss" in series
+
+
+def test_a_run_recorded_before_and_run_again_is_reported_beside_its_first_record(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs, out = tmp_path / "runs", tmp_path / "report"
+    write_run(tmp_path / "old" / "lp_reg-s1", "lp_reg", pass1=0.25)  # its first record, moved aside
+    write_record(tmp_path / "old" / "lp_reg-s1", out / "wide-old-fleet" / "lp_reg-s1", {"run": "lp_reg-s1"})
+    write_run(runs / "grpo-s1", "grpo", pass1=0.3)
+
+    # The re-run still to come: the first record is listed, and not counted in the series.
+    run_wide(args(runs, out, report_only=True))
+    assert "not finished: lp_reg-s1: the section says 1 of 2 runs" in capsys.readouterr().out
+    report = (out / "report.md").read_text()
+    ours, twice = report.split("### Runs recorded twice: wide-old-fleet/")
+    assert "lp_reg-s1" not in ours.split("### Every run")[1]
+    first = r"^\| lp_reg-s1 \| first \([0-9a-f]{7}\) \| 0\.250 \| 0\.600 \| 0\.250 \| 0\.67 \| — \| 0 \|\n"
+    assert re.search(first + r"\| lp_reg-s1 \| again: to come \| \| \| \| \| \| \|$", twice, flags=re.M)
+    assert "moved by" not in twice
+
+    # The re-run in: both rows, and how far pass@1 moved with the seed, settings and prompts alike.
+    write_run(runs / "lp_reg-s1", "lp_reg", pass1=0.4)
+    run_wide(args(runs, out, report_only=True))
+    report = (out / "report.md").read_text()
+    ours, twice = report.split("### Runs recorded twice: wide-old-fleet/")
+    assert re.search(r"^\| lp_reg-s1 \| 4 \|", ours, flags=re.M)
+    assert re.search(r"^\| lp_reg-s1 \| again \([0-9a-f]{7}\) \| 0\.400 \|", twice, flags=re.M)
+    assert "to come" not in twice
+    assert "Held-out pass@1 moved by 0.150 at most between a run and its re-run." in twice
+
+
+def test_the_verdict_compares_the_complete_seeds_or_else_the_seed_with_the_most_losses() -> None:
+    def have(*names: str) -> dict[Spec, None]:
+        return {Spec(name.split("-s")[0], int(name.split("-s")[1])): None for name in names}
+
+    losses = ("lp_reg", "grpo", "kl_cov")
+    full = have("lp_reg-s1", "grpo-s1", "kl_cov-s1", "lp_reg-s2", "kl_cov-s2")
+    assert compared(full, losses, (1, 2)) == (losses, (1,))
+    # seed 1's first two runs moved aside to be run again: seed 2, which has two losses, is compared
+    assert compared(have("kl_cov-s1", "lp_reg-s2", "grpo-s2"), losses, (1, 2)) == (("lp_reg", "grpo"), (2,))
+    assert compared(have("lp_reg-s1", "lp_reg-s2"), losses, (1, 2)) == (("lp_reg",), (1,))  # a tie: the first
 
 
 def test_without_any_record_report_only_says_there_is_nothing_to_report(tmp_path: Path) -> None:
