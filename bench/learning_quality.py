@@ -263,12 +263,10 @@ def verdict(per_run: dict[str, dict[str, float]], losses: tuple[str, ...], seeds
         first = statistics.fmean(per_run[f"{loss}-s{s}"]["entropy_first"] for s in seeds)
         final = statistics.fmean(per_run[f"{loss}-s{s}"]["entropy_final"] for s in seeds)
         drops[loss] = final / first if first > 0 else float("nan")
-    text += (
-        f" Entropy, last tenth of the run over the first: GRPO {drops.get('grpo', float('nan')):.2f}, "
-        f"Lp-Reg {drops['lp_reg']:.2f}"
-    )
-    others = [f"{LABELS[k]} {v:.2f}" for k, v in drops.items() if k not in ("grpo", "lp_reg")]
-    text += "".join(f"; {other}" for other in others)
+    first = [loss for loss in ("grpo", "lp_reg") if loss in drops]  # GRPO and Lp-Reg, then the others
+    said = ", ".join(f"{LABELS[x]} {drops[x]:.2f}" for x in first)
+    said += "".join(f"; {LABELS[x]} {v:.2f}" for x, v in drops.items() if x not in first)
+    text += f" Entropy, last tenth of the run over the first: {said}"
     reg = statistics.fmean(per_run[f"lp_reg-s{s}"]["reg_tokens"] for s in seeds)
     tokens = statistics.fmean(per_run[f"lp_reg-s{s}"]["tokens"] for s in seeds)
     text += f". Lp-Reg regularized {reg:.1f} tokens per step of the {tokens:.0f} it trained."

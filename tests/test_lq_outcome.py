@@ -8,6 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
+from learning_quality import verdict  # noqa: E402
 from lq_outcome import compare, outcome_line  # noqa: E402
 
 LOSSES = ("lp_reg", "grpo", "kl_cov")
@@ -68,3 +69,14 @@ def test_one_seed_names_no_outcome_and_no_lp_reg_no_sentence() -> None:
     one = stats(lp_reg=((0.4, 0.4), (0.3, 0.3)), grpo=((0.3, 0.3), (0.1, 0.1)))
     assert "waits for a second seed's spread" in outcome_line(one, LOSSES[:2], (1,))
     assert outcome_line(one, ("grpo",), (1, 2)) == ""
+
+
+def test_the_verdicts_entropy_sentence_names_only_the_losses_compared() -> None:
+    entropy = {"entropy_first": 0.5, "reg_tokens": 3.0, "tokens": 9.0}
+    runs = {
+        "lp_reg-s1": {"pass@1": 0.4, "entropy_final": 0.1} | entropy,
+        "kl_cov-s1": {"pass@1": 0.5, "entropy_final": 0.05} | entropy,
+    }
+    said = verdict(runs, ("lp_reg", "kl_cov"), (1,))  # no GRPO run in (seed 1's moved aside, say)
+    assert "Entropy, last tenth of the run over the first: Lp-Reg 0.20; KL-Cov 0.10." in said
+    assert "nan" not in said and "GRPO" not in said
