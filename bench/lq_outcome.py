@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from learning_quality import LABELS
+from learning_quality import LABELS, _mean_std
 
 MEASURES = {"pass@1": "held-out pass@1", "entropy_kept": "entropy kept"}
 
@@ -50,10 +50,6 @@ class Comparison:
             f"{self.best[0]:.3f} ± {self.best[1]:.3f} (difference {self.difference:+.3f}, spread "
             f"{self.spread:.3f}; seed by seed {paired})"
         )
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
 
 def compare(
