@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -26,21 +25,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from lq_verdict import LABELS, mean_std, verdict
 
 from sparkrl.proto.telemetry import EvalRecord
 from sparkrl.run_files import read_evals, read_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSSES = ("grpo", "entropy_bonus", "clip_higher", "eighty_twenty", "kl_cov", "clip_cov", "lp_reg")
-LABELS = {
-    "grpo": "GRPO",
-    "entropy_bonus": "GRPO + entropy bonus",
-    "clip_higher": "Clip-Higher",
-    "eighty_twenty": "80/20",
-    "kl_cov": "KL-Cov",
-    "clip_cov": "Clip-Cov",
-    "lp_reg": "Lp-Reg",
-}
 RUN_TIMEOUT_S = 1800
 WALL_FILE = "experiment.json"  # in the runs folder: the experiment's wall time, for --report-only
 # The section `--wide` writes into the same report.md (learning_quality_wide.py); a rewrite here keeps it.
@@ -165,10 +156,6 @@ def summarize(runs: list[Run], n: int) -> dict[str, dict[str, float]]:
     return out
 
 
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
-
-
 def table(
     per_run: dict[str, dict[str, float]], losses: tuple[str, ...], seeds: tuple[int, ...], n: int
 ) -> str:
@@ -178,7 +165,7 @@ def table(
     for loss in losses:
         cells = []
         for column in columns:
-            mean, std = _mean_std([per_run[f"{loss}-s{s}"][column] for s in seeds])
+            mean, std = mean_std([per_run[f"{loss}-s{s}"][column] for s in seeds])
             digits = 1 if column == "reg_tokens" else 3
             cells.append(f"{mean:.{digits}f} ± {std:.{digits}f}")
         lines.append(f"| {LABELS[loss]} (`{loss}`) | " + " | ".join(cells) + " |")
@@ -241,36 +228,6 @@ def _save(fig: object, path: Path) -> str:
 
     plt.close(fig)  # type: ignore[arg-type]
     return path.name
-
-
-def verdict(per_run: dict[str, dict[str, float]], losses: tuple[str, ...], seeds: tuple[int, ...]) -> str:
-    """What the numbers say, plainly: does Lp-Reg beat the best baseline by more than the seed spread,
-    and whose entropy collapsed."""
-    if "lp_reg" not in losses or len(losses) < 2:
-        return "Lp-Reg and at least one baseline are needed for a verdict."
-    stats = {loss: _mean_std([per_run[f"{loss}-s{s}"]["pass@1"] for s in seeds]) for loss in losses}
-    best = max((loss for loss in losses if loss != "lp_reg"), key=lambda loss: stats[loss][0])
-    (lp, lp_std), (bb, bb_std) = stats["lp_reg"], stats[best]
-    spread = max(lp_std, bb_std)
-    if lp - bb > spread:
-        text = f"Lp-Reg's held-out pass@1 ({lp:.3f}) beats the best baseline, {LABELS[best]} ({bb:.3f}), by "
-        text += f"{lp - bb:.3f}, more than the seed spread ({spread:.3f})."
-    else:
-        text = f"Lp-Reg does **not** beat the best baseline by more than the seed spread: pass@1 {lp:.3f} ± "
-        text += f"{lp_std:.3f} against {LABELS[best]}'s {bb:.3f} ± {bb_std:.3f}."
-    drops = {}
-    for loss in losses:
-        first = statistics.fmean(per_run[f"{loss}-s{s}"]["entropy_first"] for s in seeds)
-        final = statistics.fmean(per_run[f"{loss}-s{s}"]["entropy_final"] for s in seeds)
-        drops[loss] = final / first if first > 0 else float("nan")
-    first = [loss for loss in ("grpo", "lp_reg") if loss in drops]  # GRPO and Lp-Reg, then the others
-    said = ", ".join(f"{LABELS[x]} {drops[x]:.2f}" for x in first)
-    said += "".join(f"; {LABELS[x]} {v:.2f}" for x, v in drops.items() if x not in first)
-    text += f" Entropy, last tenth of the run over the first: {said}"
-    reg = statistics.fmean(per_run[f"lp_reg-s{s}"]["reg_tokens"] for s in seeds)
-    tokens = statistics.fmean(per_run[f"lp_reg-s{s}"]["tokens"] for s in seeds)
-    text += f". Lp-Reg regularized {reg:.1f} tokens per step of the {tokens:.0f} it trained."
-    return text
 
 
 def write_report(runs: list[Run], scale: Scale, losses: tuple[str, ...], out: Path, wall_s: float) -> dict:

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import yaml
 from learning_quality import (
-    LABELS,
     WIDE_BEGIN,
     WIDE_END,
     Run,
@@ -22,11 +21,10 @@ from learning_quality import (
     plots,
     summarize,
     table,
-    verdict,
 )
-from lq_outcome import outcome_line
 from lq_records import CONFIG_DIR, read_record_steps
 from lq_settings import settings_line, staleness_line
+from lq_verdict import LABELS, entropy_sentence, outcome_line, verdict
 
 from sparkrl.proto.telemetry import StepMetrics
 from sparkrl.run_files import read_evals
@@ -170,14 +168,19 @@ def dose_line(
     }
     others = ", ".join(f"{LABELS.get(loss, loss)} {value:.3f}" for loss, value in same_seed.items())
     above = bool(same_seed) and all(best > value for value in same_seed.values())
-    where = "above every baseline" if above else "not above every baseline"
+    if above:
+        where = (
+            "above every baseline on the same seed ({}); one seed per ρ, so a second seed at that ρ is what "
+            "would make it a result rather than a lead"
+        )
+    else:
+        where = "not above every baseline on the same seed ({}): no ρ tried lifts Lp-Reg past them"
     kept_by_rho = [stats[s.name]["entropy_kept"] for _, s in dose]
     rises = all(later > earlier for earlier, later in pairwise(kept_by_rho))
     entropy = "the entropy kept rises with ρ" if rises else "the entropy kept does not rise with ρ"
     return (
         f" Across ρ (seed {first} only), Lp-Reg's pass@1 is {passes}; entropy kept {kept}. Its best, ρ = "
-        f"{rho:.0%} at {best:.3f}, is {where} on the same seed ({others}); one seed per ρ, so a second "
-        f"seed at that ρ is what would make it a result rather than a lead. And {entropy}."
+        f"{rho:.0%} at {best:.3f}, is {where.format(others)}. And {entropy}."
     )
 
 
@@ -287,6 +290,12 @@ def compared_runs(
     return losses, seeds, at_preset, dose
 
 
+def paragraphs(*texts: str) -> list[str]:
+    """Markdown paragraphs of the non-empty texts, blank lines between."""
+    said = [text.strip() for text in texts if text.strip()]
+    return [line for text in said for line in (text, "")][:-1]
+
+
 def wide_report(
     runs: dict[Spec, Run], plan: list[Spec], scale: Scale, records: Path, out: Path, quick: bool
 ) -> tuple[str, dict[str, dict[str, float]]]:
@@ -307,18 +316,18 @@ def wide_report(
     images = plots(main, losses, out, n, prefix="wide_")
     if dose_points:
         images.append(dose_plot(stats, dose_points, out))
+    # Over two seeds or more the outcome line states the pass@1 comparison; the verdict adds the rest.
+    said = verdict(stats, losses, seeds) if len(seeds) < 2 else entropy_sentence(stats, losses, seeds)
     text = [
         *intro(runs, plan, scale, records, quick),
         "",
         "### Verdict",
         "",
-        preliminary(runs, plan, losses, seeds)
-        + outcome_line(stats, losses, seeds)
-        + verdict(stats, losses, seeds)
-        + k_line(stats, at_preset)
-        + dose_line(stats, dose_points, losses, scale.seeds[0])
-        + settings_line({spec.name: (spec.seed, records / spec.name) for spec in runs})
-        + staleness_line(stats),
+        *paragraphs(
+            preliminary(runs, plan, losses, seeds) + outcome_line(stats, losses, seeds) + said,
+            k_line(stats, at_preset) + dose_line(stats, dose_points, losses, scale.seeds[0]),
+            settings_line({s.name: (s.seed, records / s.name) for s in runs}) + staleness_line(stats),
+        ),
         "",
         f"### Final models (mean ± std over {len(seeds)} seed{'s' if len(seeds) > 1 else ''})",
         "",

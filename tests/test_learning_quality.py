@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from learning_quality import LABELS, QUICK  # noqa: E402
+from learning_quality import QUICK  # noqa: E402
+from lq_verdict import LABELS  # noqa: E402
 
 LOSSES = ("grpo", "lp_reg")  # in the experiment's order
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from learning_quality import WIDE_BEGIN, WIDE_END, wide_section  # noqa: E402
 from learning_quality_wide import WIDE_QUICK, Spec, finished, run_wide, specs  # noqa: E402
 from lq_records import read_record_steps, write_record  # noqa: E402
-from lq_wide_report import compared  # noqa: E402
+from lq_wide_report import compared, dose_line  # noqa: E402
 
 from sparkrl.run_files import read_evals, read_steps  # noqa: E402
 
@@ -290,6 +290,53 @@ def test_the_verdict_compares_the_complete_seeds_or_else_the_seed_with_the_most_
     # seed 1's first two runs moved aside to be run again: seed 2, which has two losses, is compared
     assert compared(have("kl_cov-s1", "lp_reg-s2", "grpo-s2"), losses, (1, 2)) == (("lp_reg", "grpo"), (2,))
     assert compared(have("lp_reg-s1", "lp_reg-s2"), losses, (1, 2)) == (("lp_reg",), (1,))  # a tie: the first
+
+
+def test_the_final_verdict_states_each_comparison_once_in_paragraphs_with_the_dose_response(
+    tmp_path: Path,
+) -> None:
+    runs, out = tmp_path / "runs", tmp_path / "report"
+    for name, pass1, rho in (
+        ("lp_reg-s1", 0.40, 0.01), ("grpo-s1", 0.30, 0.01),
+        ("lp_reg-s2", 0.42, 0.01), ("grpo-s2", 0.31, 0.01),
+        ("lp_reg-rho0.03-s1", 0.35, 0.03), ("lp_reg-rho0.10-s1", 0.45, 0.10),
+    ):  # fmt: skip
+        write_run(runs / name, name.split("-")[0], pass1=pass1, rho=rho, filtered=0.5)
+    every = args(runs, out, report_only=True, seeds=2)
+    every.rhos = [0.03, 0.1]
+    run_wide(every)
+    report = (out / "report.md").read_text()
+    assert "(6 of 6 runs)" not in report and "Preliminary" not in report
+    said = report.split("### Verdict\n\n")[1].split("\n\n### ")[0].split("\n\n")
+    assert len(said) == 3  # the outcome; k and the dose response; what the runs shared
+    assert said[0].startswith(
+        "**What the data says, over 2 seeds: an effect on accuracy without one on entropy"
+    )
+    assert "Held-out pass@1 0.410 ± 0.014 against GRPO's 0.305 ± 0.007" in said[0]
+    assert "beat the best baseline" not in said[0]  # the pass@1 comparison once, in the outcome
+    assert "Entropy, last tenth of the run over the first: GRPO 0.67, Lp-Reg 0.67" in said[0]
+    assert said[1].startswith("Lp-Reg's k per micro-batch at the preset's ρ")
+    assert "Lp-Reg's pass@1 is 1% 0.400, 3% 0.350, 10% 0.450" in said[1]
+    assert "ρ = 10% at 0.450, is above every baseline on the same seed (GRPO 0.300); one seed" in said[1]
+    assert said[2].startswith("**Same settings for every loss, checked** from the 6 records")
+
+
+def test_the_dose_line_says_when_no_rho_lifts_lp_reg_past_the_baselines() -> None:
+    stats = {
+        name: {"pass@1": pass1, "entropy_kept": kept}
+        for name, pass1, kept in (
+            ("lp_reg-s1", 0.40, 0.10), ("lp_reg-rho0.03-s1", 0.42, 0.12), ("lp_reg-rho0.10-s1", 0.41, 0.11),
+            ("grpo-s1", 0.45, 0.10), ("kl_cov-s1", 0.41, 0.10),
+        )
+    }  # fmt: skip
+    dose = [(0.01, Spec("lp_reg", 1)), (0.03, Spec("lp_reg", 1, 0.03)), (0.1, Spec("lp_reg", 1, 0.1))]
+    line = dose_line(stats, dose, ("lp_reg", "grpo", "kl_cov"), 1)
+    assert (
+        "Its best, ρ = 3% at 0.420, is not above every baseline on the same seed (GRPO 0.450, KL-Cov 0.410)"
+        in line
+    )
+    assert "no ρ tried lifts Lp-Reg past them" in line and "a result rather than a lead" not in line
+    assert "And the entropy kept does not rise with ρ." in line
 
 
 def test_without_any_record_report_only_says_there_is_nothing_to_report(tmp_path: Path) -> None:

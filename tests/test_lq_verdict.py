@@ -1,4 +1,4 @@
-"""bench/lq_outcome.py: the wide verdict names one of the issue's outcomes (an effect, none, or one on
+"""bench/lq_verdict.py: the wide verdict names one of the issue's outcomes (an effect, none, or one on
 entropy without one on accuracy) only where the difference beats the seed spread on every seed."""
 
 from __future__ import annotations
@@ -8,8 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
-from learning_quality import verdict  # noqa: E402
-from lq_outcome import compare, outcome_line  # noqa: E402
+from lq_verdict import compare, outcome_line, verdict  # noqa: E402
 
 LOSSES = ("lp_reg", "grpo", "kl_cov")
 
