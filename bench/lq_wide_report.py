@@ -157,7 +157,8 @@ def dose_line(
     point compares with the baselines on the same seed."""
     if len(dose) < 2:
         return ""
-    passes = ", ".join(f"{rho:.0%} {stats[spec.name]['pass@1']:.3f}" for rho, spec in dose)
+    rhos = ", ".join(f"{rho:.0%}" for rho, _ in dose)
+    passes = ", ".join(f"{stats[spec.name]['pass@1']:.3f}" for _, spec in dose)
     kept = ", ".join(f"{stats[spec.name]['entropy_kept']:.2f}" for _, spec in dose)
     rho, spec = max(dose, key=lambda point: stats[point[1].name]["pass@1"])
     best = stats[spec.name]["pass@1"]
@@ -176,10 +177,16 @@ def dose_line(
     else:
         where = "not above every baseline on the same seed ({}): no ρ tried lifts Lp-Reg past them"
     kept_by_rho = [stats[s.name]["entropy_kept"] for _, s in dose]
-    rises = all(later > earlier for earlier, later in pairwise(kept_by_rho))
-    entropy = "the entropy kept rises with ρ" if rises else "the entropy kept does not rise with ρ"
+    if all(later > earlier for earlier, later in pairwise(kept_by_rho)):
+        entropy = "the entropy kept rises with ρ"
+    elif all(later < earlier for earlier, later in pairwise(kept_by_rho)):
+        entropy = "the entropy kept falls as ρ rises: regularizing more tokens kept less entropy, not more"
+    else:
+        entropy = "the entropy kept does not rise with ρ"
+    regs = ", ".join(f"{stats[spec.name]['reg_tokens']:.1f}" for _, spec in dose)
     return (
-        f" Across ρ (seed {first} only), Lp-Reg's pass@1 is {passes}; entropy kept {kept}. Its best, ρ = "
+        f" Across ρ = {rhos} (seed {first} only), Lp-Reg regularized {regs} tokens a step; its pass@1 was "
+        f"{passes}; entropy kept {kept}. Its best, ρ = "
         f"{rho:.0%} at {best:.3f}, is {where.format(others)}. And {entropy}."
     )
 

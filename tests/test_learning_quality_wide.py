@@ -316,14 +316,14 @@ def test_the_final_verdict_states_each_comparison_once_in_paragraphs_with_the_do
     assert "beat the best baseline" not in said[0]  # the pass@1 comparison once, in the outcome
     assert "Entropy, last tenth of the run over the first: GRPO 0.67, Lp-Reg 0.67" in said[0]
     assert said[1].startswith("Lp-Reg's k per micro-batch at the preset's ρ")
-    assert "Lp-Reg's pass@1 is 1% 0.400, 3% 0.350, 10% 0.450" in said[1]
+    assert "Across ρ = 1%, 3%, 10% (seed 1 only)" in said[1] and "pass@1 was 0.400, 0.350, 0.450" in said[1]
     assert "ρ = 10% at 0.450, is above every baseline on the same seed (GRPO 0.300); one seed" in said[1]
     assert said[2].startswith("**Same settings for every loss, checked** from the 6 records")
 
 
 def test_the_dose_line_says_when_no_rho_lifts_lp_reg_past_the_baselines() -> None:
     stats = {
-        name: {"pass@1": pass1, "entropy_kept": kept}
+        name: {"pass@1": pass1, "entropy_kept": kept, "reg_tokens": 1.0}
         for name, pass1, kept in (
             ("lp_reg-s1", 0.40, 0.10), ("lp_reg-rho0.03-s1", 0.42, 0.12), ("lp_reg-rho0.10-s1", 0.41, 0.11),
             ("grpo-s1", 0.45, 0.10), ("kl_cov-s1", 0.41, 0.10),
@@ -336,7 +336,12 @@ def test_the_dose_line_says_when_no_rho_lifts_lp_reg_past_the_baselines() -> Non
         in line
     )
     assert "no ρ tried lifts Lp-Reg past them" in line and "a result rather than a lead" not in line
+    assert "regularized 1.0, 1.0, 1.0 tokens a step" in line
     assert "And the entropy kept does not rise with ρ." in line
+    for name, kept in (("lp_reg-s1", 0.18), ("lp_reg-rho0.03-s1", 0.15), ("lp_reg-rho0.10-s1", 0.14)):
+        stats[name]["entropy_kept"] = kept
+    line = dose_line(stats, dose, ("lp_reg", "grpo", "kl_cov"), 1)
+    assert "And the entropy kept falls as ρ rises: regularizing more tokens kept less entropy" in line
 
 
 def test_without_any_record_report_only_says_there_is_nothing_to_report(tmp_path: Path) -> None:
