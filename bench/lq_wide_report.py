@@ -206,21 +206,32 @@ def dose_rows(stats: dict[str, dict[str, float]], dose: list[tuple[float, Spec]]
     return lines
 
 
-def dose_plot(stats: dict[str, dict[str, float]], dose: list[tuple[float, Spec]], out: Path) -> str:
+def dose_plot(
+    stats: dict[str, dict[str, float]], dose: list[tuple[float, Spec]], baselines: list[str], out: Path
+) -> str:
+    """Regularized tokens per step against the entropy kept and against held-out pass@1, each point a ρ;
+    `baselines`: the other losses' runs on the same seed, drawn as lines."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     xs = [stats[s.name]["reg_tokens"] for _, s in dose]
-    ys = [stats[s.name]["entropy_kept"] for _, s in dose]
-    ax.plot(xs, ys, "o-", color="tab:red")
-    for (rho, _), x, y in zip(dose, xs, ys, strict=True):
-        ax.annotate(f"ρ = {rho:.0%}", (x, y), textcoords="offset points", xytext=(5, 5))
-    ax.set(xlabel="regularized tokens per step", ylabel="entropy kept (final / first)")
-    ax.set_title("Lp-Reg's dose response")
-    ax.grid(alpha=0.3)
+    for ax, measure, label in zip(
+        axes, ("entropy_kept", "pass@1"), ("entropy kept (final / first)", "held-out pass@1"), strict=True
+    ):
+        ys = [stats[s.name][measure] for _, s in dose]
+        ax.plot(xs, ys, "o-", color="tab:red", label="Lp-Reg")
+        for (rho, _), x, y in zip(dose, xs, ys, strict=True):
+            ax.annotate(f"ρ = {rho:.0%}", (x, y), textcoords="offset points", xytext=(5, 5))
+        for name, style in zip(baselines, ("--", ":", "-."), strict=False):
+            said = f"{LABELS.get(name.split('-s')[0], name)}, same seed"
+            ax.axhline(stats[name][measure], color="gray", ls=style, label=said)
+        ax.set(xlabel="regularized tokens per step", ylabel=label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("Lp-Reg's dose response (one seed)")
     return _save(fig, out / "wide_dose.png")
 
 
@@ -322,7 +333,9 @@ def wide_report(
     main = [run for spec, run in runs.items() if spec.rho is None and spec.loss in losses]
     images = plots(main, losses, out, n, prefix="wide_")
     if dose_points:
-        images.append(dose_plot(stats, dose_points, out))
+        first = dose_points[0][1].seed
+        same_seed = [f"{x}-s{first}" for x in losses if x != "lp_reg" and f"{x}-s{first}" in stats]
+        images.append(dose_plot(stats, dose_points, same_seed, out))
     # Over two seeds or more the outcome line states the pass@1 comparison; the verdict adds the rest.
     said = verdict(stats, losses, seeds) if len(seeds) < 2 else entropy_sentence(stats, losses, seeds)
     text = [
