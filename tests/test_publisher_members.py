@@ -108,3 +108,43 @@ def test_a_restarted_worker_under_the_same_id_is_admitted_again(
     assert "z" in publisher.excluded and "w" not in publisher.excluded
     publisher.sender.close()
     bus.close()
+
+
+def test_a_version_handed_over_twice_is_broadcast_once(bus_settings: BusSettings, tmp_path: Path) -> None:
+    """A resumed learner's replay publishes the version it ends on, then the learner publishes the version it
+    starts from: the same one. Sent twice in one epoch, the member (holding it, in that epoch's link) would
+    take no part, and the learner would wait out `sync.timeout_s` and leave it out."""
+    from conftest import free_port
+
+    bus = RedisBus(bus_settings)
+    telemetry = Telemetry(bus)
+    events = []
+    cfg = WeightSyncSettings(port=free_port(), timeout_s=5.0)
+    publisher = WeightPublisher(telemetry, cfg, tmp_path, on_sync=events.append)
+    telemetry.put_worker(status("w"), ttl_s=30)
+    gate, receiver = AnnouncementGate(bus, None, tmp_path), WeightReceiver("w", timeout_s=30.0)
+    received = []
+
+    def worker() -> None:
+        deadline = time.monotonic() + 30.0
+        while (announcement := gate.latest()) is None or announcement.version != 5:
+            assert time.monotonic() < deadline, "version 5 was never announced"
+            time.sleep(0.01)
+        received.append(receiver.receive(announcement))
+
+    thread = threading.Thread(target=worker, daemon=True)
+    thread.start()
+    publisher.start()
+    weights = {"layer.weight": torch.arange(6.0)}
+    publisher.submit(5, weights)
+    thread.join(60)
+    assert publisher.flush(30) and len(received) == 1
+    publisher.submit(5, weights)  # the same version again: nothing to send
+    assert publisher.flush(30)
+    publisher.submit(6, {"layer.weight": torch.arange(6.0) + 1}, broadcast=False)  # announced, not sent
+    assert publisher.flush(30)
+    assert [(e.version, e.outcome) for e in events] == [(5, "ok")] and publisher.excluded == {}
+    assert gate.latest() is not None and gate.latest().version == 6
+    publisher.close()
+    receiver.close()
+    bus.close()

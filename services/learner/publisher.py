@@ -97,6 +97,7 @@ class WeightPublisher(threading.Thread):
         self._epoch_incarnation: dict[str, float | None] = {}  # member → its started_at when the epoch formed
         self.last_sync: SyncEvent | None = None  # the newest broadcast every member acknowledged
         self._pending: tuple[int, dict[str, torch.Tensor], bool, str | None] | None = None
+        self._handed: int | None = None  # the last version handed over for broadcast
         self._wake = threading.Condition()
         self._busy = False
         self._closing = False
@@ -110,8 +111,17 @@ class WeightPublisher(threading.Thread):
     ) -> None:
         """Hand over a new version (CPU tensors the caller will not modify); replaces any unsent one.
         `broadcast=False` only announces it (and snapshots it): for weights the fleet already holds.
-        `adapter_base`: the tensors are a LoRA adapter for the base of that checksum."""
+        `adapter_base`: the tensors are a LoRA adapter for the base of that checksum.
+
+        A version is broadcast once: handed over again (a resumed learner's replay ends on the version it
+        then starts from), it is not sent a second time. A member that holds the version in the epoch's
+        link takes no part in a second broadcast of it, so the learner would wait out `sync.timeout_s` for
+        its acknowledgement and then leave it out."""
         with self._wake:
+            if broadcast and version == self._handed:
+                log.debug("version %d was handed over already: not sent again", version)
+                return
+            self._handed = version if broadcast else self._handed
             self._pending = (version, tensors, broadcast, adapter_base)
             self._wake.notify_all()
 

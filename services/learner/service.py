@@ -150,10 +150,11 @@ def build(
     log.info("learner up: loss %s, %s, step %d", cfg.learner.loss.name, cfg.model, loaded.state.step)
     service = LearnerService(loop, files, server, bus)
     try:
+        files.wait_listed()  # every announcement, a replay's included, carries the model's digest
         replayed = loop.replay() if resume else 0
         loop.ledger.retire_lost_versions(loop.state, run_dir / "snapshots")
-        files.wait_listed()  # the first announcement carries the model's digest
-        # A fresh run's version 0 is the model every worker loaded already; a resumed one must be sent.
+        # A fresh run's version 0 is the model every worker loaded already; a resumed one must be sent (the
+        # version a replay ended on was sent already: the publisher sends a version once).
         loop.publish_first(loaded.resumed or replayed > 0, str(latest_checkpoint(run_dir) or cfg.model))
         clock.mark("ready")
         heartbeat.update(startup_s=clock.phases)
