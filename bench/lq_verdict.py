@@ -107,9 +107,7 @@ class Comparison:
         )
 
 
-def compare(
-    stats: dict[str, dict[str, float]], losses: tuple[str, ...], seeds: tuple[int, ...], measure: str
-) -> Comparison:
+def compare(stats: PerRun, losses: tuple[str, ...], seeds: tuple[int, ...], measure: str) -> Comparison:
     """Lp-Reg against the baseline with the highest mean on `measure`."""
     values = {loss: [stats[f"{loss}-s{s}"][measure] for s in seeds] for loss in losses}
     best = max((x for x in losses if x != "lp_reg"), key=lambda x: statistics.fmean(values[x]))
@@ -134,7 +132,7 @@ def outcome(accuracy: Comparison, entropy: Comparison) -> str:
     return "no effect: Lp-Reg neither keeps more entropy nor is more accurate than the best baseline"
 
 
-def outcome_line(stats: dict[str, dict[str, float]], losses: tuple[str, ...], seeds: tuple[int, ...]) -> str:
+def outcome_line(stats: PerRun, losses: tuple[str, ...], seeds: tuple[int, ...]) -> str:
     """The verdict's first sentence; with one seed there is no spread yet, so it names no outcome."""
     if "lp_reg" not in losses or len(losses) < 2:
         return ""

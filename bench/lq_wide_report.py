@@ -171,11 +171,11 @@ def dose_line(
     above = bool(same_seed) and all(best > value for value in same_seed.values())
     if above:
         where = (
-            "above every baseline on the same seed ({}); one seed per ρ, so a second seed at that ρ is what "
-            "would make it a result rather than a lead"
+            f"above every baseline on the same seed ({others}); one seed per ρ, so a second seed at that ρ "
+            "is what would make it a result rather than a lead"
         )
     else:
-        where = "not above every baseline on the same seed ({}): no ρ tried lifts Lp-Reg past them"
+        where = f"not above every baseline on the same seed ({others}): no ρ tried lifts Lp-Reg past them"
     kept_by_rho = [stats[s.name]["entropy_kept"] for _, s in dose]
     if all(later > earlier for earlier, later in pairwise(kept_by_rho)):
         entropy = "the entropy kept rises with ρ"
@@ -186,8 +186,7 @@ def dose_line(
     regs = ", ".join(f"{stats[spec.name]['reg_tokens']:.1f}" for _, spec in dose)
     return (
         f" Across ρ = {rhos} (seed {first} only), Lp-Reg regularized {regs} tokens a step; its pass@1 was "
-        f"{passes}; entropy kept {kept}. Its best, ρ = "
-        f"{rho:.0%} at {best:.3f}, is {where.format(others)}. And {entropy}."
+        f"{passes}; entropy kept {kept}. Its best, ρ = {rho:.0%} at {best:.3f}, is {where}. And {entropy}."
     )
 
 

@@ -121,7 +121,8 @@ class WeightPublisher(threading.Thread):
             if broadcast and version == self._handed:
                 log.debug("version %d was handed over already: not sent again", version)
                 return
-            self._handed = version if broadcast else self._handed
+            if broadcast:
+                self._handed = version
             self._pending = (version, tensors, broadcast, adapter_base)
             self._wake.notify_all()
 
