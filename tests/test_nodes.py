@@ -53,6 +53,12 @@ def test_the_smoke_finds_every_command_it_runs_in_the_deployment_doc() -> None:
         doc.find("Plain", "B", "sparkrl learner")
 
 
+def test_a_checkout_under_tmp_is_refused_naming_the_fix() -> None:
+    with pytest.raises(netns.BedError, match=r"under /tmp .* clone it elsewhere"):
+        netns.outside_tmp(Path("/tmp/clone"))
+    netns.outside_tmp(Path("/work/clone"))  # elsewhere: fine
+
+
 def test_a_values_block_that_names_another_variable_is_refused(tmp_path: Path) -> None:
     text = (ROOT / "docs" / "deployment.md").read_text().replace("IFACE=eth0", "NIC=eth0", 1)
     (tmp_path / "d.md").write_text(text)

@@ -158,6 +158,15 @@ def node_argv(node: Node, command: str, hide: Sequence[Path] = ()) -> list[str]:
     ]
 
 
+def outside_tmp(checkout: Path) -> None:
+    """Every node has its own /tmp: a checkout (and its .venv) under the host's /tmp is not there."""
+    if checkout.is_relative_to("/tmp"):
+        raise BedError(
+            f"the checkout is under /tmp ({checkout}), and every node has a /tmp of its own, so the nodes "
+            "cannot see it: clone it elsewhere (e.g. under your home directory)"
+        )
+
+
 class TestBed:
     """The three nodes, up while the context lasts; torn down on any way out."""
 
@@ -178,6 +187,7 @@ class TestBed:
             raise BedError("the test bed makes network namespaces: run it as root (sudo)")
         if shutil.which("ip") is None or shutil.which("unshare") is None:
             raise BedError("the test bed needs `ip` (iproute2) and `unshare` (util-linux): install them")
+        outside_tmp(Path(__file__).resolve().parents[2])
         self._take_lock()
         if not self.keep:
             for sig in (signal.SIGTERM, signal.SIGHUP):
