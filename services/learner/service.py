@@ -110,6 +110,7 @@ class LearnerService:
     files: WeightFileServer
     server: MetricsServer
     bus: RedisBus
+    final_scrape_s: float  # learner.metrics.final_scrape_s
 
 
 def build(
@@ -148,7 +149,7 @@ def build(
     heartbeat.start()
     server.start()
     log.info("learner up: loss %s, %s, step %d", cfg.learner.loss.name, cfg.model, loaded.state.step)
-    service = LearnerService(loop, files, server, bus)
+    service = LearnerService(loop, files, server, bus, cfg.learner.metrics.final_scrape_s)
     try:
         files.wait_listed()  # every announcement, a replay's included, carries the model's digest
         replayed = loop.replay() if resume else 0
@@ -172,6 +173,7 @@ def close(service: LearnerService, ending: Ending) -> str | None:
     """The loop's close (final checkpoint, stop answer, last broadcast, `ended.json`), then the listeners
     and the bus. Returns why the run ends non-zero (None: it does not)."""
     failed = service.loop.close(ending)
+    service.server.await_last_scrape(service.final_scrape_s)  # the run's end on the dashboard
     service.files.close()
     service.server.close()
     service.bus.close()

@@ -15,7 +15,7 @@ from sparkrl.services.common.settings.learner_knobs import (
     TrackingSettings,
 )
 from sparkrl.services.common.settings.section import Section
-from sparkrl.services.common.settings.servers import MetricsEndpoint
+from sparkrl.services.common.settings.servers import LearnerMetricsEndpoint
 
 MAX_STALENESS = 100_000  # versions; more is the same as never dropping a group
 
@@ -251,7 +251,9 @@ class LearnerSettings(Section):
     samples_per_step: int = Field(
         4, ge=0, le=1000, description="Completions per step written to RUN_DIR/samples.jsonl (0: none)."
     )
-    metrics: MetricsEndpoint = Field(default_factory=MetricsEndpoint, description="/metrics and /healthz.")
+    metrics: LearnerMetricsEndpoint = Field(
+        default_factory=LearnerMetricsEndpoint, description="/metrics and /healthz."
+    )
 
     @model_validator(mode="after")
     def _own_aggregation(self) -> LearnerSettings:

@@ -42,6 +42,19 @@ class MetricsEndpoint(Section):
     )
 
 
+class LearnerMetricsEndpoint(MetricsEndpoint):
+    """The learner's endpoint: it ends the run by itself, so at its end it waits for one last scrape."""
+
+    final_scrape_s: float = Field(
+        10.0,
+        ge=0,
+        le=300,
+        description="At the run's end, when something scrapes /metrics (Prometheus: two scrapes or more), "
+        "wait for one more, so the dashboard holds the last step and broadcast: up to twice the interval "
+        "between scrapes, at most this long (0: no wait).",
+    )
+
+
 class ControlSettings(Section):
     """The control service: REST API, live page, the fleet's Prometheus view; and how clients reach it."""
 
