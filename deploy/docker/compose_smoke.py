@@ -277,7 +277,8 @@ def check_monitoring(stack: Stack, since_s: float) -> None:
     failed = [a for a in answers if not a.ok]
     say(f"dashboard: {len(answers) - len(failed)} of {len(answers)} panel queries returned a series")
     if failed:
-        raise SmokeFailed(f"{len(failed)} dashboard queries returned no series", "prometheus")
+        names = "; ".join(f"{a.target.panel} / {a.target.legend or a.target.expr}" for a in failed)
+        raise SmokeFailed(f"{len(failed)} dashboard queries returned no series: {names}", "prometheus")
 
 
 # ── the run ───────────────────────────────────────────────────────────────────────────────────────────
