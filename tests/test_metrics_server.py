@@ -103,16 +103,16 @@ def test_the_learner_waits_for_a_last_scrape_so_the_final_step_is_scraped(
     write_configs(plan)
     endpoint = plan.settings.learner.metrics
     url = f"http://{endpoint.host}:{endpoint.port}/metrics"
-    bodies: list[str] = []
+    reads: list[str | None] = []  # a body, or None: refused (the learner not up yet, or gone)
     done = threading.Event()
 
     def poll() -> None:
         while not done.is_set():
             try:
                 with urllib.request.urlopen(url, timeout=5) as answer:
-                    bodies.append(answer.read().decode())
+                    reads.append(answer.read().decode())
             except OSError:
-                pass  # not up yet, or gone
+                reads.append(None)
             done.wait(0.5)
 
     poller = threading.Thread(target=poll, daemon=True)
@@ -123,7 +123,12 @@ def test_the_learner_waits_for_a_last_scrape_so_the_final_step_is_scraped(
     done.set()
     poller.join(timeout=10)
     assert learner.returncode == 0
-    last = bodies[-1]
+    assert any(body is not None for body in reads), "the learner's /metrics never answered"
+    first = next(i for i, body in enumerate(reads) if body is not None)
+    answered = reads[first : max(i for i, body in enumerate(reads) if body is not None) + 1]
+    assert len(answered) >= 2 and None not in answered, "the endpoint refused a scrape while it was up"
+    last = answered[-1]
+    assert last is not None
     assert re.search(rf"^sparkrl_learner_policy_version {steps}\.0$", last, re.M), last[-2000:]
     assert re.search(rf"^sparkrl_sync_version {steps}\.0$", last, re.M), last[-2000:]
     log = (plan.run_dir / "logs" / "learner.log").read_text(errors="replace")
