@@ -16,11 +16,14 @@ import redis
 
 from sparkrl.services.common.bus import (
     BusBackpressureTimeout,
+    BusError,
+    BusStopping,
     BusUnavailable,
     QueueDepth,
     RedisBus,
     StreamKind,
 )
+from sparkrl.services.common.bus.redis_bus import STOPPING_RECONNECT_S
 from sparkrl.services.common.settings import BusSettings
 
 if TYPE_CHECKING:
@@ -285,6 +288,60 @@ def test_unavailable_after_reconnect_max(spawn_redis: Callable[..., RedisServer]
         with pytest.raises(BusUnavailable, match=re.escape(f"Redis at {server.url} unreachable")):
             bus.read("prompts", "w1", count=1)
         assert 0.5 <= time.monotonic() - started < 3
+
+
+def test_a_stop_ends_the_reconnecting_and_says_so(
+    spawn_redis: Callable[..., RedisServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A service told to stop while Redis is down does not reconnect for reconnect_max_s (60 s here): the
+    call in hand gives up STOPPING_RECONNECT_S after the stop with BusStopping, and later calls at once."""
+    server = spawn_redis()
+    settings = BusSettings(
+        url=server.url, namespace="stop", block_ms=50, socket_timeout_s=1, reconnect_max_s=60
+    )
+    stop = threading.Event()
+    with RedisBus(settings, stop) as bus:
+        bus.publish_prompt("p0", b"x")
+        server.stop()
+        outcome: list[BaseException] = []
+
+        def read() -> None:
+            try:
+                bus.read("prompts", "w1", count=1)
+            except BusError as exc:
+                outcome.append(exc)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        reader.join(timeout=1.0)
+        assert reader.is_alive(), "the read gave up before the stop: it should reconnect for 60 s"
+        stop.set()
+        reader.join(timeout=STOPPING_RECONNECT_S + 20)  # a hang reads as 60 s; the bound is not a timing
+        assert not reader.is_alive(), "a stopped service still reconnects"
+        (exc,) = outcome
+        assert isinstance(exc, BusStopping) and "while stopping" in str(exc)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sparkrl.bus"), pytest.raises(BusStopping):
+            bus.pending_info("prompts")  # one call waited for the stop: the next does not wait again
+        assert not [r for r in caplog.records if "reconnect attempt" in r.getMessage()]
+
+
+def test_a_stopping_service_rides_out_a_blip(spawn_redis: Callable[..., RedisServer]) -> None:
+    """Stopping does not mean giving up at once: a Redis back within STOPPING_RECONNECT_S takes the call
+    (a clean stop still hands over what it holds)."""
+    server = spawn_redis("--appendonly", "yes", "--appendfsync", "always")
+    settings = BusSettings(
+        url=server.url, namespace="blip", block_ms=50, socket_timeout_s=1, reconnect_max_s=60
+    )
+    stop = threading.Event()
+    stop.set()
+    with RedisBus(settings, stop) as bus:
+        bus.publish_prompt("p0", b"x")
+        server.stop()
+        restarter = _restart_later(server, 0.3)
+        assert bus.publish_prompt("p1", b"x")
+        restarter.join(timeout=10)
+        assert drain(bus, "prompts", "w1") == ["p0", "p1"]
 
 
 def test_block_ms_must_stay_below_socket_timeout(bus_settings: BusSettings) -> None:

@@ -136,6 +136,13 @@ def test_an_external_redis_restarted_empty_is_rebuilt_and_refed(
     log = (plan.run_dir / "logs" / "learner.log").read_text()
     assert "lost its data" in log and "rebuilt" in log
     assert "keeps nothing" in log or "persists nothing" in log  # said loudly at start
+    # Stopped while Redis is down, a worker stops within the launcher's grace and says why, instead of
+    # reconnecting for bus.reconnect_max_s (60 s) until it is killed (SIGKILL: returncode -9).
+    server.stop()
+    stack.shutdown()
+    for name in ("worker-0", "worker-1"):
+        assert stack.procs[name].returncode == 0, f"{name} ended {stack.procs[name].returncode}"
+        assert "without Redis" in (plan.run_dir / "logs" / f"{name}.log").read_text()
 
 
 def test_a_hung_worker_costs_time_not_data(

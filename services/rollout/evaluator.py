@@ -20,7 +20,7 @@ from pathlib import Path
 
 from sparkrl.proto import EvalRecord, Prompt, WeightAnnouncement
 from sparkrl.proto.reward import RewardItem
-from sparkrl.services.common.bus import RedisBus
+from sparkrl.services.common.bus import BusStopping, RedisBus
 from sparkrl.services.common.reward_client import RewardClient
 from sparkrl.services.common.settings import PromptSettings, TorchEngineSettings
 from sparkrl.services.common.settings.roles import EvaluatorConfig
@@ -58,7 +58,7 @@ class Evaluator:
             raise ValueError("the evaluator needs eval.every (evaluate every N policy versions)")
         self.run_dir = Path(cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.bus = RedisBus(cfg.bus)
+        self.bus = RedisBus(cfg.bus, stop)  # told to stop while Redis is down, it stops reconnecting
         self.telemetry = Telemetry(self.bus)
         self.gate = AnnouncementGate(self.bus, cfg.sync.secret, self.run_dir)
         self.rewards = RewardClient(cfg.reward.url)
@@ -159,5 +159,7 @@ def main(cfg: EvaluatorConfig, stop: threading.Event) -> None:
                 stop.wait(cfg.eval.poll_s)
         if cfg.eval.final:
             evaluator.finish()
+    except BusStopping as exc:
+        log.warning("stopping without Redis (%s): no final evaluation", exc)
     finally:
         evaluator.close()

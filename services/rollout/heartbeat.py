@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sparkrl.proto import WorkerStatus
+from sparkrl.services.common.bus import BusStopping
 from sparkrl.services.common.settings import SamplingSettings
 from sparkrl.services.common.telemetry import Telemetry
 
@@ -100,5 +101,7 @@ class Heartbeat(threading.Thread):
                 heartbeat_at=time.time(),
             )
             self.telemetry.put_worker(status, ttl_s=3 * self.period_s)
+        except BusStopping as exc:  # the worker is stopping and Redis is down: its status expires alone
+            log.warning("last heartbeat not sent, stopping without Redis: %s", exc)
         except Exception:  # a missed beat must never kill the worker; the next one retries
             log.exception("heartbeat failed")

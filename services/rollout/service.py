@@ -15,7 +15,7 @@ import time
 from functools import partial
 from pathlib import Path
 
-from sparkrl.services.common.bus import RedisBus
+from sparkrl.services.common.bus import BusStopping, RedisBus
 from sparkrl.services.common.control_channel import ControlReader
 from sparkrl.services.common.metrics_server import MetricsServer
 from sparkrl.services.common.recovery import warn_if_not_persistent
@@ -47,7 +47,7 @@ def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
     clock = StartClock()
     clock.mark("imports")
     worker_id = cfg.rollout.worker_id or f"{socket.gethostname()}-{os.getpid()}"
-    bus = RedisBus(cfg.bus)
+    bus = RedisBus(cfg.bus, stop)  # told to stop while Redis is down, it stops reconnecting
     warn_if_not_persistent(bus)
     gate = AnnouncementGate(bus, cfg.sync.secret, Path(cfg.run_dir))
     model = model_dir_for(cfg.model, Path(cfg.run_dir), gate, cfg.sync.secret, cfg.rollout.model_wait_s, stop)
@@ -176,5 +176,7 @@ def main(cfg: RolloutConfig, stop: threading.Event | None = None) -> None:
     try:
         while not stop.is_set():
             step(worker)
+    except BusStopping as exc:
+        log.warning("stopping without Redis (%s): the prompts in hand stay pending, for another worker", exc)
     finally:
         close(worker)

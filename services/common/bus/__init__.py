@@ -13,6 +13,9 @@ knows nothing of `sparkrl.proto`. Guarantees:
 - Back-pressure, never trimming: a producer waits while a stream holds `maxlen` entries. Consumers delete
   what they acknowledge, so a stream's length is exactly unread + pending.
 - Every Redis call has a timeout; connection failures are retried with backoff, then `BusUnavailable`.
+  A bus given its service's `stop` event retries for at most `STOPPING_RECONNECT_S` once it is set, then
+  raises `BusStopping`: a service told to stop while Redis is down stops, rather than reconnecting for
+  `reconnect_max_s` until it is killed.
 """
 
 from sparkrl.services.common.bus.logs import LogStreams, Record
@@ -20,6 +23,7 @@ from sparkrl.services.common.bus.records import (
     GROUPS,
     BusBackpressureTimeout,
     BusError,
+    BusStopping,
     BusUnavailable,
     DeadLetter,
     Entry,
@@ -32,6 +36,7 @@ __all__ = [
     "GROUPS",
     "BusBackpressureTimeout",
     "BusError",
+    "BusStopping",
     "BusUnavailable",
     "DeadLetter",
     "Entry",

@@ -18,6 +18,12 @@ class BusUnavailable(BusError):
     """Redis stayed unreachable for `reconnect_max_s`."""
 
 
+class BusStopping(BusUnavailable):
+    """Redis was unreachable while the service was stopping (the bus's `stop` was set), so the bus stopped
+    reconnecting after `STOPPING_RECONNECT_S`. Nothing is lost: what the service held and did not
+    acknowledge stays pending in Redis, for another consumer to reclaim."""
+
+
 class BusBackpressureTimeout(BusError):
     """A stream stayed full (nobody consumed) for the whole publish timeout."""
 
