@@ -23,7 +23,7 @@ from sparkrl.services.common.bus import (
     RedisBus,
     StreamKind,
 )
-from sparkrl.services.common.bus.redis_bus import STOPPING_RECONNECT_S
+from sparkrl.services.common.bus.reconnect import STOPPING_RECONNECT_S
 from sparkrl.services.common.settings import BusSettings
 
 if TYPE_CHECKING:

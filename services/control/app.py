@@ -42,7 +42,10 @@ _GRACEFUL_SHUTDOWN_S = 3
 def create_app(cfg: ControlSettings, bus_cfg: BusSettings) -> FastAPI:
     """The app over its own bus connection; raises ValueError when no token is configured."""
     token = resolve_token(cfg)
-    bus = RedisBus(bus_cfg)
+    # A request answers within control.redis_wait_s while Redis is down, not after bus.reconnect_max_s.
+    wait_s = min(bus_cfg.reconnect_max_s, cfg.redis_wait_s)
+    setting = "control.redis_wait_s" if wait_s < bus_cfg.reconnect_max_s else "bus.reconnect_max_s"
+    bus = RedisBus(bus_cfg.model_copy(update={"reconnect_max_s": wait_s}), reconnect_setting=setting)
     telemetry = Telemetry(bus)
     commander = Commander(bus, telemetry, cfg.command_timeout_s)
     registry, commands_counter = fleet_registry(telemetry, bus)

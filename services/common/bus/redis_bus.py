@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -21,11 +20,10 @@ from sparkrl.services.common.bus._text import is_missing_group, mask_password, t
 from sparkrl.services.common.bus.logs import LogStreams
 from sparkrl.services.common.bus.lua import DEAD_LETTER_LUA, PUBLISH_LUA, REQUEUE_LUA, SEND_BACK_LUA
 from sparkrl.services.common.bus.reads import Reader
+from sparkrl.services.common.bus.reconnect import Reconnect
 from sparkrl.services.common.bus.records import (
     GROUPS,
     BusBackpressureTimeout,
-    BusStopping,
-    BusUnavailable,
     DeadLetter,
     Entry,
     QueueDepth,
@@ -40,12 +38,7 @@ log = logging.getLogger("sparkrl.bus")
 T = TypeVar("T")
 _Row = tuple[bytes, dict[bytes, bytes], int]  # (entry id, fields, deliveries including this one)
 
-_BACKOFF_BASE_S = 0.05
-_BACKOFF_CAP_S = 2.0
 _POLL_MAX_S = 0.02  # longest sleep between back-pressure checks
-# How long a stopping service (its `stop` set) still tries to reach Redis: a blip during a clean stop is
-# ridden out; a Redis that is down does not hold the stop for `reconnect_max_s`.
-STOPPING_RECONNECT_S = 2.0
 
 
 class RedisBus:
@@ -60,16 +53,21 @@ class RedisBus:
     _redis: redis.Redis
     _reader: Reader  # new entries, a large read over several connections
     _groups_ready: set[str]
-    _stop: threading.Event | None  # the service's stop: once set, reconnecting gives up early
-    _gave_up: bool  # a call gave up reconnecting while stopping: later ones do not wait again
+    reconnect: Reconnect  # how a lost connection is retried, and for how long
     _publish_script: Script
     _dead_letter_script: Script
     _requeue_script: Script
     _send_back_script: Script
 
-    def __init__(self, settings: BusSettings, stop: threading.Event | None = None) -> None:
-        """`stop`: the service's stop event. Once it is set, a lost connection is retried for at most
-        `STOPPING_RECONNECT_S`, then the call raises `BusStopping`."""
+    def __init__(
+        self,
+        settings: BusSettings,
+        stop: threading.Event | None = None,
+        reconnect_setting: str = "bus.reconnect_max_s",
+    ) -> None:
+        """`stop`: the service's stop event; once it is set, a lost connection is retried for at most
+        `STOPPING_RECONNECT_S`, then the call raises `BusStopping`. `reconnect_setting`: the setting that
+        `settings.reconnect_max_s` came from, named when reconnecting gives up."""
         if settings.block_ms >= settings.socket_timeout_s * 1000:
             raise ValueError(
                 f"bus.block_ms ({settings.block_ms}) must be below bus.socket_timeout_s "
@@ -87,7 +85,7 @@ class RedisBus:
         )
         self._reader = Reader(self._redis)
         self._groups_ready = set()
-        self._stop, self._gave_up = stop, False
+        self.reconnect = Reconnect(self.url, settings.reconnect_max_s, reconnect_setting, stop)
         self._publish_script = self._redis.register_script(PUBLISH_LUA)
         self._dead_letter_script = self._redis.register_script(DEAD_LETTER_LUA)
         self._requeue_script = self._redis.register_script(REQUEUE_LUA)
@@ -432,9 +430,8 @@ class RedisBus:
         self._groups_ready.add(kind)
 
     def _run(self, call: Callable[[], T], kind: StreamKind | None = None) -> T:
-        """Run `call`; on connection loss retry with exponential backoff + jitter for reconnect_max_s."""
-        failing_since: float | None = None
-        attempt = 0
+        """Run `call`; on connection loss retry as `self.reconnect` says (reconnect.py)."""
+        outage = self.reconnect.outage()
         regrouped = False
         while True:
             try:
@@ -450,31 +447,7 @@ class RedisBus:
                 regrouped = True
                 continue
             except (RedisConnectionError, RedisTimeoutError) as exc:
-                now = time.monotonic()
-                failing_since = now if failing_since is None else failing_since
-                waited = now - failing_since
-                stopping = self._stop is not None and self._stop.is_set()
-                limit = self.settings.reconnect_max_s
-                limit = min(limit, STOPPING_RECONNECT_S) if stopping else limit
-                if stopping and (waited >= limit or self._gave_up):  # one call's wait is the stop's
-                    self._gave_up = True
-                    raise BusStopping(f"Redis at {self.url} unreachable while stopping: {exc}") from exc
-                if waited >= limit:
-                    raise BusUnavailable(
-                        f"Redis at {self.url} unreachable for {waited:.1f} s "
-                        f"(bus.reconnect_max_s={self.settings.reconnect_max_s}): {exc}"
-                    ) from exc
-                # The exponent is capped: a float overflows past 2**1023 (a Redis down for half an hour).
-                backoff = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2.0 ** min(attempt, 16))
-                backoff *= random.uniform(0.5, 1.0)
-                delay = min(backoff, limit - waited)
-                attempt += 1
-                log.warning("Redis at %s: %s; reconnect attempt %d in %.2f s", self.url, exc, attempt, delay)
-                if self._stop is None or stopping:
-                    time.sleep(delay)
-                else:
-                    self._stop.wait(delay)  # a stop cuts the wait short: the next try has the stopping limit
+                outage.wait(exc)
                 continue
-            if failing_since is not None:
-                log.info("reconnected to %s after %.1f s", self.url, time.monotonic() - failing_since)
+            outage.over()
             return result

@@ -84,6 +84,14 @@ class ControlSettings(Section):
     heartbeat_s: float = Field(
         1.0, gt=0, le=60, description="How often the server-sent event stream polls Redis, seconds."
     )
+    redis_wait_s: float = Field(
+        2.0,
+        gt=0,
+        le=60,
+        description="How long a request waits for Redis to come back before it answers 503 (`/metrics`: "
+        "`sparkrl_fleet_up 0`), seconds; at most `bus.reconnect_max_s`. Short, so a probe, a scrape or the "
+        "page is answered within its own timeout while Redis is down.",
+    )
     max_body_bytes: int = Field(
         65536,
         ge=1024,
