@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -155,6 +157,40 @@ def test_a_reward_call_gives_up_at_its_deadline_naming_it() -> None:
             client.score([item])
     finally:
         client.close()
+
+
+def test_a_stopping_worker_does_not_retry_a_failed_reward_call(caplog: pytest.LogCaptureFixture) -> None:
+    """Told to stop while the reward service is down, the worker's scoring call gives up at once instead of
+    retrying up to its deadline (120 s by default, past the launcher's grace): the batch's prompts are left
+    to be reclaimed. A stop set during a retry's pause ends the pause too."""
+    item = RewardItem(task="countdown", completion="1+2", answer="3")
+    stop = threading.Event()
+    stop.set()
+    client = RewardClient(f"http://127.0.0.1:{free_port()}", retries=100, deadline_s=600.0, stop=stop)
+    try:
+        with pytest.raises(RewardServiceError, match=r"stopping, so not retrying: cannot reach"):
+            client.score([item])
+        assert "retrying in" not in caplog.text  # it says it gives up, not that it will retry
+        stop.clear()
+        client.backoff_s = client.backoff_max_s = 600.0  # a pause far longer than the test would wait
+        client.deadline_s = None
+        failed: list[BaseException] = []
+        caller = threading.Thread(target=lambda: _record(failed, client.score, [item]))
+        caller.start()
+        caller.join(timeout=1.0)
+        assert caller.is_alive(), "the call gave up before the stop"
+        stop.set()
+        caller.join(timeout=30)  # a hang reads as the 600 s pause; the bound is not a timing
+        assert not caller.is_alive() and "stopping" in str(failed[0])
+    finally:
+        client.close()
+
+
+def _record(failed: list[BaseException], call: Callable[..., object], *args: object) -> None:
+    try:
+        call(*args)
+    except RewardServiceError as exc:
+        failed.append(exc)
 
 
 # ── the real stack ────────────────────────────────────────────────────────────────────────────────────

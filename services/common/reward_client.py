@@ -3,13 +3,15 @@
 It lives in `common` because the rollout worker calls it and services never import one another. A
 reward service that died (and that `sparkrl up` is restarting) is waited for, in growing pauses capped at
 `backoff_max_s`, but never longer than `deadline_s` in all: then `RewardServiceError`, and the worker
-leaves that batch's prompts to be reclaimed instead of hanging on it.
+leaves that batch's prompts to be reclaimed instead of hanging on it. Once the worker's `stop` is set,
+a failed call is not retried: a stop is not held for the deadline.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 
 import httpx
@@ -34,14 +36,17 @@ class RewardClient:
         backoff_s: float = 0.5,
         deadline_s: float | None = None,
         backoff_max_s: float = 8.0,
+        stop: threading.Event | None = None,
     ) -> None:
-        """`timeout_s`: one call; `deadline_s`: a whole `score`, retries included (None: retries only)."""
+        """`timeout_s`: one call; `deadline_s`: a whole `score`, retries included (None: retries only);
+        `stop`: the service's stop event, which ends the retrying."""
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
         self.backoff_max_s = backoff_max_s
         self.deadline_s = deadline_s
+        self.stop = stop
         self._http = httpx.Client(timeout=timeout_s)
 
     def score(self, items: list[RewardItem], item_timeout_s: float | None = None) -> list[RewardResult]:
@@ -96,8 +101,16 @@ class RewardClient:
                 f"gave up after {waited:.0f}s and {attempt + 1} attempts (deadline {self.deadline_s:g}s): "
                 f"{reason}"
             )
+        if self._stopping():
+            raise RewardServiceError(f"stopping, so not retrying: {reason}")
         log.warning("reward call failed (%s); retrying in %.1fs", reason, delay)
-        time.sleep(delay)
+        if self.stop is None:
+            time.sleep(delay)
+        elif self.stop.wait(delay):
+            raise RewardServiceError(f"stopping, so not retrying: {reason}")
+
+    def _stopping(self) -> bool:
+        return self.stop is not None and self.stop.is_set()
 
     def close(self) -> None:
         self._http.close()

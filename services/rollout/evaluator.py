@@ -61,7 +61,7 @@ class Evaluator:
         self.bus = RedisBus(cfg.bus, stop)  # told to stop while Redis is down, it stops reconnecting
         self.telemetry = Telemetry(self.bus)
         self.gate = AnnouncementGate(self.bus, cfg.sync.secret, self.run_dir)
-        self.rewards = RewardClient(cfg.reward.url)
+        self.rewards = RewardClient(cfg.reward.url)  # no stop: the final evaluation runs after it
         self.tasks = eval_tasks(cfg)
         model = model_dir_for(
             cfg.model, self.run_dir, self.gate, cfg.sync.secret, cfg.rollout.model_wait_s, stop

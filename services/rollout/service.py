@@ -64,7 +64,7 @@ def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
     worker = Worker(
         bus=bus,
         engine=engine,
-        reward=_reward_client(cfg),
+        reward=_reward_client(cfg, stop),
         cfg=cfg.rollout.model_copy(update={"sampling": control.sampling}),  # the fleet's live values
         state=state,
         control=control,
@@ -117,9 +117,11 @@ def _learner_bound(telemetry: Telemetry) -> int | None:
     return None if status is None or not Telemetry.learner_alive(status) else status.max_staleness
 
 
-def _reward_client(cfg: RolloutConfig) -> RewardClient:
+def _reward_client(cfg: RolloutConfig, stop: threading.Event) -> RewardClient:
     r = cfg.rollout
-    return RewardClient(cfg.reward.url, r.reward_timeout_s, r.reward_retries, deadline_s=r.reward_deadline_s)
+    return RewardClient(
+        cfg.reward.url, r.reward_timeout_s, r.reward_retries, deadline_s=r.reward_deadline_s, stop=stop
+    )
 
 
 def _health(state: WorkerState) -> dict[str, str | None]:
