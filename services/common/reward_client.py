@@ -101,16 +101,14 @@ class RewardClient:
                 f"gave up after {waited:.0f}s and {attempt + 1} attempts (deadline {self.deadline_s:g}s): "
                 f"{reason}"
             )
-        if self._stopping():
-            raise RewardServiceError(f"stopping, so not retrying: {reason}")
+        stopped = RewardServiceError(f"stopping, so not retrying: {reason}")
+        if self.stop is not None and self.stop.is_set():
+            raise stopped
         log.warning("reward call failed (%s); retrying in %.1fs", reason, delay)
         if self.stop is None:
             time.sleep(delay)
-        elif self.stop.wait(delay):
-            raise RewardServiceError(f"stopping, so not retrying: {reason}")
-
-    def _stopping(self) -> bool:
-        return self.stop is not None and self.stop.is_set()
+        elif self.stop.wait(delay):  # a stop during the pause ends it
+            raise stopped
 
     def close(self) -> None:
         self._http.close()
