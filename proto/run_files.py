@@ -1,5 +1,6 @@
-"""What a run directory holds for other processes to read: the lock of a live run (`RUN_DIR/run.lock`) and
-the dead letters the run left (`RUN_DIR/dead_letters.jsonl`, one record a line).
+"""What a run directory holds for other processes to read: the lock of a live run (`RUN_DIR/run.lock`), the
+run's owner (`RUN_DIR/owner.json`, and in Redis the lease of its bus namespace) and the dead letters the run
+left (`RUN_DIR/dead_letters.jsonl`, one record a line).
 
 Writer: `sparkrl up` (both). Readers: a second `sparkrl up` on the same directory (the lock), `sparkrl
 dead` and `sparkrl report` (the lock: is the run live?), `sparkrl dead` and the run's summary (the dead
@@ -37,6 +38,35 @@ class RunLock(WireModel):
     command: str = Field(
         max_length=200, description="What holds it, for people: `sparkrl up`, `sparkrl up --ray`."
     )
+
+
+class RunOwner(WireModel):
+    """The run that owns a bus namespace: in Redis as `{ns}:value:owner`, a lease its learner renews (it
+    expires `bus.owner_ttl_s` after the last renewal), and in `RUN_DIR/owner.json` as the fence: only the
+    learner whose record it is may write checkpoints, `latest` or `ended.json` there.
+
+    Writer: the learner, when it claims the namespace (the bus sets `generation`). Readers: a learner of
+    another run (refused while the lease lives), `sparkrl up` before it spawns anything, workers and
+    feeders with a run id, and an earlier learner of the same run before it writes into the run directory.
+    """
+
+    schema_version: Literal[1] = Field(
+        default=RUN_FILES_SCHEMA_VERSION, description="Record version; readers reject others."
+    )
+    run_id: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="The run (`bus.run_id`, RUN_DIR/run-id): a resume is the same run.",
+    )
+    generation: int = Field(
+        default=0,
+        ge=0,
+        description="The claim's number in this namespace, counted by Redis (the fencing token): each "
+        "learner start gets a new one. 0: not claimed yet.",
+    )
+    run_dir: str = Field(max_length=4096, description="The run directory of the learner holding it.")
+    host: str = Field(min_length=1, max_length=255, description="The learner's hostname.")
+    pid: int = Field(ge=1, description="The learner's process id, on `host`.")
+    since: float = Field(ge=0, description="When it claimed the namespace, Unix seconds.")
 
 
 DeadLetterStream = Literal["prompts", "trajectories"]

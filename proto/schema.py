@@ -17,6 +17,7 @@ from sparkrl.proto.control import ControlCommand, ControlState
 from sparkrl.proto.group import TrajectoryGroup
 from sparkrl.proto.partial import PartialGroup
 from sparkrl.proto.reward import RewardRequest, RewardResponse
+from sparkrl.proto.run_files import RunOwner
 from sparkrl.proto.status import LearnerStatus, WorkerStatus
 from sparkrl.proto.telemetry import CommandResult, EvalRecord, StateEvent, StepMetrics, SyncEvent
 from sparkrl.proto.trajectory import Completion, Prompt
@@ -43,6 +44,7 @@ MESSAGES: tuple[type[BaseModel], ...] = (
     SyncEvent,
     CommandResult,
     StateEvent,
+    RunOwner,
 )
 
 

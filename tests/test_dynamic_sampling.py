@@ -16,7 +16,7 @@ import pytest
 from sparkrl.proto import TrajectoryGroup, encode_group
 from sparkrl.proto.testing import random_group
 from sparkrl.services.common.bus import RedisBus
-from sparkrl.services.common.feeder import FEED_DONE
+from sparkrl.services.common.feeder import FeedReport, mark_fed
 from sparkrl.services.common.recovery import TRAINED_PREFIX, WipeWatch, new_incarnation
 from sparkrl.services.common.settings import BusSettings, LearnerSettings, load_settings
 from sparkrl.services.learner.collect import BatchCollector
@@ -75,7 +75,7 @@ def test_a_batch_is_filled_with_informative_groups(bus_settings: BusSettings, tm
         assert all(bus.get_value(TRAINED_PREFIX + gid) == b"filtered" for gid in aside)
         (record,) = [json.loads(line) for line in (tmp_path / FILTERED_TRAIL).read_text().splitlines()]
         assert record == {"version": 0, "group_ids": [groups[i].group_id for i in (0, 2, 3)]}
-        ledger, state = Ledger(bus, tmp_path, saved_step=0, fresh=True), TrainState(step=1)
+        ledger, state = Ledger(bus, tmp_path, saved_step=0, fresh=True), TrainState()
         ledger.commit(state, batch)
         assert (state.groups_trained, state.groups_filtered) == (2, 3)
         assert FilteredLog(bus, tmp_path).ids == aside  # the record's count survives a restart
@@ -113,7 +113,7 @@ def test_the_data_may_end_with_filtered_groups_alone(bus_settings: BusSettings, 
     already), and the end reason counts them."""
     with RedisBus(bus_settings) as bus:
         publish(bus, [scored(i, [0.0, 0.0]) for i in range(2)])
-        bus.set_value(FEED_DONE, json.dumps({"prompts": 2, "epochs": 1}))
+        mark_fed(bus, FeedReport(published=2, duplicates=0, seconds=0.0), epochs=1)
         c = BatchCollector(bus, ON, LIMITS, filtered_log=FilteredLog(bus, tmp_path))
         started = time.monotonic()
         assert c.fill(0, 2, lambda: time.monotonic() - started > 30) is None

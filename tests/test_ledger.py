@@ -41,10 +41,11 @@ def test_a_step_is_journaled_then_marked_then_acknowledged(bus_settings: BusSett
     with RedisBus(bus_settings) as bus:
         made = groups(3)
         published(bus, *made)
-        ledger, state = Ledger(bus, tmp_path, saved_step=0, fresh=True), TrainState(step=1)
+        ledger, state = Ledger(bus, tmp_path, saved_step=0, fresh=True), TrainState()
         batch = read_batch(bus, 3)
         assert not any(trained(bus, g.group_id) for g in made)
         assert ledger.commit(state, batch) == 3
+        assert (state.step, state.policy_version) == (1, 1)  # counted once committed
         assert bus.pending_info("trajectories").pending == 0
         assert [bus.get_value(TRAINED_PREFIX + g.group_id) for g in made] == [b"1"] * 3
         assert all(trained(bus, g.group_id) for g in made)
@@ -60,7 +61,6 @@ def test_a_restart_replays_what_no_checkpoint_holds_and_a_checkpoint_trims_it(
         published(bus, *made)
         ledger, state = Ledger(bus, tmp_path, saved_step=0, fresh=True), TrainState()
         for _ in range(2):
-            state.step += 1
             ledger.commit(state, read_batch(bus, 2))
         ledger.checkpointed(1)
         # The journal keeps the steps since the checkpoint before this one (none: from the start), so a
@@ -72,9 +72,9 @@ def test_a_restart_replays_what_no_checkpoint_holds_and_a_checkpoint_trims_it(
         again = Ledger(bus, tmp_path, saved_step=1, fresh=False)
         [(step, batch)] = list(again.replay(after=1))
         assert step == 2 and [g.group_id for g in batch.groups] == [g.group_id for g in made[2:]]
-        resumed = TrainState(step=2, groups_trained=2)
+        resumed = TrainState(step=1, groups_trained=2)
         assert again.commit(resumed, batch, journaled=True) == 0  # acknowledged before the crash
-        assert again.journal.steps() == [1, 2] and resumed.groups_trained == 4
+        assert again.journal.steps() == [1, 2] and (resumed.step, resumed.groups_trained) == (2, 4)
         again.checkpointed(2)
         assert again.journal.steps() == [2]  # trimmed up to the checkpoint before this one
         again.checkpointed(2)  # a tagged checkpoint of the same step trims nothing more
@@ -107,7 +107,7 @@ def test_a_wiped_redis_gets_the_trained_marks_back_from_the_audit_trail(
         made = groups(2, seed=2)
         published(bus, *made)
         ledger = Ledger(bus, tmp_path, saved_step=0, fresh=True)
-        ledger.commit(TrainState(step=1), read_batch(bus, 2))
+        ledger.commit(TrainState(), read_batch(bus, 2))
         # The audit trail's record of the step, as the step row's writer appends it.
         record = {"step": 1, "group_ids": [g.group_id for g in made]}
         (tmp_path / AUDIT_TRAIL).write_text(json.dumps(record) + "\n")

@@ -23,6 +23,7 @@ EXPECTED_FILES = {
     "SyncEvent.schema.json",
     "CommandResult.schema.json",
     "StateEvent.schema.json",
+    "RunOwner.schema.json",
 }
 
 

@@ -39,6 +39,7 @@ from functools import partial
 from pathlib import Path
 
 from sparkrl.proto import ControlCommand, StepMetrics
+from sparkrl.services.common.ownership import Fence, Fenced
 from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner.checkpoint import (
     CheckpointError,
@@ -106,6 +107,8 @@ class Learner:
     guard: StepGuard
     reports: Reports
     stop: threading.Event  # set by whoever owns the signals: the run ends at the next boundary
+    uncommitted: str | None = None  # why the weights in hand hold a step no commit recorded: never saved
+    fence: Fence | None = None  # the run directory's owner check, before every checkpoint and ended.json
 
     def run(self) -> Ending:
         """Turn until the run is over: the control boundary, then a step or a paused wait."""
@@ -170,9 +173,8 @@ class Learner:
             weights = self.trainer.weights()
         if not self.guard.publishable(weights, self.ledger.saved_step):
             return None
-        state.step, state.policy_version = state.step + 1, state.policy_version + 1
         with clock.timed("bookkeeping"):
-            acked = self.ledger.commit(state, batch, journaled) + self.collector.take_acked()
+            acked = self.commit(batch, journaled) + self.collector.take_acked()
         with clock.timed("publish"):  # the broadcast runs on the publisher's thread
             self.fleet.publish(state.policy_version, weights, adapter_base=self.trainer.adapter_base)
         if state.step == live.max_steps:
@@ -184,6 +186,19 @@ class Learner:
         if state.step % live.checkpoint_every == 0:
             self.checkpoint_or_log()
         return row
+
+    def commit(self, batch: Batch, journaled: bool) -> int:
+        """The ledger's commit, which counts the step only once it returned (commit before count). If it
+        raises, the weights hold an update no ledger records: `uncommitted` says so, and they are never
+        checkpointed (a resume redoes the step from the journal, or its groups come again)."""
+        try:
+            return self.ledger.commit(self.state, batch, journaled)
+        except BaseException as exc:
+            self.uncommitted = (
+                f"step {self.state.step + 1} was not committed ({type(exc).__name__}: {exc}), so its update "
+                f"is in no checkpoint: `--resume` goes on from step {self.ledger.saved_step} and its journal"
+            )
+            raise
 
     def update(self, batch: Batch, journaled: bool, live: LearnerSettings) -> tuple[Batch, Updated] | None:
         """The step's updates under `live`: (the part of `batch` they trained, what they did); None when
@@ -238,6 +253,8 @@ class Learner:
     def checkpoint(self, tag: str | None) -> Path:
         """Write a checkpoint, then let the ledger trim the journal up to it. Raises CheckpointError,
         trimming nothing: the journal must keep every step since the last checkpoint that was written."""
+        if self.fence is not None:  # a newer learner of this run holds the directory: write nothing
+            self.fence.check(f"the checkpoint of step {self.state.step}")
         with self.reports.checkpointing():  # a failure goes on the page and into the next step's row
             self.state.hparam_overrides = dict(self.control.overrides)
             try:
@@ -279,10 +296,12 @@ class Learner:
         stop command's answer and the last broadcast. `ended.json` says why the run ended. Returns why it
         ends non-zero (None: it does not)."""
         state, command, guard = self.state, ending.command, self.guard
-        keep = command is None or command.body.checkpoint  # type: ignore[union-attr]
-        # Never a checkpoint the ranks cannot all write, nor one of weights that are not finite.
-        keep = keep and self.trainer.lost is None and not guard.weights_broken
-        causes = [why for why in (self.trainer.lost, ending.crashed, guard.stop) if why]  # each ends non-zero
+        fenced = self.fenced()
+        keep = fenced is None and (command is None or command.body.checkpoint)  # type: ignore[union-attr]
+        # Never a checkpoint the ranks cannot all write, nor one of weights that are not finite, nor one of
+        # weights ahead of the ledger (a step whose commit failed).
+        keep = keep and self.trainer.lost is None and not guard.weights_broken and self.uncommitted is None
+        causes = [w for w in (self.trainer.lost, ending.crashed, guard.stop, self.uncommitted, fenced) if w]
         final_failed = self.final_checkpoint() if keep and state.step > self.ledger.saved_step else None
         keep = keep and final_failed is None
         suspect, latest = guard.suspect, latest_checkpoint(self.run_dir)
@@ -300,12 +319,23 @@ class Learner:
         final = [final_failed] if final_failed else []
         normal = ending.reason or ("a stop command" if command is not None else "stopped (signal)")
         ended = "; then ".join(causes + final if causes else [normal, *final])
-        write_ended(self.run_dir, ended, state.step, self.collector.counts)
+        if fenced is None:  # an orphan's ending is not the run's: the newer learner writes that
+            write_ended(self.run_dir, ended, state.step, self.collector.counts)
         self.reports.close()
         log.info(
             "learner stopped at step %d (policy version %d): %s", state.step, state.policy_version, ended
         )
         return "; then ".join(causes + final) or None
+
+    def fenced(self) -> str | None:
+        """Why this learner may write nothing more into the run directory (a newer one holds it), or None."""
+        try:
+            if self.fence is not None:
+                self.fence.check("the final checkpoint or ended.json")
+        except Fenced as exc:
+            log.error("%s", exc)
+            return str(exc)
+        return None
 
     def final_checkpoint(self) -> str | None:
         """The run's last checkpoint; why it failed, if it did (a lost rank is not its failure)."""

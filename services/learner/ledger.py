@@ -178,19 +178,51 @@ class Ledger:
             yield step, Batch([decode_group(e.payload) for e in entries], entries)
 
     def commit(self, state: TrainState, batch: Batch, journaled: bool = False) -> int:
-        """Step `state.step` trained `batch`: journal it, mark its groups trained, acknowledge its
-        entries (in that order), and count it in `state`. `journaled`: a replay, in the journal already.
-        Returns how many entries were acknowledged."""
+        """The next step, `state.step + 1`, trained `batch`: journal it, mark its groups trained,
+        acknowledge its entries (in that order), and only then count it in `state` (its step, its
+        version, its groups). `journaled`: a replay, in the journal already. Returns how many entries
+        were acknowledged.
+
+        Commit before count: a step exists only once this returned. When it raises (a disk that cannot
+        take the journal, a Redis that refused the marks past `bus.reconnect_max_s`), `state` is as it
+        was, so no checkpoint, status or row can claim the step; the weights hold its update all the same,
+        and the caller must not checkpoint them (`Learner.uncommitted`)."""
+        step = state.step + 1
         if not journaled:
-            self.journal.write(state.step, batch.entries)  # durable before the bus hears it was used
-        marks = {TRAINED_PREFIX + group.group_id: str(state.step) for group in batch.groups}
-        self.bus.set_values(marks, ttl_s=self.bus.settings.dedup_ttl_s)  # one round trip for the step
-        acked = self.bus.ack("trajectories", [e.entry_id for e in batch.entries])
+            self.journal.write(step, batch.entries)  # durable before the bus hears it was used
+        acked = self.mark_and_ack(step, batch.groups, batch.entries)
+        state.step, state.policy_version = step, state.policy_version + 1
         state.groups_trained += len(batch.groups)
         state.groups_filtered += batch.filtered
         state.groups_dropped_stale += batch.dropped_stale
         state.trained_group_ids = [g.group_id for g in batch.groups]
         return acked
+
+    def mark_and_ack(self, step: int, groups: list[TrajectoryGroup], entries: list[Entry]) -> int:
+        """Mark `groups` trained by `step` (one round trip), then acknowledge `entries`; how many were
+        still pending. Both are idempotent: a repeat after a crash changes nothing."""
+        marks = {TRAINED_PREFIX + group.group_id: str(step) for group in groups}
+        self.bus.set_values(marks, ttl_s=self.bus.settings.dedup_ttl_s)
+        return self.bus.ack("trajectories", [e.entry_id for e in entries])
+
+    def settle_checkpointed(self) -> int:
+        """On resume: the journaled steps the checkpoint holds already (≤ `saved_step`) are marked and
+        acknowledged again from the journal. A learner whose commit of such a step did not finish (before
+        commit-before-count, a failed commit was checkpointed anyway) left its groups pending: delivered
+        again, they would be trained twice. Returns how many entries were still pending."""
+        pending = 0
+        for step in (s for s in self.journal.steps() if s <= self.saved_step):
+            entries = self.journal.read(step)
+            settled = self.mark_and_ack(step, [decode_group(e.payload) for e in entries], entries)
+            if settled:
+                log.warning(
+                    "step %d is in the checkpoint but %d of its groups were still pending in the stream "
+                    "(its commit did not finish): marked trained and acknowledged from the journal",
+                    step,
+                    settled,
+                )
+            pending += settled
+        return pending
 
     def checkpointed(self, step: int) -> None:
         """A checkpoint of step `step` was written: it holds those steps now; the journal keeps the steps

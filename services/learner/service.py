@@ -19,6 +19,7 @@ from sparkrl.proto import SyncEvent
 from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.control_channel import ControlReader
 from sparkrl.services.common.metrics_server import MetricsServer
+from sparkrl.services.common.ownership import Fence, Lease, run_id_of
 from sparkrl.services.common.recovery import warn_if_not_persistent
 from sparkrl.services.common.settings.roles import LearnerConfig
 from sparkrl.services.common.start_clock import StartClock
@@ -110,6 +111,7 @@ class LearnerService:
     files: WeightFileServer
     server: MetricsServer
     bus: RedisBus
+    lease: Lease  # the namespace's: released at the end
     final_scrape_s: float  # learner.metrics.final_scrape_s
 
 
@@ -126,6 +128,12 @@ def build(
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     clear_stale_locks()
+    # The bus first: the learner claims its namespace (and fences the run directory) before it loads a
+    # checkpoint, since a load may set one aside. Given the stop, it gives up on Redis within seconds once
+    # told to stop (an orphan of a killed launcher, whose Redis died with it, exits instead of retrying).
+    bus = RedisBus(cfg.bus, stop)
+    lease = Lease.claim(bus, cfg.bus.run_id or run_id_of(run_dir, fresh=not resume), run_dir, stop)
+    lease.start()
     guard = watchdog(cfg.learner.startup_timeout_s)
     # Weight files for workers that cannot see this disk; the model is hashed while the engine builds.
     snapshot = run_dir / "snapshots" / SNAPSHOT_NAME
@@ -135,23 +143,24 @@ def build(
     trainer = trainer_for(cfg, loaded)  # every rank joins the orders' group right after its engine
     guard.cancel()
     engine_built()
-    bus = RedisBus(cfg.bus)
     warn_if_not_persistent(bus)
     loop = assemble(cfg, loaded, trainer, bus, stop, files, fresh=not resume)
+    loop.fence = Fence(run_dir, lease.owner)
     heartbeat = loop.reports.heartbeat
     server = MetricsServer(
         cfg.learner.metrics,
         loop.reports.metrics.registry,
-        lambda: {"status": "ok", "phase": heartbeat.report.phase},
+        lambda: {"status": "ok", "phase": heartbeat.report.phase, "redis": bus.reconnect.trouble or "ok"},
     )
     loop.fleet.publisher.start()
     heartbeat.update(hparams=hparams_in_force(trainer.lr(), loop.live))
     heartbeat.start()
     server.start()
     log.info("learner up: loss %s, %s, step %d", cfg.learner.loss.name, cfg.model, loaded.state.step)
-    service = LearnerService(loop, files, server, bus, cfg.learner.metrics.final_scrape_s)
+    service = LearnerService(loop, files, server, bus, lease, cfg.learner.metrics.final_scrape_s)
     try:
         files.wait_listed()  # every announcement, a replay's included, carries the model's digest
+        loop.ledger.settle_checkpointed()
         replayed = loop.replay() if resume else 0
         loop.ledger.retire_lost_versions(loop.state, run_dir / "snapshots")
         # A fresh run's version 0 is the model every worker loaded already; a resumed one must be sent (the
@@ -176,6 +185,7 @@ def close(service: LearnerService, ending: Ending) -> str | None:
     service.server.await_last_scrape(service.final_scrape_s)  # the run's end on the dashboard
     service.files.close()
     service.server.close()
+    service.lease.release()
     service.bus.close()
     return failed
 

@@ -1,4 +1,5 @@
-"""How the bus rides out a lost connection: exponential backoff with jitter for `bus.reconnect_max_s`, then
+"""How the bus rides out a lost connection, or a Redis that refuses writes (out of memory, a disk it cannot
+write, a read-only replica): exponential backoff with jitter for `bus.reconnect_max_s`, then
 `BusUnavailable`; for a service that is stopping, at most `STOPPING_RECONNECT_S`, then `BusStopping`.
 
 `RedisBus` runs every call through one `Reconnect`; each call keeps its own `Outage` while it fails."""
@@ -11,6 +12,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
+
 from sparkrl.services.common.bus.records import BusStopping, BusUnavailable
 
 log = logging.getLogger("sparkrl.bus")
@@ -20,6 +23,22 @@ _BACKOFF_CAP_S = 2.0
 # How long a stopping service (its `stop` set) still tries to reach Redis: a blip during a clean stop is
 # ridden out; a Redis that is down does not hold the stop for `reconnect_max_s`.
 STOPPING_RECONNECT_S = 2.0
+
+
+# The error codes of a Redis that is up but takes no writes for now: `maxmemory` reached (with noeviction),
+# a failed background save or AOF write (`stop-writes-on-bgsave-error`), a replica. Each passes once the
+# operator acts (memory freed or raised, disk space back, a failover), like an outage; anything else a
+# ResponseError says is a bug or bad input and is raised at once.
+_REFUSED_WRITE_CODES = ("OOM", "MISCONF", "READONLY", "NOREPLICAS")
+
+
+def refused_write(exc: ResponseError) -> bool:
+    """Whether Redis refused a write for now (not for good): the call is retried as after a lost link.
+    redis-py turns OOM and READONLY into their own classes and drops the code from the message."""
+    if isinstance(exc, OutOfMemoryError | ReadOnlyError):
+        return True
+    words = str(exc).split(maxsplit=1)
+    return bool(words) and words[0] in _REFUSED_WRITE_CODES
 
 
 @dataclass
@@ -32,6 +51,7 @@ class Reconnect:
     setting: str = "bus.reconnect_max_s"
     stop: threading.Event | None = None
     gave_up: bool = False  # a call gave up while stopping: later ones do not wait again
+    trouble: str | None = None  # what a call is waiting out now (for a status), None while Redis answers
 
     def outage(self) -> Outage:
         return Outage(self)
@@ -52,18 +72,29 @@ class Outage:
         waited = now - self.since
         stopping = p.stop is not None and p.stop.is_set()
         limit = min(p.max_s, STOPPING_RECONNECT_S) if stopping else p.max_s
+        p.trouble = describe(exc)
+        how = "refused writes" if isinstance(exc, ResponseError) else "unreachable"
         if stopping and (waited >= limit or p.gave_up):  # one call's wait is the whole stop's
             p.gave_up = True
-            raise BusStopping(f"Redis at {p.url} unreachable while stopping: {exc}") from exc
+            raise BusStopping(f"Redis at {p.url} {how} while stopping: {detail(exc)}") from exc
         if waited >= limit:
             raise BusUnavailable(
-                f"Redis at {p.url} unreachable for {waited:.1f} s ({p.setting}={p.max_s:g}): {exc}"
+                f"Redis at {p.url} {how} for {waited:.1f} s ({p.setting}={p.max_s:g}): {detail(exc)}"
             ) from exc
         # The exponent is capped: a float overflows past 2**1023 (a Redis down for half an hour).
         backoff = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2.0 ** min(self.attempt, 16))
         delay = min(backoff * random.uniform(0.5, 1.0), limit - waited)
         self.attempt += 1
-        log.warning("Redis at %s: %s; reconnect attempt %d in %.2f s", p.url, exc, self.attempt, delay)
+        log.warning(
+            "Redis at %s: %s; %s %d in %.2f s (up to %s=%g)",
+            p.url,
+            p.trouble,
+            "retry" if isinstance(exc, ResponseError) else "reconnect attempt",
+            self.attempt,
+            delay,
+            p.setting,
+            p.max_s,
+        )
         if p.stop is None or stopping:
             time.sleep(delay)
         else:
@@ -71,4 +102,16 @@ class Outage:
 
     def over(self) -> None:
         if self.since is not None:
-            log.info("reconnected to %s after %.1f s", self.policy.url, time.monotonic() - self.since)
+            self.policy.trouble = None
+            log.info("Redis at %s answers again after %.1f s", self.policy.url, time.monotonic() - self.since)
+
+
+def describe(exc: Exception) -> str:
+    """The trouble in words: `refuses writes (OOM command not allowed ...)` or the connection error."""
+    return f"refuses writes ({detail(exc)})" if isinstance(exc, ResponseError) else detail(exc)
+
+
+def detail(exc: Exception) -> str:
+    """The error's message, with the code redis-py dropped from it put back (`OOM ...`)."""
+    codes = {OutOfMemoryError: "OOM ", ReadOnlyError: "READONLY "}
+    return codes.get(type(exc), "") + (str(exc) or type(exc).__name__)

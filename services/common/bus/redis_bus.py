@@ -19,8 +19,9 @@ from redis.retry import Retry
 from sparkrl.services.common.bus._text import is_missing_group, mask_password, text
 from sparkrl.services.common.bus.logs import LogStreams
 from sparkrl.services.common.bus.lua import DEAD_LETTER_LUA, PUBLISH_LUA, REQUEUE_LUA, SEND_BACK_LUA
+from sparkrl.services.common.bus.owner import Owners
 from sparkrl.services.common.bus.reads import Reader
-from sparkrl.services.common.bus.reconnect import Reconnect
+from sparkrl.services.common.bus.reconnect import Reconnect, refused_write
 from sparkrl.services.common.bus.records import (
     GROUPS,
     BusBackpressureTimeout,
@@ -50,6 +51,7 @@ class RedisBus:
     logs: LogStreams  # capped logs: telemetry and the control stream
     status_board: Statuses  # members' heartbeats
     values: NamedValues  # named values: announcement, control state, marks
+    owners: Owners  # the lease of the run that owns the namespace
     _redis: redis.Redis
     _reader: Reader  # new entries, a large read over several connections
     _groups_ready: set[str]
@@ -93,6 +95,7 @@ class RedisBus:
         self.logs = LogStreams(self._redis, self._run, settings.namespace, settings.telemetry_maxlen)
         self.status_board = Statuses(self._redis, self._run, settings.namespace)
         self.values = NamedValues(self._redis, self._run, settings.namespace)
+        self.owners = Owners(self._redis, self._run, settings.namespace)
 
     def close(self) -> None:
         self._reader.close()
@@ -430,7 +433,9 @@ class RedisBus:
         self._groups_ready.add(kind)
 
     def _run(self, call: Callable[[], T], kind: StreamKind | None = None) -> T:
-        """Run `call`; on connection loss retry as `self.reconnect` says (reconnect.py)."""
+        """Run `call`; on connection loss, or a Redis that refuses writes, retry as `self.reconnect` says
+        (reconnect.py). Every call is safe to retry: ids make a repeated publish or mark harmless, and a
+        refused script ran nothing (Redis refuses a script at its first write)."""
         outage = self.reconnect.outage()
         regrouped = False
         while True:
@@ -439,6 +444,9 @@ class RedisBus:
                     self._ensure_group(kind)
                 result = call()
             except ResponseError as exc:
+                if refused_write(exc):  # out of memory, a failing disk, a replica: ridden out as an outage
+                    outage.wait(exc)
+                    continue
                 # A Redis that restarted without persistence, or was flushed, lost the group: recreate it.
                 if kind is None or regrouped or not is_missing_group(exc):
                     raise

@@ -58,5 +58,36 @@ class BusSettings(Section):
         "second (Redis may hold writes back up to 2 s while the disk is slow, which a crash then loses). "
         "Measured on the demo: no difference in speed.",
     )
+    redis_max_memory_mb: int | None = Field(
+        None,
+        ge=64,
+        description="The private Redis of `sparkrl up`: its `maxmemory`, MiB. Past it Redis refuses "
+        "writes and evicts nothing (an evicted trained mark would train a group twice); the services wait "
+        "as for an outage (bus.reconnect_max_s), naming it. None: twice what the streams' bounds hold "
+        "(prompt_maxlen, trajectory_maxlen, dead_letter_maxlen, telemetry_maxlen at the rollout's group "
+        "size), 1 GiB at least.",
+    )
     socket_timeout_s: float = Field(10.0, gt=0, description="Timeout of every Redis call, seconds.")
-    reconnect_max_s: float = Field(60.0, gt=0, description="Give up reconnecting after this long, seconds.")
+    reconnect_max_s: float = Field(
+        60.0,
+        gt=0,
+        description="Give up reconnecting, or waiting for a Redis that refuses writes (out of memory, a "
+        "disk it cannot write, a read-only replica), after this long, seconds.",
+    )
+    run_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="This run's identity on the bus. Its learner owns the namespace under it (a lease, "
+        "renewed while it runs): a learner of another run is refused while the lease lives, and workers "
+        "and feeders given a run id refuse a namespace another run owns. `sparkrl up` sets it (kept in "
+        "RUN_DIR/run-id, so `--resume` is the same run); None: the learner takes RUN_DIR/run-id, made "
+        "on a fresh start, and the others check nothing.",
+    )
+    owner_ttl_s: float = Field(
+        15.0,
+        ge=2,
+        le=600,
+        description="How long the namespace stays owned after its learner last renewed its lease, "
+        "seconds (renewed every third of it): how long another run is refused after a learner died "
+        "without a word. A learner of the same run takes over at once.",
+    )
