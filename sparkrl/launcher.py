@@ -13,6 +13,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -33,6 +34,7 @@ from sparkrl.run_report import (
     summarize,
 )
 from sparkrl.services.common.bus import BusError, RedisBus
+from sparkrl.services.common.ownership import foreign_owner
 from sparkrl.services.common.paths import cache_dir
 from sparkrl.services.common.settings import BusSettings, SparkSettings
 from sparkrl.services.common.telemetry import Telemetry
@@ -74,6 +76,7 @@ class Stack:
     specs: tuple[ServiceSpec, ...]
     ready_timeout_s: float
     grace_s: float
+    keep_fds: tuple[int, ...]  # inherited by every service (the run directory's lock)
     procs: dict[str, subprocess.Popen[bytes]]
     ended: set[str]
     terminal: Terminal  # the progress line and messages
@@ -87,8 +90,10 @@ class Stack:
         services: Sequence[str] | None = None,
         ready_timeout_s: float = 120.0,
         grace_s: float = 15.0,
+        keep_fds: tuple[int, ...] = (),
     ) -> None:
-        """`services` picks a subset by name (`worker-1`) or role (`rollout`); None: all of the plan."""
+        """`services` picks a subset by name (`worker-1`) or role (`rollout`); None: all of the plan.
+        `keep_fds`: what every service inherits (the run directory's lock: held until the last is gone)."""
         wanted = set(services) if services is not None else {s.name for s in plan.services}
         unknown = wanted - {s.name for s in plan.services} - {s.role for s in plan.services}
         if unknown:
@@ -97,6 +102,7 @@ class Stack:
         self.specs = tuple(s for s in plan.services if s.name in wanted or s.role in wanted)
         self.ready_timeout_s = ready_timeout_s
         self.grace_s = grace_s
+        self.keep_fds = keep_fds
         self.procs = {}
         self.ended = set()
         self.terminal = Terminal()
@@ -117,7 +123,7 @@ class Stack:
             if not spec.config_path.is_file():
                 raise FileNotFoundError(f"{spec.config_path} is missing: write_configs(plan) before starting")
         for spec in self.specs:
-            self.procs[spec.name] = spawn(spec)
+            self.procs[spec.name] = spawn(spec, self.keep_fds)
             if spec.role == "redis":
                 self._wait_ready(spec)
         for spec in self.specs:
@@ -176,7 +182,7 @@ class Stack:
         reconnect or retry meanwhile, so nothing waits for it to be ready here."""
         with spec.log_path.open("a") as log:
             log.write(f"--- sparkrl up: exited with code {returncode}; restarted ---\n")
-        self.procs[spec.name] = spawn(spec)
+        self.procs[spec.name] = spawn(spec, self.keep_fds)
         self.ended.discard(spec.name)
 
     def wait(self, poll_s: float = 0.5) -> int:
@@ -320,16 +326,31 @@ def run_stack(
     private_redis: bool | None,
     preset_name: str | None,
     resume: bool = False,
+    lock_fd: int | None = None,
 ) -> int:
     """Plan, write, spawn, supervise until the learner ends, shut down, summarize; the exit code.
+    `lock_fd`: the run directory's lock, handed to every service (held until the last is gone).
 
     Main thread only: it turns SIGTERM/SIGHUP into KeyboardInterrupt for the duration.
     """
     plan = plan_stack(cfg, workers, private_redis, resume)
+    if not plan.private_redis and (taken := _namespace_taken(plan)) is not None:
+        print(f"error: {taken}; nothing was started", file=sys.stderr, flush=True)
+        return 2
     write_configs(plan)
     print(header(plan, preset_name, workers), flush=True)
-    stack = Stack(plan)
+    stack = Stack(plan, keep_fds=() if lock_fd is None else (lock_fd,))
     return supervise(stack, stack.report, plan.run_dir)
+
+
+def _namespace_taken(plan: StackPlan) -> str | None:
+    """Why the run may not use its Redis namespace (another live run owns it), before anything is spawned;
+    None when it may, or when Redis cannot be reached from here (the services say so then)."""
+    try:
+        with RedisBus(_quick(plan.settings)) as bus:
+            return foreign_owner(bus, plan.settings.bus.run_id)
+    except (BusError, redis.RedisError):
+        return None
 
 
 class Supervised(Protocol):

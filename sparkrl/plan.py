@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 from sparkrl.ports import free_ports
 from sparkrl.run_lock import LOCK_FILE
+from sparkrl.services.common.ownership import RUN_ID_FILE
 from sparkrl.services.common.settings import BusSettings, SparkSettings, write_resolved
 from sparkrl.services.common.settings.roles import (
     ControlConfig,
@@ -116,8 +117,11 @@ def _client_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
 
 
-def _resolve_root(cfg: SparkSettings, private_redis: bool, run_dir: Path, ports: list[int]) -> SparkSettings:
-    """The root tree with the launch decided: absolute run dir, private Redis URL, free ports.
+def _resolve_root(
+    cfg: SparkSettings, private_redis: bool, run_dir: Path, ports: list[int], resume: bool
+) -> SparkSettings:
+    """The root tree with the launch decided: absolute run dir, the run's id, private Redis URL, free
+    ports.
 
     A port the user set (preset, environment, `--set`, or a resolved file) is kept; one left at its
     default is replaced by a free loopback port, so two runs on one machine never collide.
@@ -133,6 +137,10 @@ def _resolve_root(cfg: SparkSettings, private_redis: bool, run_dir: Path, ports:
         # Absolute, as run_dir: a Ray actor starts in the directory `ray start` ran in on its node, not in
         # the driver's, so a relative path would name another directory there.
         root.model = os.path.abspath(root.model)
+    if root.bus.run_id is None:  # the run's identity on the bus: a resume is the same run
+        known = run_dir / RUN_ID_FILE
+        resumed = known.read_text().strip() if known.is_file() and resume else ""
+        root.bus.run_id = resumed or secrets.token_hex(8)
     if private_redis:
         # Its own password too: nothing else on the machine can read or write the run's bus.
         host = _client_host(root.bus.host)
@@ -172,7 +180,21 @@ def _plan_token(cfg: SparkSettings, run_dir: Path) -> tuple[str | None, SparkSet
     return token, root
 
 
-def _redis_conf(bus: BusSettings, data_dir: Path) -> str:
+def redis_max_memory(root: SparkSettings) -> int:
+    """Bytes the private Redis may hold (`bus.redis_max_memory_mb`, or twice what the streams' bounds
+    hold, 1 GiB at least): past it writes are refused, never evicted (`noeviction`: an evicted trained
+    mark or dedup key would train or feed a group twice), and the services wait as for an outage."""
+    bus, sampling = root.bus, root.rollout.sampling
+    if bus.redis_max_memory_mb is not None:
+        return bus.redis_max_memory_mb * 2**20
+    token_bytes = 16 + 8 * sampling.topk_logprobs  # id, log-prob, version, mask; the top-k ids and log-probs
+    group = sampling.n * sampling.max_new_tokens * token_bytes + 64 * 1024  # its prompt and metadata
+    streams = bus.trajectory_maxlen * group + bus.prompt_maxlen * 4096 + bus.dead_letter_maxlen * 64 * 1024
+    telemetry = 4 * bus.telemetry_maxlen * 4096
+    return max(2**30, 2 * (streams + telemetry))
+
+
+def _redis_conf(bus: BusSettings, data_dir: Path, max_memory: int) -> str:
     parts = urlsplit(bus.url)
     port, password = parts.port, parts.password
     # The run's own bus, on bus.host only (loopback by default). Append-only file in the run directory: a
@@ -182,7 +204,8 @@ def _redis_conf(bus: BusSettings, data_dir: Path) -> str:
     # disk flush per command.
     return (
         f'port {port}\nbind {bus.host}\nsave ""\nappendonly yes\nappendfsync {bus.aof_fsync}\n'
-        f"daemonize no\ndir {data_dir}\n" + (f"requirepass {password}\n" if password else "")
+        f"daemonize no\ndir {data_dir}\nmaxmemory {max_memory}\nmaxmemory-policy noeviction\n"
+        + (f"requirepass {password}\n" if password else "")
     )
 
 
@@ -232,10 +255,12 @@ def plan_stack(
         private_redis = "url" not in cfg.bus.model_fields_set
     run_dir = Path(cfg.run_dir).resolve()
     ports = free_ports(5 + workers)
-    token, root = _plan_token(_resolve_root(cfg, private_redis, run_dir, ports[:5]), run_dir)
+    token, root = _plan_token(_resolve_root(cfg, private_redis, run_dir, ports[:5], resume), run_dir)
     services: list[ServiceSpec] = []
     if private_redis:
-        redis_spec = _service(run_dir, "redis", "redis", _redis_conf(root.bus, run_dir / "redis"))
+        redis_spec = _service(
+            run_dir, "redis", "redis", _redis_conf(root.bus, run_dir / "redis", redis_max_memory(root))
+        )
         services.append(dataclasses.replace(redis_spec, ready=("ping", root.bus.url)))
     services.append(_service(run_dir, "control", "control", ControlConfig.of(root)))
     services.append(_service(run_dir, "reward", "reward", RewardConfig.of(root)))
@@ -296,6 +321,8 @@ def write_configs(plan: StackPlan) -> None:
             write_resolved(spec.config, spec.config_path, header=_header(spec))
     if plan.control_token is not None:
         write_token(plan.token_path, plan.control_token)
+    if plan.settings.bus.run_id is not None:
+        write_token(plan.run_dir / RUN_ID_FILE, plan.settings.bus.run_id)  # what a resume goes on as
     if plan.private_redis and not plan.resume:
         # A fresh run starts with an empty bus: an earlier run's data would mark its prompts as fed.
         shutil.rmtree(plan.run_dir / "redis", ignore_errors=True)

@@ -44,7 +44,9 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def spawn(spec: ServiceSpec) -> subprocess.Popen[bytes]:
+def spawn(spec: ServiceSpec, keep_fds: tuple[int, ...] = ()) -> subprocess.Popen[bytes]:
+    """Start `spec`'s service. `keep_fds`: descriptors it inherits (the run directory's lock, held until
+    the last service is gone)."""
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
     with spec.log_path.open("ab") as log:
         # Own session (so own process group): a terminal's Ctrl-C reaches only the launcher, which then
@@ -57,6 +59,7 @@ def spawn(spec: ServiceSpec) -> subprocess.Popen[bytes]:
             env=child_env() | dict(spec.env),
             start_new_session=True,
             preexec_fn=_die_with_parent,
+            pass_fds=keep_fds,
         )
 
 

@@ -3,10 +3,12 @@ whole life, names the process (pid, host, since when). A second `up` on the dire
 `--overwrite` or neither, is refused while it is held, so a live run is never joined twice nor deleted;
 `sparkrl dead` and `sparkrl report` read it to tell a live run from one that is over.
 
-Taking it is atomic: an exclusive `flock` on the file, which the kernel drops when its holder dies. Its
-content says who holds it; a lock whose process is gone (on this host: a killed `sparkrl up`) is stale
-and taken over, with a line saying so. One held from another host cannot be checked from here: it counts
-as live, and the refusal says how to clear it.
+Taking it is atomic: an exclusive `flock` on the file, which the kernel drops when the last process holding
+it is gone: `sparkrl up` and every service it spawned (they inherit the descriptor), so a killed `sparkrl
+up` whose learner still runs keeps the run held until that learner has stopped. Its content says who
+holds it; a lock whose process is gone (on this host: a killed `sparkrl up`) is stale and taken over, with
+a line saying so, once its services have stopped. One held from another host cannot be checked from here:
+it counts as live, and the refusal says how to clear it.
 """
 
 from __future__ import annotations
@@ -108,6 +110,12 @@ class RunDirLock:
     def __init__(self, run_dir: Path, fd: int, took_over: RunLock | None, created_dir: bool) -> None:
         self.run_dir, self._fd, self.took_over, self._created_dir = run_dir, fd, took_over, created_dir
 
+    @property
+    def fd(self) -> int | None:
+        """The locked descriptor: `sparkrl up` hands it to every service it spawns, so the lock is held
+        until the last of them is gone, even when `sparkrl up` itself is killed."""
+        return self._fd
+
     def release(self) -> None:
         if self._fd is None:
             return
@@ -143,21 +151,64 @@ def _flock(path: Path) -> int | None:
         os.close(fd)
 
 
+def _holders(path: Path) -> list[str]:
+    """The processes of this host with `path` open (`pid 42 (python)`): the services of a killed holder,
+    which inherited the lock and keep it until the last of them exits."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if any(os.readlink(fd).removesuffix(" (deleted)") == str(path) for fd in (proc / "fd").iterdir()):
+                found.append(f"pid {proc.name} ({(proc / 'comm').read_text().strip()})")
+        except OSError:
+            continue
+    return found
+
+
+def _wait_for_orphans(path: Path, earlier: RunLock, wait_s: float, say: Callable[[str], None]) -> int | None:
+    """The lock, once the services a killed `sparkrl up` left behind have exited (they hold it until then:
+    an orphan learner must not write into the run while another one starts); None after `wait_s`."""
+    said = False
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        fd = _flock(path)
+        if fd is not None:
+            return fd
+        if not said:
+            holders = ", ".join(_holders(path)) or "processes of another namespace"
+            say(f"{path.parent}: {describe(earlier)} is gone, but its services still hold the run "
+                f"({holders}); waiting up to {wait_s:.0f} s for them to stop")  # fmt: skip
+            said = True
+        time.sleep(0.2)
+    return None
+
+
 def lock_run_dir(
     run_dir: Path,
     command: str,
     resume: bool = False,
     overwrite: bool = False,
     say: Callable[[str], None] = print,
+    orphans_wait_s: float = 60.0,
 ) -> RunDirLock:
     """Take `run_dir` for this process (creating the directory), or raise RunDirLive saying who holds it.
 
     `resume`/`overwrite` only shape the refusal's words; `say` gets the line about a stale lock taken over.
+    A lock whose holder died but whose services still run (they inherit it) is waited for, up to
+    `orphans_wait_s`: they stop once their parent is gone.
     """
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = _flock(run_dir / LOCK_FILE)
     earlier = read_lock(run_dir)
+    if fd is None and earlier is not None and holder_alive(earlier) is False:
+        fd = _wait_for_orphans(run_dir / LOCK_FILE, earlier, orphans_wait_s, say)
+        if fd is None:
+            holders = ", ".join(_holders(run_dir / LOCK_FILE)) or "processes this host cannot see"
+            raise RunDirLive(
+                f"{run_dir} is still held by the services of {describe(earlier)}, which is gone: {holders} "
+                f"did not stop within {orphans_wait_s:.0f} s; stop them (`kill PID`) and start again",
+                earlier,
+            )
     if fd is None or (earlier is not None and holder_alive(earlier) is not False):
         # Held, or its holder still runs without the flock (another host sharing this directory).
         if fd is not None:

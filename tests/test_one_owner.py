@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import redis
-
 from conftest import RedisServer
+
 from sparkrl.proto.run_files import RunOwner
 from sparkrl.services.common.bus import BusUnavailable, RedisBus
 from sparkrl.services.common.ownership import (
@@ -99,7 +99,7 @@ def test_the_fence_file_is_the_owner_record(tmp_path: Path) -> None:
     (tmp_path / FENCE_FILE).write_text(owner.model_dump_json())
     Fence(tmp_path, owner).check("x")
     (tmp_path / FENCE_FILE).unlink()
-    with pytest.raises(Fenced, match="no readable owner.json"):
+    with pytest.raises(Fenced, match=r"no readable owner\.json"):
         Fence(tmp_path, owner).check("x")
 
 
@@ -129,9 +129,31 @@ def test_writes_refused_for_maxmemory_are_ridden_out_then_given_up(
         assert time.monotonic() - started >= 1.0
         assert bus.reconnect.trouble is None  # over: the status no longer names it
         raw.config_set("maxmemory", 1)
-        with pytest.raises(BusUnavailable, match="refused writes .*bus.reconnect_max_s=6.*OOM"):
+        with pytest.raises(BusUnavailable, match=r"refused writes .*bus\.reconnect_max_s=6.*OOM"):
             bus.set_values({"mark": "1"})
         assert bus.reconnect.trouble is not None and "refuses writes" in bus.reconnect.trouble
         raw.config_set("maxmemory", 0)
         assert bus.pending_info("trajectories").lag == 2 and raw.get("oom:value:mark") is None
     raw.close()
+
+
+def test_up_gives_every_service_the_run_id_a_resume_keeps_and_its_redis_evicts_nothing(
+    tmp_path: Path,
+) -> None:
+    from sparkrl.plan import plan_stack, redis_max_memory, write_configs
+    from sparkrl.services.common.settings import load_settings
+
+    cfg = load_settings("smoke", [f"run_dir={tmp_path / 'run'}"])
+    plan = plan_stack(cfg, workers=2, private_redis=True)
+    write_configs(plan)
+    run_id = plan.settings.bus.run_id
+    assert run_id and (tmp_path / "run" / "run-id").read_text().strip() == run_id
+    configs = [spec.config for spec in plan.services if hasattr(spec.config, "bus")]
+    assert len(configs) >= 5 and {c.bus.run_id for c in configs} == {run_id}  # type: ignore[union-attr]
+    (conf,) = [spec.config for spec in plan.services if spec.role == "redis"]
+    sized = redis_max_memory(plan.settings)
+    assert sized >= 2**30 and f"\nmaxmemory {sized}\nmaxmemory-policy noeviction\n" in conf  # type: ignore[operator]
+    assert plan_stack(cfg, workers=1, private_redis=True, resume=True).settings.bus.run_id == run_id
+    assert plan_stack(cfg, workers=1, private_redis=True).settings.bus.run_id != run_id  # a fresh run
+    sized = plan_stack(load_settings("smoke", [f"run_dir={tmp_path}", "bus.redis_max_memory_mb=300"]), 1)
+    assert f"\nmaxmemory {300 * 2**20}\n" in next(s.config for s in sized.services if s.role == "redis")  # type: ignore[operator]

@@ -9,6 +9,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -133,3 +134,42 @@ def test_overwrite_deletes_the_earlier_run_but_keeps_the_lock(tmp_path: Path) ->
         prepare_run_dir(run_dir, resume=False, overwrite=True)
         assert earlier_run(run_dir) == [] and [p.name for p in run_dir.iterdir()] == [LOCK_FILE]
         assert live_holder(run_dir) is not None
+
+
+# A `sparkrl up` that spawned one service (a sleep) handing it the lock, as the launcher does; killed with
+# SIGKILL it leaves the service running, holding the run.
+SPAWNER = (
+    "import subprocess, sys\nfrom pathlib import Path\nfrom sparkrl.run_lock import lock_run_dir\n"
+    "lock = lock_run_dir(Path(sys.argv[1]), 'sparkrl up')\n"
+    "child = subprocess.Popen(['sleep', '60'], pass_fds=(lock.fd,))\n"
+    "print(child.pid, flush=True)\nsys.stdin.read()\n"
+)
+
+
+def test_the_services_of_a_killed_launcher_hold_the_run_until_they_are_gone(tmp_path: Path) -> None:
+    """`kill -9` of `sparkrl up` frees nothing while a service it started still runs (an orphan learner
+    must not write into a run another `up` goes on with): a second `up` waits for it, names it, and takes
+    the run once it is gone."""
+    run_dir = tmp_path / "run"
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", SPAWNER, str(run_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert launcher.stdout is not None
+    service = int(launcher.stdout.readline())
+    launcher.kill()
+    launcher.wait()
+    said: list[str] = []
+    with pytest.raises(RunDirLive, match=rf"pid {service} \(sleep\) did not stop within 1 s"):
+        lock_run_dir(run_dir, "sparkrl up", resume=True, say=said.append, orphans_wait_s=1)
+    assert len(said) == 1 and f"pid {launcher.pid}" in said[0] and "waiting up to 1 s" in said[0]
+
+    def stop_service_soon() -> None:
+        time.sleep(0.5)
+        os.kill(service, 9)
+
+    threading.Thread(target=stop_service_soon, daemon=True).start()
+    with lock_run_dir(run_dir, "sparkrl up", resume=True, say=said.append, orphans_wait_s=30) as lock:
+        assert lock.took_over is not None and lock.took_over.pid == launcher.pid

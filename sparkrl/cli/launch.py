@@ -86,7 +86,7 @@ def up(
             raise typer.Exit(run_on_ray(cfg, workers, private_redis, preset, resume, address))
         from sparkrl.launcher import run_stack
 
-        raise typer.Exit(run_stack(cfg, workers, private_redis, preset, resume))
+        raise typer.Exit(run_stack(cfg, workers, private_redis, preset, resume, lock.fd))
 
 
 def _shortcuts(
