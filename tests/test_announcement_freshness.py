@@ -46,7 +46,7 @@ def _publish(bus: RedisBus, sender: WeightSender, announcement: WeightAnnounceme
 def test_the_gate_refuses_a_replay_and_follows_a_restarted_learner(
     bus_settings: BusSettings, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    first, restarted = WeightSender(), None
+    first, restarted = WeightSender(secret=SECRET), None
     with RedisBus(bus_settings) as bus:
         gate = AnnouncementGate(bus, SECRET, tmp_path)
 
@@ -71,7 +71,8 @@ def test_the_gate_refuses_a_replay_and_follows_a_restarted_learner(
             again = _announce(first, 2, epoch=2)  # version 2 again, for a new group epoch: fresh
             assert write(again, first) == again
 
-            restarted = WeightSender()  # a learner restarted (resumed to an older version): followed back
+            # A learner restarted (resumed to an older version): followed back.
+            restarted = WeightSender(secret=SECRET)
             back = _announce(restarted, 1)
             assert back.incarnation > v2.incarnation and write(back, restarted) == back
             caplog.clear()
@@ -157,7 +158,7 @@ def test_a_worker_with_no_history_asks_the_learners_store_and_refuses_a_replay(
     current. A replay of an older announcement of the live learner is refused, and so is one of a learner
     whose store serves another learner now; the current one is followed. A learner that is gone leaves
     no epoch to join: its last announcement is followed at once (a late joiner loads its snapshot)."""
-    learner = WeightSender()
+    learner = WeightSender(secret=SECRET)
     successor: WeightSender | None = None
     with RedisBus(bus_settings) as bus:
         try:
@@ -186,7 +187,7 @@ def test_a_worker_with_no_history_asks_the_learners_store_and_refuses_a_replay(
             started = time.monotonic()
             assert late.latest() == current  # nothing answers there: followed, at once
             assert time.monotonic() - started < 2.0
-            successor = WeightSender(port=port)
+            successor = WeightSender(port=port, secret=SECRET)
             assert successor.incarnation > current.incarnation
             _publish(bus, successor, _announce(successor, 1))
             bus.set_value(ANNOUNCEMENT_KEY, current.model_dump_json())
@@ -208,16 +209,16 @@ def test_an_announcement_superseded_while_the_store_is_asked_is_not_called_a_rep
     """A fresh gate reads version 1, and while it asks the learner's store the learner publishes version 2
     (a worker starting while the learner trains): version 1 is no longer current, but it was not replayed.
     Nothing is refused or logged as an error; the next look follows version 2."""
-    learner = WeightSender()
+    learner = WeightSender(secret=SECRET)
     with RedisBus(bus_settings) as bus:
         try:
             first, second = _announce(learner, 1), _announce(learner, 2, epoch=2)
             _publish(bus, learner, first)
             asked = announcements.ask_current
 
-            def racing(host: str, port: int, timeout_s: float) -> object:  # the real store, a step later
+            def racing(host: str, port: int, timeout_s: float, secret: str | None) -> object:  # a step later
                 _publish(bus, learner, second)
-                return asked(host, port, timeout_s)
+                return asked(host, port, timeout_s, secret)
 
             monkeypatch.setattr(announcements, "ask_current", racing)
             gate = AnnouncementGate(bus, SECRET, tmp_path)

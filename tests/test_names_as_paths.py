@@ -245,7 +245,7 @@ def test_an_announced_snapshot_is_loaded_only_from_inside_our_snapshots(
         "/etc/passwd",
         "a/b",
     ]
-    sender = WeightSender()
+    sender = WeightSender(secret=SECRET)
     try:
         with RedisBus(bus_settings) as bus:
             gate = AnnouncementGate(bus, SECRET, run_dir)

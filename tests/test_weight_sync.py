@@ -34,6 +34,7 @@ from sparkrl.services.common.weight_sync import (
     weights_checksum,
 )
 from sparkrl.services.common.weight_sync.rendezvous import joined_key
+from sparkrl.services.common.weight_sync.sealed_store import SealedStore
 
 LEARNER_TIMEOUT_S = 2.0  # how long a failure may take to surface on the learner
 WORKER_TIMEOUT_S = 4.0  # longer than the learner's: a worker should hear of a failure from the learner
@@ -437,8 +438,9 @@ def test_non_member_never_joins_and_a_missing_or_silent_member_fails_the_epoch(s
         store = torch.distributed.TCPStore("127.0.0.1", sender.port, timeout=timedelta(seconds=5))
         assert store.check([joined_key(2, "a")]) and not store.check([joined_key(2, "outsider")])
 
-        # A member that says it joined but never connects: group formation times out on both sides.
-        store.set(joined_key(3, "ghost"), b"1")
+        # A member that says it joined (sealed as a member seals it) but never connects: group formation
+        # times out on both sides.
+        SealedStore(store, None, sender.incarnation).set(joined_key(3, "ghost"), b"1")
         announcement = sender.announce(state, version=2, epoch=3, members=members)
         a.receive(announcement)
         assert _expect_failure(sender, state, announcement, members).phase == "connect"

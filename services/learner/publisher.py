@@ -84,6 +84,7 @@ class WeightPublisher(threading.Thread):
             timeout_s=cfg.timeout_s,
             bucket_bytes=cfg.bucket_mb << 20,
             straggler_s=cfg.straggler_s,
+            secret=cfg.secret,
         )
         # A worker that said `stopping` (Ctrl-C, a stop command) will not acknowledge: cut at once, not when
         # its heartbeat expires.

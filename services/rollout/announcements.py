@@ -13,9 +13,10 @@ older version), or the same one with a sequence number not below it. A worker th
 learner yet (it just started, or the learner did) has no newest to compare with, so it asks the learner's
 own store what is current (`sender.published` records it there after each Redis write) and refuses an
 announcement older than that, or one of a learner whose store now serves another: Redis alone cannot
-say, since whoever writes the replay can write any key beside it. When no store answers, the learner is
-gone and there is no epoch to join: the announcement is followed (only its snapshot can be loaded), with
-a warning.
+say, since whoever writes the replay can write any key beside it. That record is sealed with the secret
+(`weight_sync/sealed_store.py`): one that does not verify is a refusal, retried, never a pass. When no
+store answers, the learner is gone and there is no epoch to join: the announcement is followed (only its
+snapshot can be loaded), with a warning.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from sparkrl.proto import WeightAnnouncement, announcement_verifies
 from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.weight_sync import ANNOUNCEMENT_KEY
 from sparkrl.services.common.weight_sync.rendezvous import ask_current
+from sparkrl.services.common.weight_sync.sealed_store import ForgedValue
 
 log = logging.getLogger("sparkrl.rollout")
 
@@ -37,6 +39,7 @@ __all__ = ["ANNOUNCEMENT_KEY", "AnnouncementGate"]
 
 STORE_ASK_S = 3.0  # asking a learner's store what is current (it answers in milliseconds when it is up)
 NOT_RECORDED_RETRY_S = 0.1  # read between the learner's Redis write and its store record: look again soon
+FORGED_RETRY_S = 1.0  # the store's current record does not verify: the learner's next write replaces it
 
 
 class Refusal(NamedTuple):
@@ -112,7 +115,11 @@ class AnnouncementGate:
         one, as its own store says; None when it is."""
         host, port = announcement.rendezvous_host, announcement.rendezvous_port
         try:
-            current = ask_current(host, port, self.store_timeout_s)
+            current = ask_current(host, port, self.store_timeout_s, self.secret)
+        except ForgedValue:
+            # Not "unchecked": a record written without the secret must not open the door to a replay.
+            why = f"the current record in its learner's store at {host}:{port} does not verify (forged?)"
+            return Refusal(why, FORGED_RETRY_S, logging.WARNING)
         except (OSError, RuntimeError) as exc:
             # A learner that is gone (its run ended; a fleet under compose outlives it) leaves no epoch to
             # join: following its announcement only loads a snapshot (from our run directory, or verified

@@ -108,7 +108,8 @@ def _receiver(worker_id: str, cfg: RolloutConfig, installer: VersionInstaller) -
 
         assert isinstance(installer.engine, VllmEngine)  # make_engine builds the engine `kind` names
         return receiver_for(worker_id, cfg.sync, installer)
-    return WeightReceiver(worker_id, backend=cfg.sync.backend, timeout_s=cfg.sync.timeout_s)
+    sync = cfg.sync
+    return WeightReceiver(worker_id, backend=sync.backend, timeout_s=sync.timeout_s, secret=sync.secret)
 
 
 def _learner_bound(telemetry: Telemetry) -> int | None:

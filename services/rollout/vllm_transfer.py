@@ -49,4 +49,6 @@ def receiver_for(worker_id: str, sync: WeightSyncSettings, versions: VersionInst
     """The receiver of a worker whose engine is vLLM: the acknowledgement waits until vLLM holds it."""
     transport = make_transport(sync.backend, engine=versions.engine)
     install = installer(versions)
-    return WeightReceiver(worker_id, transport=transport, timeout_s=sync.timeout_s, install=install)
+    return WeightReceiver(
+        worker_id, transport=transport, timeout_s=sync.timeout_s, install=install, secret=sync.secret
+    )

@@ -2,8 +2,9 @@
 
 Two layers. The *contract* (announce → join → send → verify → acknowledge) is the same for every backend
 and written once: the learner's side in `sender.py`, the worker's in `receiver.py`, meeting in the keys of a
-`TCPStore` the learner hosts (`rendezvous.py`). The *transport* (`transport.py`: join / send / receive /
-abort) moves the bytes, one implementation per `sync.backend` (`backends.make_transport`): `gloo` and
+`TCPStore` the learner hosts (`rendezvous.py`), every value sealed with `sync.secret` (`sealed_store.py`).
+The *transport* (`transport.py`: join / send / receive / abort) moves the bytes, one implementation per
+`sync.backend` (`backends.make_transport`): `gloo` and
 `nccl` (torch's process groups, `torch_groups.py`), `nccl4py` (an NVIDIA nccl4py communicator, non-blocking
 and polled against the timeout, shrunk when members only leave: `nccl4py_group.py`), `vllm_nccl` (vLLM's
 own NCCL weight-transfer engine, straight into the workers' vLLM: `vllm_native.py`). The first three move

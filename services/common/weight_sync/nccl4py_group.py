@@ -8,7 +8,8 @@ Same role as the ProcessGroupNCCL of `sync.backend: nccl`, but every NCCL call i
   never a hang; on any failure the caller aborts (`Communicator.abort()`), which ends the kernels still
   waiting on the peer.
 - Rank 0 (the learner) draws the NCCL unique id (`get_unique_id()`) and writes its bytes into the
-  epoch's own keys of the learner's TCPStore (`epoch/{E}/group/nccl4py/unique_id`); members read it.
+  epoch's own keys of the learner's TCPStore (`epoch/{E}/group/nccl4py/unique_id`, the link's own
+  rendezvous, unsealed like gloo's: `sealed_store.py`); members read it.
 - A membership that only loses members keeps its connections: `shrink` (`ncclCommShrink`) derives the
   next epoch's communicator from this one, without a new rendezvous. New members need a new epoch.
 
@@ -18,7 +19,8 @@ error when the backend is chosen without it (or without a GPU).
 Shrinking, over the learner's store: a member that holds the previous epoch's link offers
 `HOLDS <that epoch>` as its joined value; when every member of the new epoch does and they are the old
 ones minus some, in the old order (`shrink_plan`), the learner writes `shrink_key(E)` before START_GO and
-every rank derives its communicator from the held one. Otherwise every rank connects afresh.
+every rank derives its communicator from the held one (a shrink key whose seal does not verify is not
+there). Otherwise every rank connects afresh.
 """
 
 from __future__ import annotations
@@ -273,17 +275,14 @@ class Nccl4pyTransport(Transport):
 
     def join(self, rendezvous: Rendezvous) -> Nccl4pyTransport:
         r, held = rendezvous, rendezvous.held
-        if (
-            isinstance(held, Nccl4pyTransport)
-            and held._group is not None
-            and r.store.check([shrink_key(r.epoch)])
-        ):
-            parent_epoch, excluded = decode_shrink(r.store.get(shrink_key(r.epoch)))
+        shrink = r.store.value(shrink_key(r.epoch))
+        if isinstance(held, Nccl4pyTransport) and held._group is not None and shrink is not None:
+            parent_epoch, excluded = decode_shrink(shrink)
             if parent_epoch == held.epoch:
                 return Nccl4pyTransport(
                     self.buffers, held._group.shrink(excluded, r.rank), r.epoch, r.members
                 )
-        store = dist.PrefixStore(group_prefix(r.epoch), r.store)
+        store = dist.PrefixStore(group_prefix(r.epoch), r.store.raw)
         group = Nccl4pyGroup.connect(store, r.rank, r.size, r.timeout)
         return Nccl4pyTransport(self.buffers, group, r.epoch, r.members)
 

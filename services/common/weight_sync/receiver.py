@@ -4,7 +4,6 @@ The same for every backend; the transport moves the bytes (`transport.py`)."""
 from collections.abc import Callable
 from datetime import timedelta
 
-import torch.distributed as dist
 from torch import Tensor
 
 from sparkrl.proto import WeightAnnouncement
@@ -20,6 +19,7 @@ from sparkrl.services.common.weight_sync.rendezvous import (
     learner_still_there,
     start_key,
 )
+from sparkrl.services.common.weight_sync.sealed_store import SealedStore
 from sparkrl.services.common.weight_sync.transport import (
     Backend,
     Delivery,
@@ -41,6 +41,9 @@ class WeightReceiver:
     `timeout_s` bounds every wait (the learner starting the epoch, forming the link, each bucket), so a
     dead or hung learner costs one failed `receive`, never a hang. Any failure drops the link and the
     store connection, so the next epoch starts clean.
+
+    What it writes into the learner's store is sealed with `secret`, and what it reads there (the start,
+    the learner's current record, a transport's plan) must verify (`sealed_store.py`).
     """
 
     worker_id: str
@@ -49,7 +52,8 @@ class WeightReceiver:
     timeout: timedelta
     install: Install | None
     failed_epoch: int | None  # the last epoch a receive failed in: dead, the learner forms a new one
-    _store: dist.TCPStore | None
+    _secret: str | None
+    _store: SealedStore | None
     _address: Address | None
     _link: Transport | None
 
@@ -62,8 +66,10 @@ class WeightReceiver:
         reuse_buffers: bool = False,
         install: Install | None = None,
         transport: Transport | None = None,
+        secret: str | None = None,
     ) -> None:
-        """`reuse_buffers`: receive every version into the same buckets (`buckets.Buffers`): the tensors
+        """`secret`: `sync.secret`, which seals the values of the learner's store (None: a seal anyone can
+        make). `reuse_buffers`: receive every version into the same buckets (`buckets.Buffers`): the tensors
         `receive` returned are overwritten by the next `receive`, even one that fails. `transport`: one
         made already (`make_transport`: vLLM's own transfer needs the engine); else `backend`'s. Raises
         BackendUnavailable (naming the fix) when the backend cannot run here.
@@ -77,6 +83,7 @@ class WeightReceiver:
         self.timeout = timedelta(seconds=timeout_s)
         self.install = install
         self.failed_epoch = None
+        self._secret = secret
         self._store, self._address, self._link = None, None, None
 
     @property
@@ -150,12 +157,12 @@ class WeightReceiver:
             return delivery
         return LoadedInPlace(self.install(delivery.tensors, announcement))
 
-    def _connection(self, announcement: WeightAnnouncement) -> tuple[dist.TCPStore, Transport]:
+    def _connection(self, announcement: WeightAnnouncement) -> tuple[SealedStore, Transport]:
         """The store and the epoch's link: the ones held when they still fit, else joined afresh."""
         epoch, members = announcement.group_epoch, tuple(announcement.members)
         address = (announcement.rendezvous_host, announcement.rendezvous_port)
         link, store = self._link, self._store
-        if link is not None and store is not None:
+        if link is not None and store is not None and store.incarnation == announcement.incarnation:
             if (self._address, link.epoch, link.members) == (address, epoch, members):
                 if learner_still_there(store, epoch):
                     return store, link
@@ -173,14 +180,15 @@ class WeightReceiver:
 
     def _join(
         self, announcement: WeightAnnouncement, address: Address, held: Transport | None
-    ) -> tuple[dist.TCPStore, Transport]:
+    ) -> tuple[SealedStore, Transport]:
         epoch, members = announcement.group_epoch, tuple(announcement.members)
         try:
-            store = connect_store(*address, self.timeout)
+            raw = connect_store(*address, self.timeout)
         except RuntimeError as exc:
             raise SyncFailed(f"cannot reach the learner's store: {exc}", epoch=epoch, phase="join") from exc
+        store = SealedStore(raw, self._secret, announcement.incarnation)
         self._store, self._address = store, address
-        over = epoch_over(store, announcement.incarnation, epoch)
+        over = epoch_over(store, epoch)
         if over is not None:  # waiting for it would cost the whole timeout, and hold the learner's next epoch
             raise EpochOver(over, epoch=epoch, phase="join")
         rank = members.index(self.worker_id) + 1
@@ -188,13 +196,10 @@ class WeightReceiver:
         # Joined key last: the learner reads these keys to name the members that never showed up, and
         # their values (the transport's offer) to plan the link.
         store.set(joined_key(epoch, self.worker_id), self.transport.offer(rendezvous))
-        try:
-            store.wait([start_key(epoch)], self.timeout)
-        except dist.DistStoreError as exc:
-            raise SyncFailed(
-                "the learner did not start the epoch in time", epoch=epoch, phase="join"
-            ) from exc
-        if store.get(start_key(epoch)) != START_GO:
+        start = store.wait({"start": start_key(epoch)}, self.timeout).get("start")
+        if start is None:
+            raise SyncFailed("the learner did not start the epoch in time", epoch=epoch, phase="join")
+        if start != START_GO:
             raise SyncFailed("the learner aborted the epoch: members were missing", epoch=epoch, phase="join")
         try:
             self._link = self.transport.join(rendezvous)

@@ -1,6 +1,8 @@
 """Where the learner and its members meet: the announcement's bus key and the keys of the learner's store.
 
-The learner hosts a `TCPStore`; every key below lives in it. A group epoch is one membership: rank 0 is
+The learner hosts a `TCPStore`; every key below lives in it, its value sealed with `sync.secret`
+(`sealed_store.py`: anyone who reaches the port can write there, and a value that does not verify is
+refused). A group epoch is one membership: rank 0 is
 the learner, ranks 1..N are the members in announced order. An epoch's link is never formed twice (gloo's
 own rendezvous keys stay in the store under the epoch's prefix and would be reused), so any change of
 membership, and any failure, moves to a new epoch.
@@ -11,6 +13,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from sparkrl.services.common.weight_sync.sealed_store import SealedStore
 
 ANNOUNCEMENT_KEY = "weights"  # bus value: the latest WeightAnnouncement (JSON). Learner writes, workers read
 CURRENT_KEY = "current"  # store value: the learner's newest published announcement (`Current.encode`)
@@ -60,40 +64,45 @@ class Current:
         return cls(incarnation, sequence, epoch)
 
 
-def read_current(store: dist.Store) -> Current | None:
-    """The store's record of the newest announcement; None before the learner published one."""
-    return Current.decode(store.get(CURRENT_KEY)) if store.check([CURRENT_KEY]) else None
+def read_current(store: SealedStore) -> Current | None:
+    """The store's record of the newest announcement; None before the learner published one. Raises
+    ForgedValue when the record there does not verify. Unscoped: the record names its own learner, and a
+    worker reads it to learn whether the store still serves the learner it knows."""
+    return Current.decode(store.get(CURRENT_KEY, scoped=False)) if store.raw.check([CURRENT_KEY]) else None
 
 
-def ask_current(host: str, port: int, timeout_s: float) -> Current | None:
+def ask_current(host: str, port: int, timeout_s: float, secret: str | None) -> Current | None:
     """`read_current` from the learner's store at host:port, over a connection of its own. Raises OSError
-    or RuntimeError when nothing answers there within `timeout_s`."""
+    or RuntimeError when nothing answers there within `timeout_s`; ForgedValue (a RuntimeError) when the
+    record there does not verify with `secret`."""
     # A plain connect first: a closed port is refused at once, where TCPStore would retry until its timeout.
     socket.create_connection((host, port), timeout=timeout_s).close()
-    return read_current(connect_store(host, port, timedelta(seconds=timeout_s)))
+    store = connect_store(host, port, timedelta(seconds=timeout_s))
+    return read_current(SealedStore(store, secret, incarnation=0))  # the current record is unscoped
 
 
-def epoch_over(store: dist.Store, incarnation: int, epoch: int) -> str | None:
-    """Why the announced `epoch` of learner `incarnation` can no longer be joined through `store`, or None.
-    A joiner must not wait for it: its members formed their link without it, and only a timeout would say so.
+def epoch_over(store: SealedStore, epoch: int) -> str | None:
+    """Why the announced `epoch` of learner `store.incarnation` can no longer be joined, or None. A joiner
+    must not wait for it: its members formed their link without it, and only a timeout would say so.
     Call before writing the joined key."""
     current = read_current(store)
-    if current is not None and current.incarnation != incarnation:
+    if current is not None and current.incarnation != store.incarnation:
         return f"the learner that announced epoch {epoch} is gone: its store now serves another learner"
     if current is not None and current.epoch > epoch:
         return f"epoch {epoch} is over: the learner announced epoch {current.epoch} since"
     # The learner starts an epoch only once every member wrote its joined key: a start already there means
     # an earlier process under this worker's id joined it (a replayed or late announcement).
-    if store.check([start_key(epoch)]):
+    if store.value(start_key(epoch)) is not None:
         return f"epoch {epoch} started without this process (an earlier one under its id joined it)"
     return None
 
 
-def learner_still_there(store: dist.TCPStore, epoch: int) -> bool:
+def learner_still_there(store: SealedStore, epoch: int) -> bool:
     """Whether the learner behind `store` is the one that started `epoch`: a restarted learner has a new
-    store, so the old connection errors, or the epoch was never started in it."""
+    store, so the old connection errors, or the epoch was never started in it (by this learner: a start
+    sealed by another does not verify)."""
     try:
-        return store.check([start_key(epoch)])
+        return store.value(start_key(epoch)) is not None
     except RuntimeError:
         return False
 
@@ -125,12 +134,3 @@ def local_address_towards(host: str, port: int) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect((host, port))
         return probe.getsockname()[0]
-
-
-def missing_keys(store: dist.Store, keys: dict[str, str], timeout: timedelta) -> list[str]:
-    """Waits up to `timeout` for every key; returns the names whose key never appeared."""
-    try:
-        store.wait(list(keys.values()), timeout)
-        return []
-    except dist.DistStoreError:
-        return [name for name, key in keys.items() if not store.check([key])]

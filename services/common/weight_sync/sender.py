@@ -8,7 +8,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch.distributed as dist
 from torch import Tensor
 
 from sparkrl.proto import WeightAnnouncement
@@ -24,9 +23,9 @@ from sparkrl.services.common.weight_sync.rendezvous import (
     ack_key,
     host_store,
     joined_key,
-    missing_keys,
     start_key,
 )
+from sparkrl.services.common.weight_sync.sealed_store import SealedStore
 from sparkrl.services.common.weight_sync.transport import Backend, Rendezvous, Sending, Transport
 
 _ACK_POLL_S = 0.01  # how often the learner looks for the members' acknowledgements
@@ -67,6 +66,9 @@ class WeightSender:
     arrive, but blake2b runs at ~0.5-1 GB/s on one core, slower than the wire: the wait must cover the
     hashing backlog, about total_bytes / hash rate - transfer time). A dead member fails the sync fast,
     a hung one after `timeout_s`; never later. One thread drives a sender.
+
+    Every value in the store is sealed with `secret` (`sealed_store.py`): a member's joined key or
+    acknowledgement that does not verify is refused (logged, counted in `refused_writes`) and waited past.
     """
 
     host: str
@@ -79,7 +81,7 @@ class WeightSender:
     gone: Callable[[Sequence[str]], set[str]]
     incarnation: int  # carried by every announcement, with `_sequence`: what makes a replay detectable
     _sequence: int
-    _store: dist.TCPStore
+    _store: SealedStore
     _link: Transport | None  # the current epoch's; None between epochs
     _epoch: int  # the newest epoch started (joined or failed): never started again
     _aborting: list[threading.Thread]  # dead epochs being torn down (see _drop_link)
@@ -94,8 +96,10 @@ class WeightSender:
         bucket_bytes: int = 64 << 20,
         straggler_s: float = 5.0,
         transport: Transport | None = None,
+        secret: str | None = None,
     ) -> None:
         """`host` is the address workers reach the store at; port 0 picks a free one (see `port`).
+        `secret`: `sync.secret`, which seals the store's values (None: a seal anyone can make).
         `straggler_s`: once a member has acknowledged, how much longer the others get. `transport`: one
         made already (else `backend`'s). Raises BackendUnavailable (naming the fix) when the backend's
         library or device is not here."""
@@ -109,13 +113,20 @@ class WeightSender:
         self.gone = lambda members: set()
         self.timeout = timedelta(seconds=timeout_s)
         self.bucket_bytes = bucket_bytes
-        self._store = host_store(host, port, self.timeout)
-        self.port = self._store.port
+        self.incarnation = time.time_ns()  # a restarted learner's is larger: workers follow it back
+        store = host_store(host, port, self.timeout)
+        self.port = store.port
+        self._store = SealedStore(store, secret, self.incarnation)
         self._link = None
         self._aborting = []
         self._epoch = -1
-        self.incarnation = time.time_ns()  # a restarted learner's is larger: workers follow it back
         self._sequence = -1
+
+    @property
+    def refused_writes(self) -> int:
+        """Values refused in the store so far (their seal did not verify): forged, or a worker whose
+        `sync.secret` differs."""
+        return self._store.refused
 
     def announce(
         self,
@@ -165,7 +176,7 @@ class WeightSender:
                 f"announcement of learner {announcement.incarnation}; this one is {self.incarnation}"
             )
         current = Current(announcement.incarnation, announcement.sequence, announcement.group_epoch)
-        self._store.set(CURRENT_KEY, current.encode())
+        self._store.set(CURRENT_KEY, current.encode(), scoped=False)  # it names its learner itself
 
     def broadcast(self, named_tensors: Mapping[str, Tensor], announcement: WeightAnnouncement) -> SyncReport:
         """Sends `named_tensors` as announced to `announcement.members` (rank i + 1 = members[i]) and waits
@@ -264,12 +275,11 @@ class WeightSender:
         try:
             # Members write their joined key before they block in the link's own rendezvous, so the keys
             # say exactly who never showed up; START_ABORT then releases the ones that did.
-            keys = {m: joined_key(epoch, m) for m in members}
-            missing = missing_keys(self._store, keys, self.timeout)
+            joined = self._store.wait({m: joined_key(epoch, m) for m in members}, self.timeout)
+            missing = [m for m in members if m not in joined]
             if missing:
                 self._store.set(start_key(epoch), START_ABORT)
                 raise SyncFailed("members did not join in time", epoch=epoch, phase="join", missing=missing)
-            joined = dict(zip(members, self._store.multi_get(list(keys.values())), strict=True))
             self.transport.plan(rendezvous, joined)
             self._store.set(start_key(epoch), START_GO)
             try:
@@ -288,12 +298,14 @@ class WeightSender:
         keys = {member: ack_key(epoch, version, member) for member in members}
         deadline = time.monotonic() + self.timeout.total_seconds()
         cut: float | None = None  # set when the first acknowledgement arrives
-        waiting = dict(keys)
+        waiting, acks = dict(keys), {}
         look = time.monotonic() + _GONE_POLL_S
         while waiting:
-            answered = [m for m, key in waiting.items() if self._store.check([key])]
-            for member in answered:
-                del waiting[member]
+            for member, key in list(waiting.items()):
+                # Only a verified acknowledgement answers: a forged one is refused, its member waited for.
+                if (ack := self._store.value(key)) is not None:
+                    acks[member] = ack
+                    del waiting[member]
             now = time.monotonic()
             if waiting and now >= look:
                 look = now + _GONE_POLL_S
@@ -301,7 +313,7 @@ class WeightSender:
                 if dead:
                     why = "gone (stopping, or its heartbeat expired)"
                     raise SyncFailed(why, epoch=epoch, phase="verify", missing=dead)
-            if answered and cut is None:
+            if acks and cut is None:
                 cut = now + self.straggler_s
             if waiting and now >= min(deadline, cut if cut is not None else deadline):
                 missing = sorted(waiting)
@@ -309,10 +321,9 @@ class WeightSender:
                 raise SyncFailed(why, epoch=epoch, phase="verify", missing=missing)
             if waiting:
                 time.sleep(_ACK_POLL_S)
-        values = self._store.multi_get(list(keys.values()))
         for key in keys.values():
             self._store.delete_key(key)  # one key per member and version: do not let the store grow
-        bad = [member for member, value in zip(members, values, strict=True) if value != ACK_OK]
+        bad = [member for member in members if acks[member] != ACK_OK]
         if bad:
             raise SyncFailed("checksum mismatch", epoch=epoch, phase="verify", missing=bad)
 

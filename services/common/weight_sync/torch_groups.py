@@ -84,7 +84,7 @@ class GlooTransport(Transport):
 
     def join(self, rendezvous: Rendezvous) -> "GlooTransport":
         r = rendezvous
-        store = dist.PrefixStore(group_prefix(r.epoch), r.store)
+        store = dist.PrefixStore(group_prefix(r.epoch), r.store.raw)
         group = gloo_group(store, r.rank, r.size, r.timeout, r.listen_address())
         return GlooTransport(self.buffers, group, r.epoch, r.members)
 
@@ -143,7 +143,8 @@ class TorchNcclTransport(Transport):
         # By default NCCL's watchdog tears the whole process down when a collective times out; a hung
         # worker must cost the learner one failed sync, not its life. Read once, in this constructor.
         with _env("TORCH_NCCL_ASYNC_ERROR_HANDLING", "0"):
-            pg = ProcessGroupNCCL(dist.PrefixStore(group_prefix(r.epoch), r.store), r.rank, r.size, options)
+            store = dist.PrefixStore(group_prefix(r.epoch), r.store.raw)
+            pg = ProcessGroupNCCL(store, r.rank, r.size, options)
         device = torch.device("cuda", torch.cuda.current_device())
         return TorchNcclTransport(self.buffers, C10dGroup(pg, device, r.timeout), r.epoch, r.members)
 

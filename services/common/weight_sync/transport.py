@@ -6,7 +6,8 @@ link and moves the tensors over it:
 
 - join: a member writes `offer(...)` as its joined key; once every member has, the learner's `plan(...)`
   writes whatever members read after the start, the learner writes START_GO, and every rank calls
-  `join(...)`, which returns the epoch's link: an instance of the same class, bound to that epoch.
+  `join(...)`, which returns the epoch's link: an instance of the same class, bound to that epoch. Every
+  value written through `Rendezvous.store` is sealed with the run's secret (`sealed_store.py`).
 - send (rank 0, the learner) / receive (ranks 1..N) over the link. A receive returns `Received` (the
   tensors, for the caller to load) or `LoadedInPlace` (the engine took them itself).
 - abort: the link is dead (a failure, a later epoch); peers blocked on it fail fast.
@@ -23,12 +24,12 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import ClassVar, Protocol
 
-import torch.distributed as dist
 from torch import Tensor
 
 from sparkrl.proto import WeightAnnouncement
 from sparkrl.services.common.settings.sync import SyncBackend as Backend
 from sparkrl.services.common.weight_sync.rendezvous import local_address_towards
+from sparkrl.services.common.weight_sync.sealed_store import SealedStore
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,9 @@ class Sending(Protocol):
 class Rendezvous:
     """One rank joining one epoch's link."""
 
-    store: dist.Store  # the learner's TCPStore
+    # The learner's TCPStore: what the contract writes there is sealed (`sealed_store.py`); a link's own
+    # rendezvous (gloo's, NCCL's) goes through `store.raw`.
+    store: SealedStore
     epoch: int
     rank: int  # 0: the learner; i + 1: members[i]
     members: tuple[str, ...]  # the epoch's members in rank order

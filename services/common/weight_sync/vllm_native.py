@@ -13,7 +13,8 @@ only broadcasts.) The weights land in the engine's GPU memory directly: no host 
 worker, no pickled `collective_rpc` payload; a receive returns `LoadedInPlace`.
 
 The contract around it is every backend's (`sender.py`, `receiver.py`); a new epoch is a new transfer
-group (new port, new NCCL ranks). Keys (in the learner's TCPStore, beside those of `rendezvous.py`):
+group (new port, new NCCL ranks). Keys (in the learner's TCPStore, beside those of `rendezvous.py`, and
+sealed like them):
 
 - `epoch/{E}/vllm/ranks/{member}`: written by a member before its joined key: how many GPU workers its
   engine has (tensor × pipeline parallel), each one NCCL rank of the transfer group.
@@ -42,12 +43,12 @@ from functools import partial
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from sparkrl.proto import WeightAnnouncement
 from sparkrl.services.common.weight_sync.errors import BackendUnavailable
 from sparkrl.services.common.weight_sync.rendezvous import JOINED
+from sparkrl.services.common.weight_sync.sealed_store import SealedStore
 from sparkrl.services.common.weight_sync.transport import LoadedInPlace, Rendezvous, Transport
 
 log = logging.getLogger("sparkrl.weight_sync")
@@ -107,10 +108,11 @@ def _free_port(host: str) -> int:
         return int(probe.getsockname()[1])
 
 
-def write_plan(store: dist.Store, epoch: int, members: Sequence[str], host: str) -> TransferPlan:
+def write_plan(store: SealedStore, epoch: int, members: Sequence[str], host: str) -> TransferPlan:
     """The learner, once every member joined: reads their worker counts, picks the rendezvous port (a
-    fresh one per epoch: vLLM's StatelessProcessGroup hosts its own store there) and publishes the plan."""
-    counts = [int(raw) for raw in store.multi_get([ranks_key(epoch, m) for m in members])]
+    fresh one per epoch: vLLM's StatelessProcessGroup hosts its own store there) and publishes the plan.
+    Raises ForgedValue when a count does not verify."""
+    counts = [int(store.get(ranks_key(epoch, m))) for m in members]
     plan = plan_for(members, counts, host, _free_port(host))
     store.set(plan_key(epoch), plan.to_json())
     return plan
