@@ -85,8 +85,8 @@ def _prompt_texts(cfg: SparkSettings) -> tuple[list[Problem], list[str]]:
             if index >= CONTEXT_SAMPLE:
                 break
             texts.append(prompt.text or "\n".join(m.content for m in prompt.messages or []))
-    except MalformedFile as exc:
-        return [Problem("prompts.path", f"{exc}: each line must be one JSON object (jsonl)")], []
+    except MalformedFile as exc:  # its message names the line and the fix
+        return [Problem("prompts.path", str(exc))], []
     except DatasetError as exc:
         return [Problem("prompts.prompt_field / prompts.answer_field", f"{exc}: map the file's fields")], []
     return [], texts

@@ -82,3 +82,33 @@ def test_countdown_prompts_are_seeded_and_solvable_data() -> None:
         assert (
             score_countdown(str(target), numbers, target)[1] == "incorrect"
         )  # copying the target is no answer
+
+
+BAD_LINES = {
+    "invalid UTF-8": (b'{"prompt": "caf\xe9", "answer": "1"}', "not UTF-8 (byte 0xe9 at column 16)"),
+    "a 100k-digit number": (b'{"prompt": "x", "answer": ' + b"7" * 100_000 + b"}", "write it as a string"),
+    "deep nesting": (b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deeply"),
+    "a lone surrogate": (b'{"prompt": "a \\ud800 b", "answer": "1"}', "lone surrogate (\\ud800 at character"),
+    "not an object": (b'["prompt", "answer"]', "a row must be a JSON object, not list"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LINES))
+def test_a_bad_line_is_one_error_naming_the_file_the_line_and_the_fix(tmp_path: Path, case: str) -> None:
+    line, said = BAD_LINES[case]
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"prompt": "fine", "answer": "1"}\n\n' + line + b"\n")
+    with pytest.raises(DatasetError) as error:
+        list(iter_prompts(PromptSettings(task="math", path=str(path))))
+    message = str(error.value)
+    assert message.startswith(f"{path}:3") and said in message and "\n" not in message, message
+    assert len(message) < 500
+
+
+def test_a_file_that_is_not_parquet_is_one_error(tmp_path: Path) -> None:
+    path = tmp_path / "data.parquet"
+    path.write_bytes(b"not parquet at all")
+    with pytest.raises(
+        DatasetError, match=r"data\.parquet: not a parquet file .*: write it again, or use jsonl"
+    ):
+        list(iter_prompts(PromptSettings(task="math", path=str(path))))

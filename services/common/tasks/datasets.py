@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,24 +34,74 @@ class MalformedFile(DatasetError):
 
 def read_rows(path: Path) -> Iterator[dict[str, Any]]:
     """Rows of a jsonl or parquet file, as dicts."""
+    for _, row in numbered_rows(path):
+        yield row
+
+
+def numbered_rows(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, row) of a jsonl file (blank lines skipped), (row number, row) of a parquet file. A
+    line that cannot be read is a `MalformedFile` naming the file, the line and the fix."""
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
         except ImportError as exc:
             raise MalformedFile(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from exc
-        yield from pq.read_table(path).to_pylist()
+        try:
+            table = pq.read_table(path)
+        except Exception as exc:  # pyarrow's many errors for a file that is not (whole) parquet
+            raise MalformedFile(f"{path}: not a parquet file ({exc}): write it again, or use jsonl") from None
+        yield from enumerate(table.to_pylist(), start=1)
         return
-    with path.open() as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise MalformedFile(f"{path}:{number}: not JSON ({exc})") from exc
-            if not isinstance(row, dict):
-                raise MalformedFile(f"{path}:{number}: a row must be a JSON object")
-            yield row
+    with path.open("rb") as lines:  # bytes: the line of an invalid UTF-8 byte is known
+        for number, raw in enumerate(lines, start=1):
+            row = _row(f"{path}:{number}", raw)
+            if row is not None:
+                yield number, row
+
+
+def _row(where: str, raw: bytes) -> dict[str, Any] | None:
+    """One jsonl line as a row; None when blank."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MalformedFile(
+            f"{where}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}): save the file as "
+            "UTF-8"
+        ) from None
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise MalformedFile(
+            f"{where}: not JSON ({exc.msg} at column {exc.colno}): each line must be one JSON object (jsonl)"
+        ) from None
+    except RecursionError:
+        raise MalformedFile(f"{where}: nested too deeply to read: flatten the row") from None
+    except ValueError as exc:  # Python's cap on the digits of an integer (json gives no column)
+        raise MalformedFile(
+            f"{where}: a number has more than {sys.get_int_max_str_digits()} digits: write it as a string "
+            f'("...") ({exc})'[:400]
+        ) from None
+    if not isinstance(row, dict):
+        raise MalformedFile(
+            f"{where}: a row must be a JSON object, not {type(row).__name__}: each line must be one JSON "
+            "object (jsonl)"
+        )
+    return row
+
+
+def _text(where: str, field: str, value: str) -> str:
+    """`value`, refused when it cannot be sent as UTF-8 (a lone surrogate escape such as \\ud800)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = f"\\u{ord(value[exc.start]):04x}"
+        raise DatasetError(
+            f"{where}: field {field!r} holds a lone surrogate ({bad} at character {exc.start + 1}), which is "
+            "not text: remove the escape, or pair it"
+        ) from None
+    return value
 
 
 def answer_text(value: Any) -> str:
@@ -71,22 +122,24 @@ def file_prompts(cfg: PromptSettings) -> Iterator[Prompt]:
     path = Path(cfg.path)
     if not path.is_file():
         raise DatasetError(f"prompt file {path} does not exist")
-    rows = list(read_rows(path))
+    rows = list(numbered_rows(path))
     order = list(range(len(rows)))
     if cfg.shuffle:
         random.Random(cfg.seed).shuffle(order)
     if cfg.count is not None:
         order = order[: cfg.count]
     for index in order:
-        row = rows[index]
+        line, row = rows[index]
+        where = f"{path}:{line}, row {index + 1}"
         for field in (cfg.prompt_field, cfg.answer_field):
             if row.get(field) is None:
-                raise DatasetError(f"{path} row {index + 1}: no field {field!r} (has {sorted(row)})")
+                raise DatasetError(f"{where}: no field {field!r} (has {sorted(row)})")
+        question = cfg.template.replace(PLACEHOLDER, str(row[cfg.prompt_field]))
         yield Prompt(
             prompt_id=f"{path.stem}-{index:06d}",
             task=cfg.task,
-            text=cfg.template.replace(PLACEHOLDER, str(row[cfg.prompt_field])),
-            answer=answer_text(row[cfg.answer_field]),
+            text=_text(where, cfg.prompt_field, question),
+            answer=_text(where, cfg.answer_field, answer_text(row[cfg.answer_field])),
             source=path.name,
         )
 
