@@ -15,13 +15,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from sparkrl.services.common.settings import MetricsEndpoint
-from sparkrl.services.common.thread_server import serve, stop
+from sparkrl.services.common.thread_server import (
+    CONNECTION_TIMEOUT_S,
+    BoundedHandler,
+    BoundedServer,
+    serve,
+    stop,
+)
 
 log = logging.getLogger("sparkrl.metrics")
 
@@ -65,16 +70,25 @@ class MetricsServer:
     endpoint: MetricsEndpoint
     port: int | None  # the bound port once started
     scrapes: Scrapes
-    _server: ThreadingHTTPServer | None
+    connection_timeout_s: float  # a request's head arrives within it, and no read or write waits longer
+    _server: BoundedServer | None
 
-    def __init__(self, endpoint: MetricsEndpoint, registry: CollectorRegistry, health: Health) -> None:
+    def __init__(
+        self,
+        endpoint: MetricsEndpoint,
+        registry: CollectorRegistry,
+        health: Health,
+        connection_timeout_s: float = CONNECTION_TIMEOUT_S,
+    ) -> None:
         self.endpoint, self.port, self._server, self.scrapes = endpoint, None, None, Scrapes()
+        self.connection_timeout_s = connection_timeout_s
         self._handler = _handler_for(registry, health, self.scrapes)
 
     def start(self) -> None:
         if self.endpoint.port == 0:
             return
-        self._server = ThreadingHTTPServer((self.endpoint.host, self.endpoint.port), self._handler)
+        address = (self.endpoint.host, self.endpoint.port)
+        self._server = BoundedServer(address, self._handler, self.connection_timeout_s)
         self.port = self._server.server_address[1]
         serve(self._server, "metrics-http")
         log.info("metrics on http://%s:%d/metrics", self.endpoint.host, self.port)
@@ -98,10 +112,8 @@ class MetricsServer:
             self._server = None
 
 
-def _handler_for(
-    registry: CollectorRegistry, health: Health, scrapes: Scrapes
-) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+def _handler_for(registry: CollectorRegistry, health: Health, scrapes: Scrapes) -> type[BoundedHandler]:
+    class Handler(BoundedHandler):
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/metrics":

@@ -18,6 +18,7 @@ import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.staticfiles import StaticFiles
 
+from sparkrl.services.common import asgi_server
 from sparkrl.services.common.bus import BusError, RedisBus
 from sparkrl.services.common.http import AsciiJSON, BodyLimit, install_validation_handler
 from sparkrl.services.common.settings import BusSettings, ControlSettings
@@ -98,10 +99,10 @@ def main(cfg: ControlConfig) -> None:
     """Serve until SIGTERM/SIGINT (uvicorn's graceful shutdown)."""
     app = create_app(cfg.control, cfg.bus)
     log.info("control service on http://%s:%d/ (API /api/v1, docs /docs)", cfg.control.host, cfg.control.port)
-    config = uvicorn.Config(
+    config = asgi_server.config(
         app,
-        host=cfg.control.host,
-        port=cfg.control.port,
+        cfg.control.host,
+        cfg.control.port,
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from sparkrl.proto.reward import RewardRequest, RewardResponse, RewardResult
+from sparkrl.services.common import asgi_server
 from sparkrl.services.common.http import AsciiJSON, BodyLimit, install_validation_handler
 from sparkrl.services.common.settings import RewardSettings
 from sparkrl.services.reward.metrics import RewardMetrics
@@ -204,10 +205,10 @@ def main(settings: RewardSettings) -> None:
     """Serve until SIGTERM/SIGINT; uvicorn turns either into a graceful shutdown that closes the pool."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app = create_app(settings)
-    config = uvicorn.Config(
+    config = asgi_server.config(
         app,
-        host=settings.host,
-        port=settings.port,
+        settings.host,
+        settings.port,
         log_level="info",
         access_log=False,
         timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,

@@ -29,12 +29,17 @@ import tempfile
 import threading
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 from sparkrl.proto.names import safe_name
-from sparkrl.services.common.thread_server import serve, stop
+from sparkrl.services.common.thread_server import (
+    CONNECTION_TIMEOUT_S,
+    BoundedHandler,
+    BoundedServer,
+    serve,
+    stop,
+)
 
 log = logging.getLogger("sparkrl.weight_sync")
 
@@ -82,15 +87,26 @@ def listing_sha256(listing: dict[str, dict[str, Any]]) -> str:
 class WeightFileServer:
     """`start()` binds host:port (port 0: any free one; `url` once bound); `close()` stops it."""
 
-    def __init__(self, host: str, port: int, model_dir: Path, snapshot: Path, secret: str | None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        model_dir: Path,
+        snapshot: Path,
+        secret: str | None,
+        connection_timeout_s: float = CONNECTION_TIMEOUT_S,
+    ) -> None:
+        """`connection_timeout_s`: a request's head arrives within it, and no read or write (a chunk of a
+        download) waits longer for the peer."""
         self.host, self.requested_port = host, port
+        self.connection_timeout_s = connection_timeout_s
         self.model_dir, self.snapshot = model_dir, snapshot
         # Hashing a real model's files takes a while: on a thread; announced once known (None before).
         self.listing: dict[str, dict[str, Any]] | None = None
         self.model_sha256: str | None = None
         self._listed = threading.Event()
         self._token = files_token(secret)
-        self._server: ThreadingHTTPServer | None = None
+        self._server: BoundedServer | None = None
         self.port: int | None = None
 
     @property
@@ -98,7 +114,8 @@ class WeightFileServer:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> None:
-        self._server = ThreadingHTTPServer((self.host, self.requested_port), _handler_for(self))
+        address = (self.host, self.requested_port)
+        self._server = BoundedServer(address, _handler_for(self), self.connection_timeout_s)
         self.port = self._server.server_address[1]
         serve(self._server, "weight-files")
         threading.Thread(target=self._list_model, name="model-listing", daemon=True).start()
@@ -126,8 +143,8 @@ class WeightFileServer:
         return header is not None and hmac.compare_digest(header, f"Bearer {self._token}")
 
 
-def _handler_for(server: WeightFileServer) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
+def _handler_for(server: WeightFileServer) -> type[BoundedHandler]:
+    class Handler(BoundedHandler):
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
             if path == "/healthz":
