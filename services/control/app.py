@@ -27,6 +27,7 @@ from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.control.auth import TokenCheck, resolve_token, write_gate
 from sparkrl.services.control.commands import Commander
 from sparkrl.services.control.fleet import fleet_registry
+from sparkrl.services.control.hosts import HostCheck, own_names
 from sparkrl.services.control.routes import (
     STATIC_DIR,
     command_routes,
@@ -66,6 +67,8 @@ def create_app(cfg: ControlSettings, bus_cfg: BusSettings) -> FastAPI:
     )
     gate = write_gate(write_check)
     app.add_middleware(BodyLimit, max_bytes=cfg.max_body_bytes, setting="control.max_body_bytes", gate=gate)
+    # Outermost: a request by a name not the service's (DNS rebinding) is refused before anything else.
+    app.add_middleware(HostCheck, names=own_names(cfg), allowed=cfg.allowed_hosts)
     _errors(app)
     if protected:
         _schema_behind_the_token(app, read)

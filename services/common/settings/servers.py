@@ -61,6 +61,14 @@ class ControlSettings(Section):
     host: str = Field("127.0.0.1", description="Interface the service binds.")
     port: int = Field(8200, ge=0, le=65535, description="Port the service binds.")
     url: str = Field("http://127.0.0.1:8200", description="Base URL clients (CLI, scripts) call.")
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Names the service answers to besides its own: `host`, the host of `url`, localhost, "
+        "this machine's name when `host` is every interface, and any IP address. A request whose Host "
+        "header names another gets 400, so a web page cannot read the service through DNS rebinding. "
+        "`.example.com` matches that domain and every name under it; `*` turns the check off.",
+    )
     token: SecretStr | None = Field(
         None,
         description="Bearer token of the mutating routes (env SPARKRL_CONTROL__TOKEN); None: read from "
