@@ -23,6 +23,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from sparkrl import ports
+from sparkrl.services.common.prompt_limits import PromptBudgetError, context_of, resolve_max_prompt_tokens
 from sparkrl.services.common.settings import SparkSettings
 
 ENGINE_MODULES = {"torch": "torch", "vllm": "vllm"}
@@ -101,15 +102,20 @@ def _tokens(tokenizer: object, text: str) -> int:
 
 
 def _context(cfg: SparkSettings, config: dict, tokenizer: object, texts: list[str]) -> list[Problem]:
-    limit = config.get("max_position_embeddings")
+    limit = context_of(config, getattr(cfg.rollout.engine, "max_model_len", None))
+    explicit, new_tokens = cfg.rollout.max_prompt_tokens, cfg.rollout.sampling.max_new_tokens
+    if limit and explicit is not None and new_tokens < limit:  # an answer budget too big is said below
+        try:
+            resolve_max_prompt_tokens(explicit, limit, new_tokens)
+        except PromptBudgetError as exc:  # the workers would refuse to start
+            return [Problem("rollout.max_prompt_tokens", str(exc))]
     if not limit or not texts:
         return []
     template = json.loads(_read(Path(cfg.model) / "tokenizer_config.json") or "{}").get("chat_template")
     allowance = CHAT_TEMPLATE_ALLOWANCE if template else 0  # roles and markers the template adds
     longest = max(_tokens(tokenizer, text) for text in sorted(texts, key=len)[-LONGEST:]) + allowance
-    if cfg.rollout.max_prompt_tokens is not None:  # longer ones are dropped or cut by the workers
-        longest = min(longest, cfg.rollout.max_prompt_tokens)
-    new_tokens = cfg.rollout.sampling.max_new_tokens
+    if explicit is not None:  # longer ones are dropped or cut by the feeder and the workers
+        longest = min(longest, explicit)
     need = longest + new_tokens
     if need <= limit:
         return []

@@ -115,6 +115,7 @@ def test_overlong_prompts_are_dropped_with_a_reason_or_truncated(
 ) -> None:
     from sparkrl.proto import Prompt, encode_message
     from sparkrl.services.common.bus import RedisBus
+    from sparkrl.services.common.prompt_limits import PromptLimits
     from sparkrl.services.common.settings import TorchEngineSettings
     from sparkrl.services.rollout.torch_engine import TorchEngine
     from sparkrl.services.rollout.worker import pull_prompts
@@ -128,7 +129,7 @@ def test_overlong_prompts_are_dropped_with_a_reason_or_truncated(
                     f"{mode}-{pid}",
                     encode_message(Prompt(prompt_id=f"{mode}-{pid}", task="countdown", text=text)),
                 )
-            batch = pull_prompts(bus, engine, "w", 10, max_prompt_tokens=24, overlong=mode)
+            batch = pull_prompts(bus, engine, "w", 10, PromptLimits(24, overlong=mode))
             assert batch is not None and all(len(ids) <= 24 for ids in batch.token_ids)
             bus.ack("prompts", [e.entry_id for e in batch.entries])
             if mode == "drop":

@@ -33,7 +33,7 @@ SECTIONS = {
     "learner": {"model", "run_dir", "bus", "sync", "learner"},
     "rollout": {"model", "run_dir", "bus", "sync", "rollout", "reward"},
     "evaluator": {"model", "run_dir", "bus", "sync", "eval", "prompts", "reward", "rollout"},
-    "prompts": {"bus", "prompts"},
+    "prompts": {"model", "bus", "prompts", "rollout"},
 }
 
 

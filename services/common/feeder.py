@@ -1,19 +1,24 @@
-"""The prompt feeder: a dataset or task → the prompt stream, with back-pressure and idempotent ids; and
-the feed hold: a burst of dead letters stops the fleet taking prompts instead of burning the data set."""
+"""The prompt feeder: a dataset or task → the prompt stream, with back-pressure, idempotent ids, the
+workers' prompt limits and a done mark per feeder; and the feed hold: a burst of dead letters stops the
+fleet taking prompts instead of burning the data set."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from sparkrl.proto import Prompt, encode_message, group_id_for
 from sparkrl.proto.telemetry import StateEvent
 from sparkrl.services.common.bus import BusBackpressureTimeout, DeadLetter, RedisBus
+from sparkrl.services.common.prompt_limits import REFUSALS_SAID, PromptLimits
 from sparkrl.services.common.recovery import TRAINED_PREFIX, incarnation
+from sparkrl.services.common.settings import PromptSettings
 from sparkrl.services.common.telemetry import Telemetry
 
 log = logging.getLogger("sparkrl.feeder")
@@ -26,20 +31,69 @@ class FeedReport:
     published: int  # new prompts added to the stream
     duplicates: int  # prompt ids already fed earlier (a re-run), skipped by the bus
     seconds: float
+    refused: int = 0  # over the prompt limits (`overlong: drop`): never published
 
 
-FEED_DONE = "feed_done"  # named value: the feeder fed all it had (JSON: prompts, epochs, time)
+# ── the feed-done marks ───────────────────────────────────────────────────────────────────────────────
+# One per feeder, so a one-off `sparkrl prompts` into a live run neither ends the run's feed nor hides
+# it: the data is all in once every feeder that began has marked its feed done, and the prompts fed are
+# their sum. A mark is a member of the bus's status board (kind `feed`, one set naming the feeders, one
+# value each), kept as long as the prompt ids it counts are remembered (bus.dedup_ttl_s).
+FEED_KIND = "feed"
+DEFAULT_FEEDER = "feeder"
 
 
-def mark_feeding(bus: RedisBus) -> None:
-    """A feed is under way: an earlier feed's done mark (a resumed run's bus) must not end the run."""
-    bus.set_value(FEED_DONE, "")
+@dataclass(frozen=True)
+class FeedTotal:
+    """Every feeder's done mark together: the prompts they fed, and the most passes one made."""
+
+    prompts: int
+    epochs: int
+    feeders: int
 
 
-def mark_fed(bus: RedisBus, report: FeedReport, epochs: int) -> None:
-    """Tell the learner the data is all in the stream: once it is trained, the run is over."""
-    done = {"prompts": report.published + report.duplicates, "epochs": epochs, "time": time.time()}
-    bus.set_value(FEED_DONE, json.dumps(done))
+def feeder_name(cfg: PromptSettings, epochs: int) -> str:
+    """A feed's name, from what decides its prompt ids: feeding the same data again (a restarted or
+    resumed feeder) replaces its own mark; other data gets a mark of its own."""
+    source = Path(cfg.path).resolve() if cfg.path is not None else f"countdown-s{cfg.seed}"
+    identity = json.dumps([str(source), cfg.task, cfg.count, cfg.shuffle, cfg.seed, epochs])
+    digest = hashlib.blake2b(identity.encode(), digest_size=4).hexdigest()
+    return f"{Path(str(source)).name}-{digest}"
+
+
+def _mark(bus: RedisBus, feeder: str, done: dict[str, object]) -> None:
+    bus.put_status(FEED_KIND, feeder, json.dumps(done), ttl_s=bus.settings.dedup_ttl_s)
+
+
+def mark_feeding(bus: RedisBus, feeder: str = DEFAULT_FEEDER) -> None:
+    """A feed is under way: this feeder's earlier done mark (a resumed run's bus) must not end the run."""
+    _mark(bus, feeder, {"state": "feeding", "time": time.time()})
+
+
+def mark_fed(bus: RedisBus, report: FeedReport, epochs: int, feeder: str = DEFAULT_FEEDER) -> None:
+    """Tell the learner this feeder's data is all in the stream: once every feed is trained, the run is
+    over. Its count takes in what an earlier pass of the same feed published (its duplicates now)."""
+    done = {"state": "fed", "prompts": report.published + report.duplicates, "epochs": epochs}
+    _mark(bus, feeder, done | {"time": time.time()})
+
+
+def feeds_done(bus: RedisBus) -> FeedTotal | None:
+    """The feeders' marks added up, once every feeder that began is done; None while one is feeding (or
+    none began). A mark that cannot be read counts as a feed under way."""
+    marks = bus.statuses(FEED_KIND)
+    if not marks:
+        return None
+    prompts = epochs = 0
+    for feeder, raw in marks.items():
+        try:
+            done = json.loads(raw)
+            if done.get("state") != "fed":
+                return None
+            prompts, epochs = prompts + int(done["prompts"]), max(epochs, int(done["epochs"]))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            log.warning("feeder %s left an unreadable done mark: %r", feeder, raw[:200])
+            return None
+    return FeedTotal(prompts, epochs, len(marks))
 
 
 def feed_prompts(
@@ -49,20 +103,30 @@ def feed_prompts(
     log_every: int = 1000,
     skip_trained: bool = False,
     stop: threading.Event | None = None,
+    limits: PromptLimits | None = None,
 ) -> FeedReport:
     """Publish each prompt once. `epoch` > 0 re-feeds the same data as new prompts (`id@epoch`);
-    `skip_trained` leaves out prompts whose group the learner has trained (after a Redis wipe)."""
+    `skip_trained` leaves out prompts whose group the learner has trained (after a Redis wipe); `limits`
+    (the workers' own, `prompt_limits.py`) refuses, or cuts, a prompt over their character bound."""
     start = time.monotonic()
-    published = duplicates = 0
+    published = duplicates = refused = 0
+    limits = limits or PromptLimits()
     for prompt in prompts:
         if stop is not None and stop.is_set():
             break
         if epoch:
             prompt = prompt.model_copy(update={"prompt_id": f"{prompt.prompt_id}@{epoch}"})
+        bounded, why = limits.screen(prompt)
+        if bounded is None:
+            refused += 1
+            if refused <= REFUSALS_SAID:
+                more = "; more are counted, not said" if refused == REFUSALS_SAID else ""
+                log.warning("not feeding prompt %s: %s%s", prompt.prompt_id, why, more)
+            continue
         if skip_trained and bus.get_value(TRAINED_PREFIX + group_id_for(prompt.prompt_id)) is not None:
             duplicates += 1
             continue
-        fresh = _publish_when_room(bus, prompt, stop)
+        fresh = _publish_when_room(bus, bounded, stop)
         if fresh is None:
             break
         if fresh:
@@ -71,7 +135,7 @@ def feed_prompts(
             duplicates += 1
         if (published + duplicates) % log_every == 0:
             log.info("fed %d prompts (%d already fed)", published, duplicates)
-    return FeedReport(published, duplicates, time.monotonic() - start)
+    return FeedReport(published, duplicates, time.monotonic() - start, refused)
 
 
 FEED_POLL_S = 0.25  # how often a feeder blocked on a full prompt stream looks again

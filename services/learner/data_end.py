@@ -1,22 +1,21 @@
 """When the data is the limit: how the prompts fed ended (the end reason and `ended.json`'s counts), and
 how many steps the data still allows (the learner's status: the progress line's and the page's total).
 
-The feeder marks the feed done with how many prompts it fed (`FEED_DONE`); the learner's train state
-counts the groups trained and the stale ones sent back; the dead-letter stream holds the prompts the
-workers and the groups the learner set aside. Every prompt fed is one of trained, dead-lettered or (the
-rest, which sending stale groups back leaves empty) dropped.
+Each feeder marks its feed done with how many prompts it fed (`feeds_done` adds them up); the learner's
+train state counts the groups trained and the stale ones sent back; the dead-letter stream holds the
+prompts the workers and the groups the learner set aside. Every prompt fed is one of trained,
+dead-lettered or (the rest, which sending stale groups back leaves empty) dropped.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Protocol
 
 from sparkrl.proto.run_files import PromptCounts
 from sparkrl.services.common.bus import RedisBus
-from sparkrl.services.common.feeder import FEED_DONE
+from sparkrl.services.common.feeder import feeds_done
 
 
 class Progress(Protocol):
@@ -47,12 +46,9 @@ class Fed:
 
 
 def feed_done(bus: RedisBus) -> Fed | None:
-    """What the feeder fed, once it fed all it had; None while a feed is under way (or none was)."""
-    raw = bus.get_value(FEED_DONE)
-    if not raw:
-        return None
-    done = json.loads(raw)
-    return Fed(int(done["prompts"]), int(done["epochs"]))
+    """What the feeders fed, once each fed all it had; None while a feed is under way (or none was)."""
+    total = feeds_done(bus)
+    return None if total is None else Fed(total.prompts, total.epochs)
 
 
 def count_prompts(bus: RedisBus, fed: Fed, progress: Progress, filtered: int = 0) -> PromptCounts:

@@ -18,6 +18,7 @@ from sparkrl.proto import (
 )
 from sparkrl.services.common.bus import Entry, RedisBus
 from sparkrl.services.common.modeling import apply_chat_template_if_any
+from sparkrl.services.common.prompt_limits import PromptLimits
 from sparkrl.services.common.reward_client import RewardClient
 from sparkrl.services.common.settings import RolloutSettings
 from sparkrl.services.rollout.engine import Engine
@@ -39,21 +40,22 @@ class PromptBatch:
 
 
 def pull_prompts(
-    bus: RedisBus,
-    engine: Engine,
-    worker_id: str,
-    count: int,
-    max_prompt_tokens: int | None = None,
-    overlong: str = "drop",
+    bus: RedisBus, engine: Engine, worker_id: str, count: int, limits: PromptLimits | None = None
 ) -> PromptBatch | None:
-    """Up to `count` prompts; malformed ones go to the dead-letter stream with the reason. A prompt longer
-    than `max_prompt_tokens` is dead-lettered (`overlong="drop"`, the reason says how long) or keeps its
-    last `max_prompt_tokens` tokens (`"truncate"`: the question's end, where the instruction usually is)."""
+    """Up to `count` prompts; malformed ones go to the dead-letter stream with the reason. A prompt over
+    `limits` is dead-lettered (`overlong: drop`, the reason says how long) or keeps its last
+    `max_tokens` tokens (`truncate`: the question's end, where the instruction usually is). Characters
+    are bounded before the tokenizer sees a prompt, so a huge one costs no memory."""
+    limits = limits or PromptLimits()
     decoded = bus.read_decoded("prompts", worker_id, count, lambda raw: decode_message(raw, Prompt))
     if not decoded:
         return None
     batch = PromptBatch([], [], [])
-    for entry, prompt in decoded:
+    for entry, fed in decoded:
+        prompt, why = limits.screen(fed)
+        if prompt is None:
+            bus.dead_letter("prompts", entry, why or "over the prompt limit")
+            continue
         try:
             ids = apply_chat_template_if_any(engine.tokenizer, prompt.messages or prompt.text)
         except Exception as exc:  # this prompt's text or messages, which the tokenizer or template refuses
@@ -64,12 +66,12 @@ def pull_prompts(
         if not ids:
             bus.dead_letter("prompts", entry, "the prompt has no tokens")
             continue
-        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-            if overlong == "drop":
-                why = f"prompt has {len(ids)} tokens, over rollout.max_prompt_tokens ({max_prompt_tokens})"
-                bus.dead_letter("prompts", entry, why)
-                continue
-            ids = ids[-max_prompt_tokens:]
+        why = limits.over_tokens(len(ids))
+        if why is not None:
+            bus.dead_letter("prompts", entry, why)
+            continue
+        if limits.max_tokens is not None:
+            ids = ids[-limits.max_tokens :]  # `truncate`: the question's end
         batch.entries.append(entry)
         batch.prompts.append(prompt)
         batch.token_ids.append(ids)

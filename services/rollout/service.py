@@ -18,6 +18,7 @@ from pathlib import Path
 from sparkrl.services.common.bus import BusStopping, RedisBus
 from sparkrl.services.common.control_channel import ControlReader
 from sparkrl.services.common.metrics_server import MetricsServer
+from sparkrl.services.common.prompt_limits import PromptBudgetError, PromptLimits, resolve_limits
 from sparkrl.services.common.recovery import warn_if_not_persistent
 from sparkrl.services.common.reward_client import RewardClient
 from sparkrl.services.common.settings.roles import RolloutConfig
@@ -51,6 +52,7 @@ def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
     warn_if_not_persistent(bus)
     gate = AnnouncementGate(bus, cfg.sync.secret, Path(cfg.run_dir))
     model = model_dir_for(cfg.model, Path(cfg.run_dir), gate, cfg.sync.secret, cfg.rollout.model_wait_s, stop)
+    limits = _prompt_limits(cfg, Path(model))
     native = cfg.sync.backend == "vllm_nccl"  # vLLM's own transfer engine receives the weights
     engine = make_engine(model, cfg.rollout.engine, native_transfer=native)
     clock.mark("engine")
@@ -66,6 +68,7 @@ def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
         engine=engine,
         reward=_reward_client(cfg, stop),
         cfg=cfg.rollout.model_copy(update={"sampling": control.sampling}),  # the fleet's live values
+        limits=limits,
         state=state,
         control=control,
         metrics=metrics,
@@ -97,6 +100,20 @@ def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
     worker.heartbeat.start()
     log.info("worker %s up: model %s, engine %s", worker_id, model, cfg.rollout.engine.kind)
     return worker
+
+
+def _prompt_limits(cfg: RolloutConfig, model: Path) -> PromptLimits:
+    """How long a prompt may be, from the model's context; a budget that cannot fit it stops the worker
+    with the fix, before the engine is built."""
+    try:
+        limits = resolve_limits(cfg.rollout, model)
+    except PromptBudgetError as exc:
+        raise SystemExit(str(exc)) from None
+    if limits.max_tokens is None:
+        log.warning("no prompt limit: %s does not say its context, rollout.max_prompt_tokens is unset", model)
+    else:
+        log.info("prompts limited to %s", limits.describe())
+    return limits
 
 
 def _receiver(worker_id: str, cfg: RolloutConfig, installer: VersionInstaller) -> WeightReceiver:

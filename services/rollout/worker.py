@@ -30,6 +30,7 @@ from sparkrl.proto import (
 )
 from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.metrics_server import MetricsServer
+from sparkrl.services.common.prompt_limits import PromptLimits
 from sparkrl.services.common.reward_client import RewardClient, RewardServiceError
 from sparkrl.services.common.settings import RolloutSettings
 from sparkrl.services.common.telemetry import Telemetry
@@ -153,6 +154,7 @@ class Worker:
     engine: Engine
     reward: RewardClient
     cfg: RolloutSettings  # its sampling: the control's values in force, put in place between batches (step)
+    limits: PromptLimits  # how long a prompt may be (rollout.max_prompt_tokens, resolved against the model)
     state: WorkerState
     control: WorkerControl
     metrics: WorkerMetrics
@@ -184,8 +186,7 @@ class Worker:
         would reach the learner too stale (the weights moved on while it was made or waited to go out) is
         made again with the newest weights: a slow spell costs time, not data."""
         cfg = self.cfg
-        batch = pull_prompts(self.bus, self.engine, self.state.worker_id, cfg.prompts_per_batch,
-                             cfg.max_prompt_tokens, cfg.overlong)  # fmt: skip
+        batch = pull_prompts(self.bus, self.engine, self.state.worker_id, cfg.prompts_per_batch, self.limits)
         if batch is None:
             self.health.check_burst()  # a pull may have dead-lettered every prompt it took
             return False

@@ -9,8 +9,9 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from dataclasses import astuple
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -24,6 +25,11 @@ from sparkrl.services.common.settings.roles import (
     RewardConfig,
     RolloutConfig,
 )
+
+if TYPE_CHECKING:
+    from sparkrl.services.common.bus import RedisBus
+    from sparkrl.services.common.feeder import FeedReport
+    from sparkrl.services.common.prompt_limits import PromptLimits
 
 commands = typer.Typer()
 
@@ -160,40 +166,66 @@ def prompts(
 
 
 def _feed(cfg: PromptsConfig, epochs: int, watch: bool, log: logging.Logger) -> None:
-    """Every epoch into the prompt stream, then (with `watch`) again whenever the Redis lost its data."""
+    """Every epoch into the prompt stream, then (with `watch`) again whenever the Redis lost its data. A
+    prompt file that cannot be read is one line and exit code 2."""
     from sparkrl.services.common.bus import RedisBus
-    from sparkrl.services.common.feeder import (
-        FeedReport,
-        feed_prompts,
-        mark_fed,
-        mark_feeding,
-        watch_and_refeed,
-    )
+    from sparkrl.services.common.feeder import feeder_name, mark_feeding, watch_and_refeed
     from sparkrl.services.common.logs import stop_on_signals
+    from sparkrl.services.common.prompt_limits import feeder_limits
     from sparkrl.services.common.recovery import ensure_incarnation, warn_if_not_persistent
-    from sparkrl.services.common.tasks.datasets import iter_prompts
+    from sparkrl.services.common.tasks.datasets import DatasetError
 
+    limits = feeder_limits(cfg.rollout, Path(cfg.model))
+    if limits.max_tokens is None:
+        log.warning("no prompt limit here: %s has no config.json saying its context, and "
+                    "rollout.max_prompt_tokens is unset (the workers, which load the model, apply theirs)",
+                    cfg.model)  # fmt: skip
+    else:
+        log.info("prompts over %d characters are %s (%s)", limits.max_chars,
+                 "cut" if limits.overlong == "truncate" else "not fed", limits.describe())  # fmt: skip
+    name = feeder_name(cfg.prompts, epochs)
     stop = stop_on_signals(log, "feeding")
     with RedisBus(cfg.bus) as bus:
         warn_if_not_persistent(bus)
 
         def feed_all(skip_trained: bool = False) -> FeedReport:
-            mark_feeding(bus)
-            total = FeedReport(0, 0, 0.0)
-            for epoch in range(epochs):
-                prompts = iter_prompts(cfg.prompts)
-                report = feed_prompts(bus, prompts, epoch=epoch, skip_trained=skip_trained, stop=stop)
-                log.info(
-                    "epoch %d: %d prompts fed, %d already there, %.1fs",
-                    epoch, report.published, report.duplicates, report.seconds,
-                )  # fmt: skip
-                total = FeedReport(total.published + report.published, total.duplicates + report.duplicates,
-                                   total.seconds + report.seconds)  # fmt: skip
-            if not stop.is_set():
-                mark_fed(bus, total, epochs)  # all of it is in: once trained, the run is over
-            return total
+            mark_feeding(bus, name)
+            return _feed_epochs(bus, cfg, epochs, name, skip_trained, stop, limits, log)
 
         known = ensure_incarnation(bus)  # before feeding: a wipe while the first feed blocks still counts
-        feed_all()
+        try:
+            feed_all()
+        except DatasetError as exc:
+            log.error("%s", exc)
+            raise typer.Exit(2) from exc
         if watch:
             watch_and_refeed(bus, lambda: feed_all(skip_trained=True), stop, known)
+
+
+def _feed_epochs(
+    bus: RedisBus,
+    cfg: PromptsConfig,
+    epochs: int,
+    name: str,
+    skip_trained: bool,
+    stop: threading.Event,
+    limits: PromptLimits,
+    log: logging.Logger,
+) -> FeedReport:
+    """One feed: every epoch, each logged, then this feeder's done mark (unless stopped first)."""
+    from sparkrl.services.common.feeder import FeedReport, feed_prompts, mark_fed
+    from sparkrl.services.common.tasks.datasets import iter_prompts
+
+    total = FeedReport(0, 0, 0.0)
+    for epoch in range(epochs):
+        prompts = iter_prompts(cfg.prompts)
+        report = feed_prompts(bus, prompts, epoch, skip_trained=skip_trained, stop=stop, limits=limits)
+        refused = f", {report.refused} refused (over the prompt limit)" if report.refused else ""
+        log.info(
+            "epoch %d: %d prompts fed, %d already there%s, %.1fs",
+            epoch, report.published, report.duplicates, refused, report.seconds,
+        )  # fmt: skip
+        total = FeedReport(*(a + b for a, b in zip(astuple(total), astuple(report), strict=True)))
+    if not stop.is_set():
+        mark_fed(bus, total, epochs, name)  # all of it is in: once every feed is trained, the run is over
+    return total

@@ -13,7 +13,7 @@ service's, a narrower section of the same name holding just those (`RewardEndpoi
 from __future__ import annotations
 
 from copy import copy
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,7 +25,9 @@ from sparkrl.services.common.settings import (
     PromptSettings,
     RewardSettings,
     RolloutSettings,
+    SamplingSettings,
     SparkSettings,
+    VllmEngineSettings,
     WeightSyncSettings,
 )
 from sparkrl.services.common.settings.section import Section
@@ -51,6 +53,54 @@ class ModelWait(Section):
     """The evaluator's part of the `rollout` section: how long it waits for the learner's weight files."""
 
     model_wait_s: float = _same_field(RolloutSettings, "model_wait_s")
+
+
+class AnswerBudget(Section):
+    """The feeder's part of `rollout.sampling`: the completion budget a prompt leaves room for."""
+
+    max_new_tokens: int = _same_field(SamplingSettings, "max_new_tokens")
+
+
+class TorchContext(Section):
+    """The feeder's part of a torch `rollout.engine`: none (the model's own context)."""
+
+    kind: Literal["torch"] = "torch"
+
+
+class VllmContext(Section):
+    """The feeder's part of a vLLM `rollout.engine`: the context it is capped to."""
+
+    kind: Literal["vllm"] = "vllm"
+    max_model_len: int | None = _same_field(VllmEngineSettings, "max_model_len")
+
+
+class PromptBudget(Section):
+    """The feeder's part of the `rollout` section: how long a prompt may be, as the workers resolve it
+    (`services/common/prompt_limits.py`)."""
+
+    max_prompt_tokens: int | None = _same_field(RolloutSettings, "max_prompt_tokens")
+    max_prompt_chars_per_token: int = _same_field(RolloutSettings, "max_prompt_chars_per_token")
+    overlong: Literal["drop", "truncate"] = _same_field(RolloutSettings, "overlong")
+    sampling: AnswerBudget = Field(default_factory=AnswerBudget)
+    engine: Annotated[TorchContext | VllmContext, Field(discriminator="kind")] = Field(
+        default_factory=TorchContext
+    )
+
+    @classmethod
+    def of(cls, rollout: RolloutSettings) -> PromptBudget:
+        engine = rollout.engine
+        context = (
+            VllmContext(max_model_len=engine.max_model_len)
+            if isinstance(engine, VllmEngineSettings)
+            else TorchContext()
+        )
+        return cls(
+            max_prompt_tokens=rollout.max_prompt_tokens,
+            max_prompt_chars_per_token=rollout.max_prompt_chars_per_token,
+            overlong=rollout.overlong,
+            sampling=AnswerBudget(max_new_tokens=rollout.sampling.max_new_tokens),
+            engine=context,
+        )
 
 
 def _model() -> Any:
@@ -155,19 +205,22 @@ class EvaluatorConfig(_FollowsWeights):
 
 
 class PromptsConfig(BaseModel):
-    """What `sparkrl prompts` reads: the bus it feeds and its own section."""
+    """What `sparkrl prompts` reads: the bus it feeds, its own section, and how long a prompt may be (the
+    model, whose context bounds it where its config is at hand, and the workers' limits)."""
 
     model_config = _ROLE_CONFIG
 
+    model: str = _model()
     bus: BusSettings
     prompts: PromptSettings
+    rollout: PromptBudget = Field(default_factory=PromptBudget)
 
     @classmethod
     def of(cls, tree: SparkSettings) -> PromptsConfig:
         """The feeder's part of `tree`, copied (the bus's set fields too: the feeder writes only into a
         Redis it was pointed at)."""
         t = tree.model_copy(deep=True)
-        return cls(bus=t.bus, prompts=t.prompts)
+        return cls(model=t.model, bus=t.bus, prompts=t.prompts, rollout=PromptBudget.of(t.rollout))
 
 
 RoleConfig = ControlConfig | RewardConfig | LearnerConfig | RolloutConfig | EvaluatorConfig | PromptsConfig

@@ -104,12 +104,31 @@ class RolloutSettings(Section):
         4, ge=1, le=1024, description="Prompts pulled and generated together (each yields one group)."
     )
     max_prompt_tokens: int | None = Field(
-        None, ge=1, description="Longest prompt (chat template applied), tokens; None: no limit."
+        None,
+        ge=1,
+        description="Longest prompt (chat template applied), tokens; None: the model's context "
+        "(engine.max_model_len, else the model's config) less sampling.max_new_tokens, resolved by each "
+        "worker and by the feeder. A value above that is an error. The feeder and the workers apply it "
+        "before tokenizing (max_prompt_chars_per_token).",
+    )
+    max_prompt_chars_per_token: int = Field(
+        32,
+        ge=8,
+        le=1024,
+        description="A prompt over max_prompt_tokens × this many characters is over the limit without "
+        "being tokenized (dropped, or cut to that many with overlong truncate), by the feeder and by the "
+        "workers: a cheap bound first, so a huge prompt never reaches the tokenizer.",
+        json_schema_extra={
+            "why": {
+                "ge": "real text averages 3-5 characters a token: lower, it would refuse prompts that fit",
+                "le": "above it the bound lets prompts hundreds of times too long reach the tokenizer",
+            }
+        },
     )
     overlong: Literal["drop", "truncate"] = Field(
         "drop",
-        description="A longer prompt: dead-lettered with its length (drop), or cut to its last "
-        "max_prompt_tokens tokens (truncate).",
+        description="A longer prompt: refused by the feeder and dead-lettered by a worker, with its "
+        "length (drop), or cut to its last max_prompt_tokens tokens (truncate).",
     )
     weight_updates: Literal["between_batches", "in_flight"] = Field(
         "between_batches",
