@@ -19,7 +19,7 @@ from conftest import clean_env
 from sparkrl.preflight import check
 from sparkrl.proto import ChatMessage, Prompt, decode_message, encode_message
 from sparkrl.services.common.bus import RedisBus
-from sparkrl.services.common.feeder import feed_prompts
+from sparkrl.services.common.feeder import FEED_KIND, feed_prompts
 from sparkrl.services.common.prompt_limits import (
     PromptBudgetError,
     PromptLimits,
@@ -178,8 +178,9 @@ def test_the_feeder_command_says_a_bad_file_in_one_line(
     redis_url: str,
     tmp_path: Path,
 ) -> None:
-    """`sparkrl prompts` (what `sparkrl up` runs as its feeder) on a file with a lone surrogate: one line
-    naming the file, the line and the fix, exit code 2, no traceback; nothing fed."""
+    """`sparkrl prompts` (what `sparkrl up` runs as its feeder) on a file whose second row holds a lone
+    surrogate: one line naming the file, the line and the fix, exit code 2, no traceback; nothing fed, not
+    even the first row, and no feed-done mark left behind."""
     data = tmp_path / "data.jsonl"
     data.write_bytes(b'{"prompt": "1 + 1?", "answer": "2"}\n{"prompt": "\\udc80?", "answer": "3"}\n')
     given = [f"model={tiny_model_dir}", f"bus.url={redis_url}", f"prompts.path={data}", "prompts.task=math"]
@@ -195,3 +196,5 @@ def test_the_feeder_command_says_a_bad_file_in_one_line(
     (line,) = [line for line in done.stderr.splitlines() if "lone surrogate" in line]
     assert f"{data}:2, row 2: field 'prompt' holds a lone surrogate (\\udc80 at character 1)" in line
     assert "remove the escape" in line
+    with RedisBus(BusSettings(url=redis_url)) as bus:  # row 1 was fine, and still nothing was fed
+        assert bus.pending_info("prompts").lag == 0 and bus.statuses(FEED_KIND) == {}

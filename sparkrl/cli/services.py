@@ -167,14 +167,20 @@ def prompts(
 
 def _feed(cfg: PromptsConfig, epochs: int, watch: bool, log: logging.Logger) -> None:
     """Every epoch into the prompt stream, then (with `watch`) again whenever the Redis lost its data. A
-    prompt file that cannot be read is one line and exit code 2."""
+    prompt file that cannot be read is one line and exit code 2, with nothing fed and no mark left."""
     from sparkrl.services.common.bus import RedisBus
     from sparkrl.services.common.feeder import feeder_name, mark_feeding, watch_and_refeed
     from sparkrl.services.common.logs import stop_on_signals
     from sparkrl.services.common.prompt_limits import feeder_limits
     from sparkrl.services.common.recovery import ensure_incarnation, warn_if_not_persistent
-    from sparkrl.services.common.tasks.datasets import DatasetError
+    from sparkrl.services.common.tasks.datasets import DatasetError, iter_prompts
 
+    if cfg.prompts.path is not None:
+        try:  # every row read once first: a bad one (its field missing, row 500) is said before any is fed
+            sum(1 for _ in iter_prompts(cfg.prompts))
+        except DatasetError as exc:
+            log.error("%s", exc)
+            raise typer.Exit(2) from exc
     limits = feeder_limits(cfg.rollout, Path(cfg.model))
     if limits.max_tokens is None:
         log.warning("no prompt limit here: %s has no config.json saying its context, and "
@@ -193,11 +199,7 @@ def _feed(cfg: PromptsConfig, epochs: int, watch: bool, log: logging.Logger) -> 
             return _feed_epochs(bus, cfg, epochs, name, skip_trained, stop, limits, log)
 
         known = ensure_incarnation(bus)  # before feeding: a wipe while the first feed blocks still counts
-        try:
-            feed_all()
-        except DatasetError as exc:
-            log.error("%s", exc)
-            raise typer.Exit(2) from exc
+        feed_all()
         if watch:
             watch_and_refeed(bus, lambda: feed_all(skip_trained=True), stop, known)
 
