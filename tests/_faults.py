@@ -138,3 +138,29 @@ def assert_exactly_once(
 def pending_trajectories(cfg: SparkSettings) -> int:
     with RedisBus(cfg.bus) as bus:
         return bus.pending_info("trajectories").pending
+
+
+def journal_ids(run_dir: Path) -> dict[int, list[str]]:
+    """The group ids of every step the run's journal holds now (read it before a resume trims it)."""
+    from sparkrl.proto import decode_group
+    from sparkrl.services.learner.ledger import Journal
+
+    journal = Journal(run_dir)
+    return {step: [decode_group(e.payload).group_id for e in journal.read(step)] for step in journal.steps()}
+
+
+def assert_each_group_once(history: History, journaled: dict[int, list[str]]) -> None:
+    """The audit that counts both records: every step's groups as the journal holds them (as read, maybe
+    before a resume trimmed it) and as the audit trail's last record of the step says, and every group id
+    in exactly one step. A journaled step whose groups were trained again under another step (a step
+    checkpointed without its commit, then its groups redelivered) fails here even when the trail lacks it."""
+    for step, ids in journaled.items():
+        if step in history.steps:
+            assert history.steps[step] == ids, f"step {step}: the journal and the audit trail disagree"
+    steps = history.steps | journaled
+    where: dict[str, list[int]] = {}
+    for step, ids in steps.items():
+        for gid in ids:
+            where.setdefault(gid, []).append(step)
+    twice = {gid: found for gid, found in where.items() if len(found) > 1}
+    assert not twice, f"{len(twice)} groups trained in more than one step, e.g. {sorted(twice.items())[:3]}"

@@ -1,0 +1,201 @@
+"""Exactly-once against the faults an unlucky operator meets, on the real stack run as users run it
+(`sparkrl up` as a process, its private redis-server, two workers, the DeepSpeed learner):
+
+- Redis refusing writes mid-run (`CONFIG SET maxmemory` below what it holds), then taking them again;
+- a second `sparkrl up` pointed at the live run's Redis and namespace;
+- `kill -9` of `sparkrl up` itself, and `--resume` 5 s later, while its orphaned services still run.
+
+Each ends with the audit that counts both records: the journal (read all along, before a resume trims
+it) and the audit trail, every group id in exactly one step, and every group the bus accepted trained.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+import yaml
+from _faults import History, assert_each_group_once, journal_ids, steps_done, wait
+from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+
+pytestmark = pytest.mark.slow
+
+STEPS, PER_STEP = 24, 4
+
+
+def up(model: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "sparkrl.cli", "up", "--preset", "smoke", "--run-dir", str(run_dir),
+        "--set", f"model={model}", "--set", f"learner.max_steps={STEPS}",
+        "--set", f"learner.prompts_per_step={PER_STEP}", "--set", f"prompts.count={STEPS * PER_STEP}",
+        "--set", "learner.checkpoint_every=1000",  # the journal keeps every step until the run's end
+        "--set", "learner.max_staleness=1000",  # nothing dropped as stale: every group is trained
+        "--set", "bus.trajectory_maxlen=12", "--set", "bus.claim_idle_ms=2000", *extra,
+    ]  # fmt: skip
+
+
+def start(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """`sparkrl up` in its own session, as from a terminal: a SIGKILL reaches the launcher alone."""
+    with log.open("ab") as out:
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+class JournalWatch(threading.Thread):
+    """Reads the run's journal every 0.2 s and keeps every step it ever saw (a checkpoint trims it)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(daemon=True)
+        self.run_dir, self.seen, self.done = run_dir, dict[int, list[str]](), threading.Event()
+
+    def run(self) -> None:
+        while not self.done.wait(0.2):
+            self.read()
+
+    def read(self) -> None:
+        try:
+            self.seen |= journal_ids(self.run_dir)
+        except (OSError, ValueError):  # a file trimmed while being read: the next look has the rest
+            pass
+
+
+def published_after_the_run(run_dir: Path) -> set[str]:
+    """Every group id the run's bus accepted: its private Redis started again from its append-only file."""
+    conf = run_dir / "config" / "redis.conf"
+    server = subprocess.Popen(["redis-server", str(conf)], stdout=subprocess.DEVNULL)
+    url = yaml.safe_load((run_dir / "config" / "learner.yaml").read_text())["bus"]["url"]
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "the run's Redis did not come back from its AOF"
+                time.sleep(0.1)
+        prefix = "sparkrl:published:trajectories:"
+        return {key.decode()[len(prefix) :] for key in client.scan_iter(match=prefix + "*", count=1000)}
+    finally:
+        client.close()
+        server.terminate()
+        server.wait(10)
+
+
+def test_refused_writes_a_second_run_and_a_killed_launcher_train_every_group_once(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    run_dir, log = tmp_path / "run", tmp_path / "up.log"
+    first = start(up(tiny_model_dir, run_dir), log)
+    watch = JournalWatch(run_dir)
+    watch.start()
+    procs = [first]
+    try:
+        wait("step 3", lambda: steps_done(run_dir) >= 3, run_dir)
+        learner_cfg = yaml.safe_load((run_dir / "config" / "learner.yaml").read_text())
+        url, run_id = learner_cfg["bus"]["url"], learner_cfg["bus"]["run_id"]
+
+        # A second run on the live run's Redis and namespace: refused before anything is spawned.
+        other = subprocess.run(
+            up(tiny_model_dir, tmp_path / "other", "--set", f"bus.url={url}"),
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        said = other.stdout + other.stderr
+        assert other.returncode == 2, said
+        assert "namespace 'sparkrl' on Redis" in said and f"is owned by run {run_id}" in said, said
+        assert not (tmp_path / "other" / "logs").exists() or not any((tmp_path / "other" / "logs").iterdir())
+
+        # Redis refuses every write for 5 s, then takes them again: the services wait, nothing is lost.
+        raw = redis.Redis.from_url(url)
+        limit = raw.config_get("maxmemory")["maxmemory"]
+        raw.config_set("maxmemory", 1)
+        time.sleep(5)
+        raw.config_set("maxmemory", limit)
+        raw.close()
+        refused_at = steps_done(run_dir)
+        wait("two steps after the refusal", lambda: steps_done(run_dir) >= refused_at + 2, run_dir)
+        learner_log = (run_dir / "logs" / "learner.log").read_text(errors="replace")
+        assert "refuses writes (OOM" in learner_log
+
+        # `kill -9` of `sparkrl up` itself; `--resume` 5 s later, while its services may still be stopping.
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+        killed_at = steps_done(run_dir)
+        time.sleep(5)
+        resumed = start(up(tiny_model_dir, run_dir, "--resume"), log)
+        procs.append(resumed)
+        assert resumed.wait(400) == 0, log.read_text(errors="replace")[-4000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        watch.done.set()
+        watch.join(5)
+    watch.read()
+
+    history = History.read(run_dir)
+    assert sorted(history.steps) == list(range(1, STEPS + 1)) and killed_at < STEPS
+    assert_each_group_once(history, watch.seen)
+    trained = set(history.group_ids)
+    assert trained == published_after_the_run(run_dir) and len(trained) == STEPS * PER_STEP
+    said = log.read_text(errors="replace")
+    assert "ended:" in said
+
+
+def test_a_commit_refused_past_the_wait_is_never_checkpointed_and_resume_trains_it_once(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Redis refuses writes longer than `bus.reconnect_max_s` (3 s) while the learner commits a step: the
+    step's journal is written, its marks are refused, the learner ends non-zero, and no checkpoint holds
+    the step (before, the step was counted first and the final checkpoint held it: `--resume` then
+    trained its groups again, which stayed pending). `--resume` redoes it from the journal, once."""
+    run_dir, log = tmp_path / "run", tmp_path / "up.log"
+    command = up(tiny_model_dir, run_dir, "--set", "bus.reconnect_max_s=3")
+    first = start(command, log)
+    watch = JournalWatch(run_dir)
+    watch.start()
+    try:
+        wait("step 4", lambda: steps_done(run_dir) >= 4, run_dir)
+        url = yaml.safe_load((run_dir / "config" / "learner.yaml").read_text())["bus"]["url"]
+        raw = redis.Redis.from_url(url)
+        # The learner held still until the workers have queued a step's groups, so that the first thing it
+        # writes once Redis refuses writes is a commit (idle, it would fail reading the queue's depth).
+        learner = json.loads((run_dir / "owner.json").read_text())["pid"]
+        os.kill(learner, signal.SIGSTOP)
+        try:
+            wait("a queued step", lambda: raw.xlen("sparkrl:trajectories") >= 2 * PER_STEP, run_dir, 60)
+            raw.config_set("maxmemory", 1)
+        finally:
+            os.kill(learner, signal.SIGCONT)
+        assert first.wait(120) != 0, "a run whose learner cannot commit must not end as if it had"
+        raw.close()  # its Redis went with it
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    learner_log = (run_dir / "logs" / "learner.log").read_text(errors="replace")
+    assert "was not committed" in learner_log, learner_log[-3000:]
+    ended = json.loads((run_dir / "ended.json").read_text())
+    assert "was not committed" in ended["reason"] and "--resume" in ended["reason"]
+
+    resumed = start(up(tiny_model_dir, run_dir, "--set", "bus.reconnect_max_s=3", "--resume"), log)
+    try:
+        assert resumed.wait(400) == 0, log.read_text(errors="replace")[-4000:]
+    finally:
+        if resumed.poll() is None:
+            os.killpg(resumed.pid, signal.SIGKILL)
+        watch.done.set()
+        watch.join(5)
+    watch.read()
+    history = History.read(run_dir)
+    assert sorted(history.steps) == list(range(1, STEPS + 1))
+    assert_each_group_once(history, watch.seen)
+    assert set(history.group_ids) == published_after_the_run(run_dir)
