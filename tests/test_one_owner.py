@@ -157,3 +157,19 @@ def test_up_gives_every_service_the_run_id_a_resume_keeps_and_its_redis_evicts_n
     assert plan_stack(cfg, workers=1, private_redis=True).settings.bus.run_id != run_id  # a fresh run
     sized = plan_stack(load_settings("smoke", [f"run_dir={tmp_path}", "bus.redis_max_memory_mb=300"]), 1)
     assert f"\nmaxmemory {300 * 2**20}\n" in next(s.config for s in sized.services if s.role == "redis")  # type: ignore[operator]
+
+
+def test_a_redis_that_lost_its_data_gives_the_lease_back_to_its_holder(
+    bus_settings: BusSettings, tmp_path: Path
+) -> None:
+    """A Redis restarted empty (no persistence) forgets the lease and its count: the holder's next renewal
+    takes both back, so another run cannot claim the namespace under a generation the holder had."""
+    with RedisBus(bus_settings) as bus:
+        Lease.claim(bus, "run-a", tmp_path, threading.Event()).release()
+        lease = Lease.claim(bus, "run-a", tmp_path, threading.Event())
+        assert lease.owner.generation == 2
+        redis.Redis.from_url(bus_settings.url).flushdb()
+        assert bus.owners.renew(lease.record, lease.owner.generation, 5.0).held
+        with pytest.raises(NamespaceOwned):
+            Lease.claim(bus, "run-b", tmp_path / "b", threading.Event())
+        assert Lease.claim(bus, "run-a", tmp_path, threading.Event()).owner.generation == 3

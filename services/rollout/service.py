@@ -18,6 +18,7 @@ from pathlib import Path
 from sparkrl.services.common.bus import BusStopping, RedisBus
 from sparkrl.services.common.control_channel import ControlReader
 from sparkrl.services.common.metrics_server import MetricsServer
+from sparkrl.services.common.ownership import refuse_foreign_owner
 from sparkrl.services.common.prompt_limits import PromptBudgetError, PromptLimits, resolve_limits
 from sparkrl.services.common.recovery import warn_if_not_persistent
 from sparkrl.services.common.reward_client import RewardClient
@@ -49,6 +50,7 @@ def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
     clock.mark("imports")
     worker_id = cfg.rollout.worker_id or f"{socket.gethostname()}-{os.getpid()}"
     bus = RedisBus(cfg.bus, stop)  # told to stop while Redis is down, it stops reconnecting
+    refuse_foreign_owner(bus, cfg.bus.run_id, f"worker {worker_id}")  # another run's prompts are not ours
     warn_if_not_persistent(bus)
     gate = AnnouncementGate(bus, cfg.sync.secret, Path(cfg.run_dir))
     model = model_dir_for(cfg.model, Path(cfg.run_dir), gate, cfg.sync.secret, cfg.rollout.model_wait_s, stop)

@@ -32,15 +32,18 @@ return {1, record}
 """
 
 # KEYS: owner, generation. ARGV: the holder's record, ttl ms, its generation. A lease that lapsed (the holder
-# could not reach Redis for a while) is taken back only if nobody claimed the namespace since.
+# could not reach Redis for a while) is taken back only if nobody claimed the namespace since: the count is
+# still the holder's, or below it (a Redis that lost its data counts from 0 again, and gets it back).
 _RENEW_LUA = """
 local cur = redis.call('GET', KEYS[1])
 if cur == ARGV[1] then
   redis.call('PEXPIRE', KEYS[1], ARGV[2])
   return {1, cur}
 end
-if not cur and tonumber(redis.call('GET', KEYS[2]) or '0') == tonumber(ARGV[3]) then
+local count = tonumber(redis.call('GET', KEYS[2]) or '0')
+if not cur and count <= tonumber(ARGV[3]) then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+  redis.call('SET', KEYS[2], ARGV[3])
   return {1, ARGV[1]}
 end
 return {0, cur or ''}
