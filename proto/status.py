@@ -225,6 +225,13 @@ class LearnerStatus(WireModel):
         "on journaling. Writer: learner. Readers: controller, page. None: the last one was written (or none "
         "was tried).",
     )
+    disk_failure: str | None = Field(
+        default=None,
+        max_length=2000,
+        description="Why the run directory's disk stopped the run: free space below `learner.min_free_mb`, "
+        "or a journal write that failed (path, error, free space). Writer: learner. Readers: controller, "
+        "page. None: no trouble.",
+    )
     hyperparameters: dict[str, HparamValue] = Field(
         default_factory=dict,
         description="Hyperparameters in force (`lr`, `max_staleness`, `kappa`, `loss` and the loss's own, "

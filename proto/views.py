@@ -53,6 +53,9 @@ class StatusView(WireModel):
     checkpoint_failure: str | None = Field(
         default=None, description="Why the last checkpoint could not be written; None once one was."
     )
+    disk_failure: str | None = Field(
+        default=None, description="Why the run directory's disk stopped the run; None: no trouble."
+    )
     learner: LearnerStatus | None = Field(
         default=None, description="The learner's raw heartbeat; None without a live one."
     )

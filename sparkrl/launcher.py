@@ -180,8 +180,11 @@ class Stack:
     def _restart(self, spec: ServiceSpec, returncode: int) -> None:
         """Spawn a dead service again from its config (Redis on its port and append-only file); the others
         reconnect or retry meanwhile, so nothing waits for it to be ready here."""
-        with spec.log_path.open("a") as log:
-            log.write(f"--- sparkrl up: exited with code {returncode}; restarted ---\n")
+        try:  # a line in its log; a disk that cannot take it must not end the launcher
+            with spec.log_path.open("a") as log:
+                log.write(f"--- sparkrl up: exited with code {returncode}; restarted ---\n")
+        except OSError as exc:
+            self.report(f"warning: {spec.log_path}: {exc}")
         self.procs[spec.name] = spawn(spec, self.keep_fds)
         self.ended.discard(spec.name)
 
@@ -373,7 +376,7 @@ def supervise(stack: Supervised, report: Callable[[str], None], run_dir: Path) -
             code = 130
         finally:
             stack.shutdown()
-    print(summarize(run_dir), flush=True)
+    print(summarize(run_dir), flush=True)  # says the run's end even when its disk is full
     _write_report(run_dir, interrupted=code == 130)
     return code
 

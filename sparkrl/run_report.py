@@ -123,7 +123,11 @@ def summarize(run_dir: Path | str) -> str:
     """A few lines on the run from its files; the same facts go to `RUN_DIR/summary.json`."""
     run_dir = Path(run_dir)
     summary, wall = _facts(run_dir)
-    (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+    try:
+        (run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2))
+        written = str(run_dir / SUMMARY_FILE)
+    except OSError as exc:  # a full disk: the lines below still say how the run ended
+        written = f"not written ({exc})"
     said = f" in {wall_text(wall)}" if summary["steps"] else ""
     this_start = summary["steps_this_start"]
     if summary["steps"] and this_start is not None and this_start < summary["steps"]:  # a resumed run
@@ -146,7 +150,7 @@ def summarize(run_dir: Path | str) -> str:
             f"  ended: {summary['ended'] or 'unknown (the learner wrote no ended.json)'}",
             f"  versions: learner {summary['policy_version']} | workers {versions}",
             f"  checkpoints: {summary['checkpoints_dir']}/ ({', '.join(summary['checkpoints']) or 'none'})",
-            f"  summary: {run_dir / SUMMARY_FILE}",
+            f"  summary: {written}",
         ]
     )
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -67,6 +68,25 @@ class Outcome:
     reason: str | None = None  # why the run ended, for `ended.json`, when the launcher ended it
 
 
+# Below this much free space a Redis that died is not restarted: its append-only file could not grow.
+REDIS_MIN_FREE_MIB = 16
+
+
+def disk_full(folder: Path) -> str | None:
+    """Why Redis cannot be restarted on `folder`'s disk (under `REDIS_MIN_FREE_MIB` free), or None."""
+    try:
+        free = shutil.disk_usage(folder).free / 2**20
+    except OSError:
+        return None
+    if free >= REDIS_MIN_FREE_MIB:
+        return None
+    return (
+        f"the disk of {folder} is full ({free:.1f} MiB free): Redis cannot write its append-only file there, "
+        "so it is not restarted. Fix: free space there, then `sparkrl up --resume` (nothing acknowledged is "
+        "lost: the append-only file and the journal hold it)"
+    )
+
+
 def on_exit(spec: ServiceSpec, returncode: int, restarts: Restarts, now: float, workers_left: int) -> Outcome:
     """The run's answer to `spec` exiting with `returncode`; `workers_left`: other workers still running."""
     if spec.role == "learner":
@@ -75,6 +95,9 @@ def on_exit(spec: ServiceSpec, returncode: int, restarts: Restarts, now: float, 
         # A signal death (-N) becomes 128+N, as a shell reports it.
         code = returncode if returncode > 0 else 128 - returncode
         return Outcome("end", f"error: {failure(spec, f'exited with code {returncode}')}", code)
+    if spec.role == "redis" and (full := disk_full(spec.log_path.parents[1] / "redis")) is not None:
+        # Restarted into a disk that cannot take its append-only file, it would die again at once.
+        return Outcome("end", f"error: {failure(spec, f'exited with code {returncode}')}\n{full}", 1, full)
     if returncode == 0 and spec.role in _CLEAN_EXIT_ROLES:
         said = {"rollout": f"{spec.name} stopped", "evaluator": f"{spec.name} finished"}.get(spec.role)
         return Outcome("go on", said)  # the feeder fed all it had: nothing to say

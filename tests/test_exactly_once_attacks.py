@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,11 @@ import redis
 import yaml
 from _faults import History, assert_each_group_once, journal_ids, steps_done, wait
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+
+from sparkrl.proto import LearnerStatus
+from sparkrl.services.common.bus import BusError, RedisBus
+from sparkrl.services.common.settings import BusSettings
+from sparkrl.services.common.telemetry import Telemetry
 
 pytestmark = pytest.mark.slow
 
@@ -187,6 +194,82 @@ def test_a_commit_refused_past_the_wait_is_never_checkpointed_and_resume_trains_
     assert "was not committed" in ended["reason"] and "--resume" in ended["reason"]
 
     resumed = start(up(tiny_model_dir, run_dir, "--set", "bus.reconnect_max_s=3", "--resume"), log)
+    try:
+        assert resumed.wait(400) == 0, log.read_text(errors="replace")[-4000:]
+    finally:
+        if resumed.poll() is None:
+            os.killpg(resumed.pid, signal.SIGKILL)
+        watch.done.set()
+        watch.join(5)
+    watch.read()
+    history = History.read(run_dir)
+    assert sorted(history.steps) == list(range(1, STEPS + 1))
+    assert_each_group_once(history, watch.seen)
+    assert set(history.group_ids) == published_after_the_run(run_dir)
+
+
+@pytest.fixture
+def small_run_disk(tmp_path: Path) -> Iterator[Path]:
+    """The run directory on a real 64 MiB tmpfs."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
+    where = tmp_path / "run"
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"this kernel refuses a tmpfs mount here: {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def learner_status(url: str) -> LearnerStatus | None:
+    try:
+        with RedisBus(BusSettings(url=url, block_ms=100, socket_timeout_s=1, reconnect_max_s=0.2)) as bus:
+            return Telemetry(bus).learner()
+    except (BusError, redis.RedisError):
+        return None
+
+
+def test_a_full_disk_stops_the_run_saying_why_and_resume_trains_every_group_once(
+    small_run_disk: Path,
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The run directory's disk fills up mid-run (a file takes all but 6 MiB of it): the learner stops at
+    the next step boundary, below `learner.min_free_mb` (12), with the reason on its status and in
+    `ended.json`, while there is still room to write them; `sparkrl up` says it and exits non-zero. Once
+    the space is back, `--resume` finishes the run, every group trained once."""
+    run_dir, log = small_run_disk, tmp_path / "up.log"
+    first = start(up(tiny_model_dir, run_dir, "--set", "learner.min_free_mb=12"), log)
+    watch = JournalWatch(run_dir)
+    watch.start()
+    filler = run_dir / "filler.bin"
+    seen: LearnerStatus | None = None
+    try:
+        wait("step 3", lambda: steps_done(run_dir) >= 3, run_dir)
+        url = yaml.safe_load((run_dir / "config" / "learner.yaml").read_text())["bus"]["url"]
+        with filler.open("wb") as file:
+            os.posix_fallocate(file.fileno(), 0, shutil.disk_usage(run_dir).free - 6 * 2**20)
+        deadline = time.monotonic() + 120
+        while first.poll() is None and time.monotonic() < deadline:
+            status = learner_status(url)
+            seen = status if status is not None and status.disk_failure else seen
+            time.sleep(0.2)
+        assert first.wait(30) == 1, log.read_text(errors="replace")[-3000:]
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert seen is not None and "learner.min_free_mb (12)" in (seen.disk_failure or "")
+    ended = json.loads((run_dir / "ended.json").read_text())["reason"]
+    assert "below learner.min_free_mb (12)" in ended and "--resume" in ended
+    assert "ended: the disk of" in log.read_text(errors="replace")
+
+    filler.unlink()  # the space comes back
+    resumed = start(up(tiny_model_dir, run_dir, "--set", "learner.min_free_mb=12", "--resume"), log)
     try:
         assert resumed.wait(400) == 0, log.read_text(errors="replace")[-4000:]
     finally:

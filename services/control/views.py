@@ -56,6 +56,7 @@ def _with_learner(base: StatusView, learner: LearnerStatus, alive: bool) -> Stat
             "hyperparameters": learner.hyperparameters,
             "last_checkpoint": learner.last_checkpoint,
             "checkpoint_failure": learner.checkpoint_failure,
+            "disk_failure": learner.disk_failure,
             "learner": learner,
         }
     )

@@ -27,6 +27,7 @@ class LearnerReport:
     hparams: dict[str, HparamValue] = field(default_factory=dict)
     last_checkpoint: str | None = None
     checkpoint_failure: str | None = None  # why the last checkpoint could not be written; None once one is
+    disk_failure: str | None = None  # why the disk stopped the run (learner.min_free_mb, a journal write)
     startup_s: dict[str, float] = field(default_factory=dict)  # start_clock.py
 
 
@@ -73,6 +74,7 @@ class StatusSource:
             max_steps=self.limit(state),
             last_checkpoint=report.last_checkpoint,
             checkpoint_failure=report.checkpoint_failure,
+            disk_failure=report.disk_failure,
             hyperparameters=report.hparams,
             max_staleness=self.max_staleness(report),
             heartbeat_at=time.time(),

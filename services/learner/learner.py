@@ -49,6 +49,7 @@ from sparkrl.services.learner.checkpoint import (
 )
 from sparkrl.services.learner.collect import BatchCollector
 from sparkrl.services.learner.control import LearnerControl, hparams_in_force
+from sparkrl.services.learner.disk import failed_write, short_of_space
 from sparkrl.services.learner.fleet import Fleet
 from sparkrl.services.learner.guard import StepGuard, broken_start, final_checkpoint_failed
 from sparkrl.services.learner.ledger import Batch, Ledger
@@ -149,6 +150,10 @@ class Learner:
         """Why the run is over, once it is: a signal, a guard rail or a lost rank (their reasons are kept
         where they were found), learner.max_steps, or the data ran out (after its last, partial step)."""
         cfg = self.live
+        if self.guard.stop is None and (short := short_of_space(self.run_dir, cfg.min_free_mb)) is not None:
+            log.error("%s", short)
+            self.guard.stop = short  # ends the run non-zero, with this reason
+            self.reports.disk_failure(short)
         if self.stop.is_set() or self.trainer.lost or self.guard.stop:
             return Ending()
         if cfg.max_steps is not None and self.state.step >= cfg.max_steps:
@@ -194,6 +199,9 @@ class Learner:
         try:
             return self.ledger.commit(self.state, batch, journaled)
         except BaseException as exc:
+            if isinstance(exc, OSError):  # the journal's write: a full disk, on the status and the page
+                what = f"the journal of step {self.state.step + 1}"
+                self.reports.disk_failure(failed_write(what, self.run_dir, exc))
             self.uncommitted = (
                 f"step {self.state.step + 1} was not committed ({type(exc).__name__}: {exc}), so its update "
                 f"is in no checkpoint: `--resume` goes on from step {self.ledger.saved_step} and its journal"

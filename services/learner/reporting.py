@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -221,7 +222,15 @@ def write_ended(run_dir: Path, reason: str, step: int, prompts: PromptCounts | N
     ended: dict[str, object] = {"reason": reason, "step": step, "time": time.time()}
     if prompts is not None:
         ended["prompts"] = prompts.model_dump()
-    (run_dir / ENDED_FILE).write_text(json.dumps(ended))
+    # Written whole or not at all (a full disk must not leave half a file), and a failure is said, not
+    # raised: the rest of the close (the last status, the last broadcast) still runs.
+    path, tmp = run_dir / ENDED_FILE, run_dir / f".{ENDED_FILE}.tmp"
+    try:
+        tmp.write_text(json.dumps(ended))
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        log.error("%s could not be written (%s); the run ended: %s", path, exc, reason)
 
 
 @dataclass(frozen=True)
@@ -315,6 +324,10 @@ class Reports:
     def checkpointed(self, path: Path) -> None:
         self.metrics.checkpoints.inc()
         self.heartbeat.update(last_checkpoint=str(path), checkpoint_failure=None)
+
+    def disk_failure(self, why: str) -> None:
+        """The run's disk stopped it: on the status and the page (the last beat carries it)."""
+        self.heartbeat.update(disk_failure=why[:2000])
 
     def published(self) -> None:
         """Before a command is answered: the status shows what it changed (bounded; a Redis that is down

@@ -230,6 +230,14 @@ class LearnerSettings(Section):
         "the model or a hyperparameter, not the data, went wrong.",
     )
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
+    min_free_mb: int = Field(
+        256,
+        ge=0,
+        description="Free space the run directory's disk must keep, MiB: below it the run stops cleanly at "
+        "the next step boundary (a final checkpoint if it fits, `ended.json` naming the fix, the reason on "
+        "the status and the page), before a full disk fails the journal, Redis's append-only file and the "
+        "logs mid-write. Free space, then `--resume`. 0: never.",
+    )
     checkpoint_every: int = Field(50, ge=1, description="Checkpoint every N steps (and on stop).")
     keep_checkpoints: int = Field(
         2,

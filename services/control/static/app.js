@@ -152,6 +152,9 @@ function renderStatus(s) {
   const failure = $("checkpoint-failure");
   failure.hidden = !s.checkpoint_failure;
   failure.textContent = s.checkpoint_failure ? `Checkpoint failed (training goes on): ${s.checkpoint_failure}` : "";
+  const disk = $("disk-failure");
+  disk.hidden = !s.disk_failure;
+  disk.textContent = s.disk_failure ? `Disk: ${s.disk_failure}` : "";
   renderHyperparameterNames(s);
 }
 
