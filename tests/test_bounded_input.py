@@ -134,6 +134,11 @@ def test_the_feeder_refuses_a_huge_prompt_and_cuts_one_with_truncate(bus_setting
         (entry,) = bus.read("prompts", "w", 10)
         assert entry.item_id == "fits"
         bus.ack("prompts", [entry.entry_id])
+        # Dead-lettered with its reason, once however often the file is fed, its payload not kept.
+        feed_prompts(bus, prompts, limits=PromptLimits(100, 32, "drop"))
+        (dead,) = bus.dead_letters()
+        assert (dead.item_id, dead.entry_id, dead.payload, dead.deliveries) == ("huge", "-", b"", 0)
+        assert dead.reason.startswith("refused by the feeder: prompt has 2000000 characters, over")
         report = feed_prompts(bus, prompts, epoch=1, limits=PromptLimits(100, 32, "truncate"))
         assert (report.published, report.refused) == (2, 0)
         entries = bus.read("prompts", "w", 10)

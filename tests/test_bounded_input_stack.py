@@ -73,6 +73,10 @@ def test_a_2mb_prompt_fed_into_a_live_run_is_refused_or_dead_lettered_and_memory
         assert one_off.returncode == 0, said
         assert f"not feeding prompt huge-000000: {REASON}" in said
         assert "epoch 0: 1 prompts fed, 0 already there, 1 refused (over the prompt limit)" in said
+        (refused,) = [
+            d for d in bus.dead_letters(50) if d.item_id == "huge-000000"
+        ]  # `sparkrl dead` shows it
+        assert refused.reason == f"refused by the feeder: {REASON}" and refused.stream.endswith(":prompts")
         marks = bus.statuses(FEED_KIND)
         assert len(marks) == len(run_marks) + 1  # its own mark beside the run's, which is as it was
         assert all(marks[name] == mark for name, mark in run_marks.items())

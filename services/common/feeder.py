@@ -117,8 +117,9 @@ def feed_prompts(
         if epoch:
             prompt = prompt.model_copy(update={"prompt_id": f"{prompt.prompt_id}@{epoch}"})
         bounded, why = limits.screen(prompt)
-        if bounded is None:
+        if bounded is None:  # never published: dead-lettered with its reason, for `sparkrl dead`
             refused += 1
+            bus.dead_letter_refused("prompts", prompt.prompt_id, f"refused by the feeder: {why}")
             if refused <= REFUSALS_SAID:
                 more = "; more are counted, not said" if refused == REFUSALS_SAID else ""
                 log.warning("not feeding prompt %s: %s%s", prompt.prompt_id, why, more)

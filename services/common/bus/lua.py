@@ -21,6 +21,18 @@ redis.call('XDEL', KEYS[1], ARGV[2])
 return 1
 """
 
+# A prompt a producer refused to publish (over the prompt limits), recorded in the dead-letter stream with
+# its reason, once: its dedup mark is set as a published prompt's is, so feeding the file again (an epoch,
+# a refeed after a wipe) records nothing twice. The payload is not kept (it may be megabytes). Returns 1 if
+# recorded, 0 if this id was published (or refused) before.
+REFUSED_LUA = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[1], '*', 'stream', ARGV[2], 'entry_id', '-',
+  'id', ARGV[3], 'reason', ARGV[4], 'payload', '', 'time_ms', ARGV[5], 'deliveries', 0)
+redis.call('SET', KEYS[1], 'refused', 'PX', ARGV[6])
+return 1
+"""
+
 # A dead letter back into the stream it came from, as a new entry with its id and payload (not through the
 # dedup check: its id was published before). Returns the new entry id, or false when the record is gone.
 REQUEUE_LUA = """

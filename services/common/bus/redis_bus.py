@@ -18,7 +18,13 @@ from redis.retry import Retry
 
 from sparkrl.services.common.bus._text import is_missing_group, mask_password, text
 from sparkrl.services.common.bus.logs import LogStreams
-from sparkrl.services.common.bus.lua import DEAD_LETTER_LUA, PUBLISH_LUA, REQUEUE_LUA, SEND_BACK_LUA
+from sparkrl.services.common.bus.lua import (
+    DEAD_LETTER_LUA,
+    PUBLISH_LUA,
+    REFUSED_LUA,
+    REQUEUE_LUA,
+    SEND_BACK_LUA,
+)
 from sparkrl.services.common.bus.owner import Owners
 from sparkrl.services.common.bus.reads import Reader
 from sparkrl.services.common.bus.reconnect import Reconnect, refused_write
@@ -60,6 +66,7 @@ class RedisBus:
     _dead_letter_script: Script
     _requeue_script: Script
     _send_back_script: Script
+    _refused_script: Script
 
     def __init__(
         self,
@@ -92,6 +99,7 @@ class RedisBus:
         self._dead_letter_script = self._redis.register_script(DEAD_LETTER_LUA)
         self._requeue_script = self._redis.register_script(REQUEUE_LUA)
         self._send_back_script = self._redis.register_script(SEND_BACK_LUA)
+        self._refused_script = self._redis.register_script(REFUSED_LUA)
         self.logs = LogStreams(self._redis, self._run, settings.namespace, settings.telemetry_maxlen)
         self.status_board = Statuses(self._redis, self._run, settings.namespace)
         self.values = NamedValues(self._redis, self._run, settings.namespace)
@@ -277,6 +285,14 @@ class RedisBus:
             entry.deliveries,
         ]
         return self._run(lambda: self._dead_letter_script(keys=keys, args=args), kind) == 1
+
+    def dead_letter_refused(self, kind: StreamKind, item_id: str, reason: str) -> bool:
+        """Record in `{ns}:dead` an item a producer refused to publish (a prompt over the limits), with its
+        reason and without its payload; once per id (False: published or refused before)."""
+        keys = [self._published_key(kind, item_id), self.stream_key("dead")]
+        args = [self.settings.dead_letter_maxlen, self.stream_key(kind), item_id, reason]
+        args += [int(time.time() * 1000), int(self.dedup_ttl_s * 1000)]
+        return self._run(lambda: self._refused_script(keys=keys, args=args)) == 1
 
     def dead_letters(self, count: int = 100) -> list[DeadLetter]:
         """The newest `count` dead letters, newest first."""
