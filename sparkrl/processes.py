@@ -26,6 +26,9 @@ _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 def _die_with_parent() -> None:
     # Runs in the child between fork and exec: if the launcher itself is SIGKILLed (no finally, no atexit),
     # the kernel still sends the service SIGTERM, so it stops cleanly instead of running on as an orphan.
+    # Everything a service writes into the run (logs, samples, checkpoints, Redis's append-only file) is
+    # its user's alone: files 0600, folders 0700.
+    os.umask(0o077)
     if _LIBC is not None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 

@@ -138,7 +138,7 @@ class RunDirLock:
 def _flock(path: Path) -> int | None:
     """An open descriptor of `path`'s current file under our exclusive flock; None when another holds it."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -198,6 +198,7 @@ def lock_run_dir(
     """
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir.chmod(0o700)  # the run's logs, samples, secrets and Redis data are its user's alone
     fd = _flock(run_dir / LOCK_FILE)
     earlier = read_lock(run_dir)
     if fd is None and earlier is not None and holder_alive(earlier) is False:

@@ -147,6 +147,10 @@ def test_refused_writes_a_second_run_and_a_killed_launcher_train_every_group_onc
         watch.done.set()
         watch.join(5)
     watch.read()
+    # The run is its user's alone: the directory 0700, every file in it (logs, AOF, journal) 0600.
+    assert run_dir.stat().st_mode & 0o777 == 0o700
+    shared = [p for p in run_dir.rglob("*") if p.stat().st_mode & 0o077 and not p.is_symlink()]
+    assert not shared, f"readable by others: {[str(p.relative_to(run_dir)) for p in shared[:5]]}"
 
     history = History.read(run_dir)
     assert sorted(history.steps) == list(range(1, STEPS + 1)) and killed_at < STEPS

@@ -3,6 +3,7 @@ starts anything."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -70,6 +71,7 @@ def up(
     from sparkrl.run_lock import RunDirLive, lock_run_dir
 
     holder = "sparkrl up --ray" if ray else "sparkrl up"
+    os.umask(0o077)  # the run directory and all it holds (logs, samples, Redis data) are this user's alone
     try:  # first: a live run's directory is refused as live, whatever else is wrong
         lock = lock_run_dir(Path(cfg.run_dir).resolve(), holder, resume, overwrite, say)
     except RunDirLive as exc:
