@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from sparkrl.proto import WorkerStatus
+from sparkrl.proto import WeightAnnouncement, WorkerStatus
 from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.settings import BusSettings, WeightSyncSettings
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.common.weight_sync import SyncFailed, WeightReceiver
-from sparkrl.services.learner.publisher import WeightPublisher
+from sparkrl.services.learner.publisher import ANNOUNCEMENT_KEY, SNAPSHOT_NAME, WeightPublisher
 from sparkrl.services.rollout.announcements import AnnouncementGate
 
 
@@ -148,3 +148,27 @@ def test_a_version_handed_over_twice_is_broadcast_once(bus_settings: BusSettings
     publisher.close()
     receiver.close()
     bus.close()
+
+
+def test_a_snapshot_that_cannot_be_written_is_named_and_the_broadcast_goes_on(
+    bus_settings: BusSettings, tmp_path: Path
+) -> None:
+    """A full disk (here: a file where the snapshots folder should be) costs the snapshot, named on the
+    status, not the version: it is announced all the same, and the next snapshot that is written clears it."""
+    from conftest import free_port
+
+    blocked = tmp_path / "snapshots"
+    blocked.write_text("a file where the folder should be\n")
+    with RedisBus(bus_settings) as bus:
+        publisher = WeightPublisher(Telemetry(bus), WeightSyncSettings(port=free_port()), blocked)
+        try:
+            publisher.publish(1, {"w": torch.ones(2)}, broadcast=False)
+            assert publisher.snapshot_failure is not None
+            assert publisher.snapshot_failure.startswith("the snapshot of version 1 could not be written: [")
+            announced = WeightAnnouncement.model_validate_json(bus.get_value(ANNOUNCEMENT_KEY) or b"")
+            assert announced.version == 1 and announced.snapshot_path is None
+            blocked.unlink()
+            publisher.publish(2, {"w": torch.ones(2)}, broadcast=False)
+            assert publisher.snapshot_failure is None and (blocked / SNAPSHOT_NAME).is_file()
+        finally:
+            publisher.sender.close()

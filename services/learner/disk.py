@@ -33,10 +33,11 @@ def short_of_space(run_dir: Path, min_free_mb: int) -> str | None:
     )
 
 
-def failed_write(what: str, run_dir: Path, exc: OSError) -> str:
+def failed_write(what: str, run_dir: Path, exc: Exception) -> str:
     """A write into the run directory that failed, in words: what, the error, the free space."""
     try:
         free = f"{free_mib(run_dir):.1f} MiB free"
     except OSError:
         free = "free space unknown"
-    return f"{what} could not be written: [{exc.strerror or exc}] ({free} in {run_dir})"
+    said = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return f"{what} could not be written: [{said}] ({free} in {run_dir})"

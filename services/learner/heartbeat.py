@@ -74,7 +74,7 @@ class StatusSource:
             max_steps=self.limit(state),
             last_checkpoint=report.last_checkpoint,
             checkpoint_failure=report.checkpoint_failure,
-            disk_failure=report.disk_failure,
+            disk_failure=report.disk_failure or self.publisher.snapshot_failure,
             hyperparameters=report.hparams,
             max_staleness=self.max_staleness(report),
             heartbeat_at=time.time(),

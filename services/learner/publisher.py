@@ -25,6 +25,7 @@ from sparkrl.services.common.settings import WeightSyncSettings
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.common.weight_sync import ANNOUNCEMENT_KEY, SyncFailed, WeightSender
 from sparkrl.services.common.weight_sync.files import WeightFileServer
+from sparkrl.services.learner.disk import failed_write
 
 log = logging.getLogger("sparkrl.learner.publisher")
 
@@ -56,8 +57,12 @@ def write_snapshot(
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / SNAPSHOT_NAME
     tmp = directory / f".{SNAPSHOT_NAME}.{os.getpid()}.tmp"
-    save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp), metadata=metadata)
-    os.replace(tmp, path)
+    try:
+        save_file({name: t.contiguous() for name, t in tensors.items()}, str(tmp), metadata=metadata)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not keep half a snapshot
+        raise
     return path
 
 
@@ -97,6 +102,7 @@ class WeightPublisher(threading.Thread):
         self._seen_incarnation: dict[str, float | None] = {}  # worker → the started_at it last reported
         self._epoch_incarnation: dict[str, float | None] = {}  # member → its started_at when the epoch formed
         self.last_sync: SyncEvent | None = None  # the newest broadcast every member acknowledged
+        self.snapshot_failure: str | None = None  # why the last snapshot could not be written (on the status)
         self._pending: tuple[int, dict[str, torch.Tensor], bool, str | None] | None = None
         self._handed: int | None = None  # the last version handed over for broadcast
         self._wake = threading.Condition()
@@ -215,6 +221,20 @@ class WeightPublisher(threading.Thread):
                 log.info("%s restarted (a new process under the same id): a new epoch takes it in", worker)
                 self.needs_new_epoch = True
 
+    def snapshot(
+        self, tensors: dict[str, torch.Tensor], version: int, adapter_base: str | None
+    ) -> str | None:
+        """The version's snapshot file (for late joiners and workers off this disk); None when it could not
+        be written (a full disk): the broadcast goes on without it, and the status says why."""
+        try:
+            path = str(write_snapshot(tensors, version, self.snapshot_dir, adapter_base))
+        except Exception as exc:  # OSError, or safetensors' own error around one (a full disk)
+            self.snapshot_failure = failed_write(f"the snapshot of version {version}", self.snapshot_dir, exc)
+            log.error("%s; the broadcast goes on without it", self.snapshot_failure)
+            return None
+        self.snapshot_failure = None
+        return path
+
     def publish(
         self,
         version: int,
@@ -224,7 +244,7 @@ class WeightPublisher(threading.Thread):
     ) -> None:
         snapshot = None
         if version % self.cfg.snapshot_every == 0 or not broadcast:
-            snapshot = str(write_snapshot(tensors, version, self.snapshot_dir, adapter_base))
+            snapshot = self.snapshot(tensors, version, adapter_base)
         members, dropped = self.choose_members() if broadcast else ((), {})
         if members != self.members or self.needs_new_epoch:
             self.epoch += 1
