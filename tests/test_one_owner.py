@@ -173,3 +173,19 @@ def test_a_redis_that_lost_its_data_gives_the_lease_back_to_its_holder(
         with pytest.raises(NamespaceOwned):
             Lease.claim(bus, "run-b", tmp_path / "b", threading.Event())
         assert Lease.claim(bus, "run-a", tmp_path, threading.Event()).owner.generation == 3
+
+
+def test_a_runs_consumer_groups_carry_its_id(bus_settings: BusSettings) -> None:
+    """A run's consumer groups are named for it (`XINFO GROUPS` says whose they are): a process of another
+    run, were it not refused by the owner lease, reads through its own group and never claims or holds
+    entries of this run's group (its pending list, what its workers reclaim)."""
+    mine = bus_settings.model_copy(update={"run_id": "run-a"})
+    other = bus_settings.model_copy(update={"run_id": "run-b"})
+    with RedisBus(mine) as bus, RedisBus(other) as stranger:
+        assert bus.groups == {"prompts": "rollout@run-a", "trajectories": "learner@run-a"}
+        assert RedisBus(bus_settings).groups == {"prompts": "rollout", "trajectories": "learner"}
+        bus.publish_prompt("p-1", b"x")
+        assert [e.item_id for e in bus.read("prompts", "w", 10)] == ["p-1"]
+        assert bus.pending_info("prompts").pending == 1
+        assert [e.item_id for e in stranger.read("prompts", "w", 10)] == ["p-1"]  # its own group's view
+        assert bus.pending_info("prompts").pending == 1  # ours untouched by the stranger's read

@@ -20,7 +20,7 @@ from _tiny import tiny_model_dir  # noqa: F401  (pytest fixture)
 
 from sparkrl.launcher import Stack, StackPlan, logtail_bytes, plan_stack, write_configs
 from sparkrl.proto import Prompt, TrajectoryGroup, decode_group, group_id_for
-from sparkrl.services.common.bus import GROUPS, RedisBus
+from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.feeder import feed_prompts
 from sparkrl.services.common.settings import PromptSettings, load_settings
 from sparkrl.services.common.tasks.countdown import score_countdown
@@ -91,7 +91,7 @@ class Fleet:
     def pending_of(self, consumer: str) -> list[str]:
         """Prompt-stream entry ids delivered to `consumer` and not acknowledged."""
         rows = self.client.xpending_range(
-            self.prompts_key, GROUPS["prompts"], min="-", max="+", count=1000, consumername=consumer
+            self.prompts_key, self.bus.groups["prompts"], min="-", max="+", count=1000, consumername=consumer
         )
         return [row["message_id"].decode() for row in rows]
 

@@ -20,7 +20,7 @@ from conftest import free_port
 from sparkrl.proto import Prompt, ResumeCommand, WorkerStatus, encode_group
 from sparkrl.proto.telemetry import StateEvent
 from sparkrl.proto.testing import random_group
-from sparkrl.services.common.bus import GROUPS, RedisBus
+from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.feeder import feed_held, feed_prompts, mark_fed
 from sparkrl.services.common.settings import (
     BusSettings,
@@ -167,7 +167,7 @@ def test_a_worker_with_non_finite_weights_stops_taking_prompts_and_gives_them_ba
     client = redis.Redis.from_url(bus_settings.url)
     reclaimed: list[bytes] = []
     while len(reclaimed) < PER_BATCH:
-        _, claimed, _ = client.xautoclaim(bus.stream_key("prompts"), GROUPS["prompts"], "another-worker",
+        _, claimed, _ = client.xautoclaim(bus.stream_key("prompts"), bus.groups["prompts"], "another-worker",
                                           bus_settings.claim_idle_ms, "0-0", count=10)  # fmt: skip
         reclaimed += [entry_id for entry_id, _ in claimed]
     client.close()

@@ -60,6 +60,7 @@ class RedisBus:
     owners: Owners  # the lease of the run that owns the namespace
     _redis: redis.Redis
     _reader: Reader  # new entries, a large read over several connections
+    groups: dict[str, str]  # stream kind → its consumer group: the role's, with the run's id when it has one
     _groups_ready: set[str]
     reconnect: Reconnect  # how a lost connection is retried, and for how long
     _publish_script: Script
@@ -93,6 +94,10 @@ class RedisBus:
             retry=Retry(NoBackoff(), 0),
         )
         self._reader = Reader(self._redis)
+        # A run's consumer groups are named for it: a process of another run (which the owner lease refuses)
+        # cannot join them, claim their pending entries or reclaim from their consumers.
+        suffix = f"@{settings.run_id}" if settings.run_id else ""
+        self.groups = {kind: group + suffix for kind, group in GROUPS.items()}
         self._groups_ready = set()
         self.reconnect = Reconnect(self.url, settings.reconnect_max_s, reconnect_setting, stop)
         self._publish_script = self._redis.register_script(PUBLISH_LUA)
@@ -184,9 +189,9 @@ class RedisBus:
             if remaining <= 0:
                 raise BusBackpressureTimeout(
                     f"{key} held {maxlen} unread or pending entries for {timeout_s:.1f} s; "
-                    f"is consumer group {GROUPS[kind]!r} running and acknowledging?"
+                    f"is consumer group {self.groups[kind]!r} running and acknowledging?"
                 )
-            log.debug("%s is full (%d entries): waiting for group %r", key, maxlen, GROUPS[kind])
+            log.debug("%s is full (%d entries): waiting for group %r", key, maxlen, self.groups[kind])
             time.sleep(min(delay, remaining))
             delay = min(delay * 2, poll_max_s)
 
@@ -232,7 +237,7 @@ class RedisBus:
         """Acknowledge and delete (one transaction); returns how many were still pending."""
         if not entry_ids:
             return 0
-        key, group = self.stream_key(kind), GROUPS[kind]
+        key, group = self.stream_key(kind), self.groups[kind]
 
         def ack_and_delete() -> int:
             pipe = self._redis.pipeline(transaction=True)
@@ -249,7 +254,7 @@ class RedisBus:
         """
         if not entry_ids:
             return 0
-        key, group = self.stream_key(kind), GROUPS[kind]
+        key, group = self.stream_key(kind), self.groups[kind]
 
         # JUSTID: a keep-alive is not a delivery, so it leaves the delivery count alone.
         def keep_alive() -> list[bytes]:
@@ -263,7 +268,7 @@ class RedisBus:
         saved). Not a delivery: the count is unchanged. Returns how many were pending."""
         if not entry_ids:
             return 0
-        key, group, idle = self.stream_key(kind), GROUPS[kind], 10 * self.settings.claim_idle_ms + 1000
+        key, group, idle = self.stream_key(kind), self.groups[kind], 10 * self.settings.claim_idle_ms + 1000
 
         def set_idle() -> list[bytes]:
             return self._redis.xclaim(key, group, consumer, 0, entry_ids, idle=idle, justid=True)
@@ -275,7 +280,7 @@ class RedisBus:
         log.warning("dead-lettering %s entry %s (%s): %s", kind, entry.entry_id, entry.item_id, reason)
         keys = [self.stream_key(kind), self.stream_key("dead")]
         args = [
-            GROUPS[kind],
+            self.groups[kind],
             entry.entry_id,
             self.settings.dead_letter_maxlen,
             entry.item_id,
@@ -312,7 +317,7 @@ class RedisBus:
         group_mark = self._published_key("trajectories", entry.item_id)
         keys = [self.stream_key("trajectories"), self.stream_key("prompts"), group_mark]
         keys.append(self._published_key("prompts", prompt_id))
-        args = [GROUPS["trajectories"], entry.entry_id, prompt_id, prompt, int(self.dedup_ttl_s * 1000)]
+        args = [self.groups["trajectories"], entry.entry_id, prompt_id, prompt, int(self.dedup_ttl_s * 1000)]
         return self._run(lambda: self._send_back_script(keys=keys, args=args), "trajectories") == 1
 
     def persistence(self) -> str | None:
@@ -330,7 +335,7 @@ class RedisBus:
 
     def pending_info(self, kind: StreamKind) -> QueueDepth:
         """(lag, pending) of the stream's consumer group."""
-        key, group = self.stream_key(kind), GROUPS[kind]
+        key, group = self.stream_key(kind), self.groups[kind]
 
         def query() -> QueueDepth:
             pipe = self._redis.pipeline(transaction=True)
@@ -350,7 +355,7 @@ class RedisBus:
 
     def _reclaim(self, kind: StreamKind, consumer: str, count: int) -> list[_Row]:
         """XAUTOCLAIM entries idle > claim_idle_ms from any consumer, this one included."""
-        key, group = self.stream_key(kind), GROUPS[kind]
+        key, group = self.stream_key(kind), self.groups[kind]
         claimed: list[tuple[bytes, dict[bytes, bytes]]] = []
         cursor: bytes | str = "0-0"
         # Walk the whole pending list (it holds only in-flight entries, so it is short): a busy head must
@@ -375,7 +380,7 @@ class RedisBus:
         return rows
 
     def _read_new(self, kind: StreamKind, consumer: str, count: int, block_ms: int | None) -> list[_Row]:
-        rows = self._reader.read_new(GROUPS[kind], consumer, self.stream_key(kind), count, block_ms)
+        rows = self._reader.read_new(self.groups[kind], consumer, self.stream_key(kind), count, block_ms)
         return [(entry_id, fields, 1) for entry_id, fields in rows]
 
     def _screen(self, kind: StreamKind, rows: list[_Row]) -> list[Entry]:
@@ -442,7 +447,7 @@ class RedisBus:
         # Created at id 0, so prompts fed before any worker started (or re-added after Redis lost the
         # group) are all delivered.
         try:
-            self._redis.xgroup_create(self.stream_key(kind), GROUPS[kind], id="0", mkstream=True)
+            self._redis.xgroup_create(self.stream_key(kind), self.groups[kind], id="0", mkstream=True)
         except ResponseError as exc:
             if "BUSYGROUP" not in str(exc):
                 raise
@@ -466,7 +471,7 @@ class RedisBus:
                 # A Redis that restarted without persistence, or was flushed, lost the group: recreate it.
                 if kind is None or regrouped or not is_missing_group(exc):
                     raise
-                log.warning("consumer group %r vanished from %s; recreating it", GROUPS[kind], self.url)
+                log.warning("consumer group %r vanished from %s; recreating it", self.groups[kind], self.url)
                 self._groups_ready.discard(kind)
                 regrouped = True
                 continue
