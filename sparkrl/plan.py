@@ -180,6 +180,10 @@ def _plan_token(cfg: SparkSettings, run_dir: Path) -> tuple[str | None, SparkSet
     return token, root
 
 
+REDIS_IDLE_TIMEOUT_S = 20
+REDIS_MAX_CLIENTS = 10_000
+
+
 def redis_max_memory(root: SparkSettings) -> int:
     """Bytes the private Redis may hold (`bus.redis_max_memory_mb`, or twice what the streams' bounds
     hold, 1 GiB at least): past it writes are refused, never evicted (`noeviction`: an evicted trained
@@ -205,6 +209,10 @@ def _redis_conf(bus: BusSettings, data_dir: Path, max_memory: int) -> str:
     return (
         f'port {port}\nbind {bus.host}\nsave ""\nappendonly yes\nappendfsync {bus.aof_fsync}\n'
         f"daemonize no\ndir {data_dir}\nmaxmemory {max_memory}\nmaxmemory-policy noeviction\n"
+        # Connections that never authenticate (a flood filling the client slots) are closed once idle for
+        # REDIS_IDLE_TIMEOUT_S, well inside the wait of the run's services, which then get back in; theirs
+        # that idle as long reconnect on their next call.
+        f"timeout {REDIS_IDLE_TIMEOUT_S}\ntcp-keepalive 15\nmaxclients {REDIS_MAX_CLIENTS}\n"
         + (f"requirepass {password}\n" if password else "")
     )
 

@@ -85,7 +85,10 @@ class Outage:
         backoff = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2.0 ** min(self.attempt, 16))
         delay = min(backoff * random.uniform(0.5, 1.0), limit - waited)
         self.attempt += 1
-        log.warning(
+        # A first failure retried at once is no outage: a pooled connection Redis closed while it idled
+        # (`sparkrl up`'s Redis closes idle clients) fails once, then reconnects. From the second on, said.
+        say = log.debug if self.attempt == 1 and not isinstance(exc, ResponseError) else log.warning
+        say(
             "Redis at %s: %s; %s %d in %.2f s (up to %s=%g)",
             p.url,
             p.trouble,
