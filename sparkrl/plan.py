@@ -228,7 +228,9 @@ def _service(
 ) -> ServiceSpec:
     if role == "redis":
         config_path = run_dir / "config" / "redis.conf"
-        command: tuple[str, ...] = (shutil.which("redis-server") or "redis-server", str(config_path))
+        # Through its keeper, which stops it only once the run's other services are gone (redis_keeper.py).
+        server = shutil.which("redis-server") or "redis-server"
+        command: tuple[str, ...] = (sys.executable, "-m", "sparkrl.redis_keeper", server, str(config_path))
     else:
         config_path = run_dir / "config" / f"{name}.yaml"
         command = (python or sys.executable, "-m", "sparkrl.cli", role, "--preset", str(config_path), *extra)

@@ -151,17 +151,21 @@ def _flock(path: Path) -> int | None:
         os.close(fd)
 
 
-def _holders(path: Path) -> list[str]:
-    """The processes of this host with `path` open (`pid 42 (python)`): the services of a killed holder,
+def holders(path: Path) -> dict[int, str]:
+    """The processes of this host with `path` open, pid → command name: the services of a killed holder,
     which inherited the lock and keep it until the last of them exits."""
-    found = []
+    found = {}
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             if any(os.readlink(fd).removesuffix(" (deleted)") == str(path) for fd in (proc / "fd").iterdir()):
-                found.append(f"pid {proc.name} ({(proc / 'comm').read_text().strip()})")
+                found[int(proc.name)] = (proc / "comm").read_text().strip()
         except OSError:
             continue
     return found
+
+
+def _holders(path: Path) -> list[str]:
+    return [f"pid {pid} ({name})" for pid, name in holders(path).items()]
 
 
 def _wait_for_orphans(path: Path, earlier: RunLock, wait_s: float, say: Callable[[str], None]) -> int | None:

@@ -145,6 +145,8 @@ def journal_ids(run_dir: Path) -> dict[int, list[str]]:
     from sparkrl.proto import decode_group
     from sparkrl.services.learner.ledger import Journal
 
+    if not (run_dir / "journal").is_dir():  # not made here: the run's own folders are the run's to make
+        return {}
     journal = Journal(run_dir)
     return {step: [decode_group(e.payload).group_id for e in journal.read(step)] for step in journal.steps()}
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -159,6 +160,11 @@ def test_refused_writes_a_second_run_and_a_killed_launcher_train_every_group_onc
     assert trained == published_after_the_run(run_dir) and len(trained) == STEPS * PER_STEP
     said = log.read_text(errors="replace")
     assert "ended:" in said
+    # The orphaned learner finished its step and stopped on its parent-death signal, its Redis kept by the
+    # keeper until then: a clean stop, not a lost Redis (`BusStopping`).
+    learner_log = (run_dir / "logs" / "learner.log").read_text(errors="replace")
+    assert re.search(r"learner stopped at step \d+ \(policy version \d+\): stopped \(signal\)", learner_log)
+    assert "BusStopping" not in learner_log
 
 
 def test_a_commit_refused_past_the_wait_is_never_checkpointed_and_resume_trains_it_once(

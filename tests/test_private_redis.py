@@ -1,9 +1,12 @@
-"""`sparkrl up`'s private Redis under a flood of connections that never authenticate: its config (as the
-launcher writes it) closes idle clients, so the run's services, waiting as for an outage, get back in.
-A real redis-server started from the planned `redis.conf`, its client limit lowered so the flood is small."""
+"""`sparkrl up`'s private Redis, a real redis-server started as the launcher starts it: under a flood of
+connections that never authenticate its config (the planned `redis.conf`, client limit lowered so the
+flood is small) closes idle clients, so the run's services, waiting as for an outage, get back in; and its
+keeper stops it only after the run's other services, so a learner told to stop can still commit."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import time
@@ -13,6 +16,7 @@ import pytest
 import redis
 
 from sparkrl.plan import REDIS_IDLE_TIMEOUT_S, plan_stack, write_configs
+from sparkrl.run_lock import lock_run_dir
 from sparkrl.services.common.bus import BusUnavailable, RedisBus
 from sparkrl.services.common.settings import load_settings
 
@@ -90,3 +94,35 @@ def test_a_flood_of_unauthenticated_connections_does_not_lock_the_run_out(tmp_pa
 def test_the_planned_redis_conf_says(line: str, tmp_path: Path) -> None:
     plan = plan_stack(load_settings("smoke", [f"run_dir={tmp_path}"]), workers=1, private_redis=True)
     assert f"\n{line}\n" in next(str(s.config) for s in plan.services if s.role == "redis")
+
+
+def test_the_keeper_stops_redis_only_after_the_runs_other_services(tmp_path: Path) -> None:
+    """`sparkrl up` killed: every service gets SIGTERM at once. Redis's keeper takes it and waits while
+    another process still holds the run's lock (here a `sleep` standing in for the learner finishing its
+    step), so that process can still commit; then it stops Redis and exits with its code."""
+    plan = plan_stack(load_settings("smoke", [f"run_dir={tmp_path / 'run'}"]), workers=1, private_redis=True)
+    write_configs(plan)
+    (spec,) = [s for s in plan.services if s.role == "redis"]
+    assert spec.command[1:3] == ("-m", "sparkrl.redis_keeper")
+    lock = lock_run_dir(plan.run_dir, "sparkrl up")
+    keeper = subprocess.Popen(
+        spec.command, pass_fds=(lock.fd,), stdout=subprocess.DEVNULL, start_new_session=True
+    )
+    learner = subprocess.Popen(["sleep", "60"], pass_fds=(lock.fd,))
+    client = redis.Redis.from_url(plan.settings.bus.url, socket_timeout=5)
+    try:
+        _wait_for(client)
+        lock.release()  # as a killed launcher would: only its services hold the run now
+        keeper.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert keeper.poll() is None and client.ping()  # still serving the one that is stopping
+        learner.kill()
+        learner.wait()
+        assert keeper.wait(10) == 0  # Redis stopped cleanly once nobody else held the run
+        with pytest.raises(redis.ConnectionError):
+            client.ping()
+    finally:
+        for proc in (learner, keeper):
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL) if proc is keeper else proc.kill()
+        client.close()
