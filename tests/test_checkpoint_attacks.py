@@ -27,6 +27,7 @@ import pytest
 from _faults import assert_exactly_once, kill9, settings, steps_done, wait
 from _live import Live
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from _tmpfs import tmpfs
 from conftest import start_stack
 from test_checkpoint_folder import TRAVERSALS, corrupt
 
@@ -132,19 +133,8 @@ def test_every_traversal_form_is_refused_and_the_run_is_untouched(
 @pytest.fixture
 def small_checkpoint_disk(tmp_path: Path) -> Iterator[Path]:
     """RUN_DIR/checkpoints on a real 8 MiB tmpfs (one of the stack's 5.9 MB checkpoints fits, two do not)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    where = tmp_path / "run" / "checkpoints"
-    where.mkdir(parents=True)
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(where)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"this kernel refuses a tmpfs mount here: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "run" / "checkpoints", "8m") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def test_a_full_disk_fails_checkpoints_training_goes_on_and_the_run_finishes(

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from _tmpfs import tmpfs
 
 from sparkrl.proto import CheckpointCommand
 from sparkrl.proto.views import CheckpointRequest
@@ -188,19 +188,8 @@ def test_a_tag_reused_replaces_its_folder_whole(engine_and_tokenizer: tuple, tmp
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A real tmpfs of 4 MiB (one tiny-model checkpoint fits, two do not); root only."""
-    where = tmp_path / "disk"
-    where.mkdir()
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (the full-disk case runs where CI runs: as root)")
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(where)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"this kernel refuses a tmpfs mount here: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "disk", "4m") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def test_a_full_disk_fails_the_write_whole_and_leaves_latest(

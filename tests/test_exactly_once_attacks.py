@@ -28,6 +28,7 @@ import redis
 import yaml
 from _faults import History, assert_each_group_once, journal_ids, steps_done, wait
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from _tmpfs import tmpfs
 
 from sparkrl.proto import LearnerStatus
 from sparkrl.services.common.bus import BusError, RedisBus
@@ -95,6 +96,24 @@ def published_after_the_run(run_dir: Path) -> set[str]:
         client.close()
         server.terminate()
         server.wait(10)
+
+
+def resume_and_audit(command: list[str], log: Path, watch: JournalWatch) -> None:
+    """`sparkrl up --resume` to the run's end, then the audit: every step, every group in exactly one of
+    them (the journal as `watch` saw it, and the audit trail), every group the bus accepted trained."""
+    resumed = start(command, log)
+    try:
+        assert resumed.wait(400) == 0, log.read_text(errors="replace")[-4000:]
+    finally:
+        if resumed.poll() is None:
+            os.killpg(resumed.pid, signal.SIGKILL)
+        watch.done.set()
+        watch.join(5)
+    watch.read()
+    history = History.read(watch.run_dir)
+    assert sorted(history.steps) == list(range(1, STEPS + 1))
+    assert_each_group_once(history, watch.seen)
+    assert set(history.group_ids) == published_after_the_run(watch.run_dir)
 
 
 def test_refused_writes_a_second_run_and_a_killed_launcher_train_every_group_once(
@@ -203,37 +222,14 @@ def test_a_commit_refused_past_the_wait_is_never_checkpointed_and_resume_trains_
     ended = json.loads((run_dir / "ended.json").read_text())
     assert "was not committed" in ended["reason"] and "--resume" in ended["reason"]
 
-    resumed = start(up(tiny_model_dir, run_dir, "--set", "bus.reconnect_max_s=3", "--resume"), log)
-    try:
-        assert resumed.wait(400) == 0, log.read_text(errors="replace")[-4000:]
-    finally:
-        if resumed.poll() is None:
-            os.killpg(resumed.pid, signal.SIGKILL)
-        watch.done.set()
-        watch.join(5)
-    watch.read()
-    history = History.read(run_dir)
-    assert sorted(history.steps) == list(range(1, STEPS + 1))
-    assert_each_group_once(history, watch.seen)
-    assert set(history.group_ids) == published_after_the_run(run_dir)
+    resume_and_audit(up(tiny_model_dir, run_dir, "--set", "bus.reconnect_max_s=3", "--resume"), log, watch)
 
 
 @pytest.fixture
 def small_run_disk(tmp_path: Path) -> Iterator[Path]:
     """The run directory on a real 64 MiB tmpfs."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root (CI runs as root)")
-    where = tmp_path / "run"
-    where.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(where)], capture_output=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"this kernel refuses a tmpfs mount here: {mounted.stderr.decode().strip()}")
-    try:
+    with tmpfs(tmp_path / "run", "64m") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
 
 
 def learner_status(url: str) -> LearnerStatus | None:
@@ -279,16 +275,4 @@ def test_a_full_disk_stops_the_run_saying_why_and_resume_trains_every_group_once
     assert "ended: the disk of" in log.read_text(errors="replace")
 
     filler.unlink()  # the space comes back
-    resumed = start(up(tiny_model_dir, run_dir, "--set", "learner.min_free_mb=12", "--resume"), log)
-    try:
-        assert resumed.wait(400) == 0, log.read_text(errors="replace")[-4000:]
-    finally:
-        if resumed.poll() is None:
-            os.killpg(resumed.pid, signal.SIGKILL)
-        watch.done.set()
-        watch.join(5)
-    watch.read()
-    history = History.read(run_dir)
-    assert sorted(history.steps) == list(range(1, STEPS + 1))
-    assert_each_group_once(history, watch.seen)
-    assert set(history.group_ids) == published_after_the_run(run_dir)
+    resume_and_audit(up(tiny_model_dir, run_dir, "--set", "learner.min_free_mb=12", "--resume"), log, watch)
