@@ -189,3 +189,22 @@ def test_a_runs_consumer_groups_carry_its_id(bus_settings: BusSettings) -> None:
         assert bus.pending_info("prompts").pending == 1
         assert [e.item_id for e in stranger.read("prompts", "w", 10)] == ["p-1"]  # its own group's view
         assert bus.pending_info("prompts").pending == 1  # ours untouched by the stranger's read
+
+
+def test_a_feeder_of_another_run_is_refused(bus_settings: BusSettings, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    with RedisBus(bus_settings) as bus:
+        Lease.claim(bus, "run-a", tmp_path, threading.Event())
+        given = [f"bus.url={bus_settings.url}", f"bus.namespace={bus_settings.namespace}", "bus.run_id=run-b"]
+        fed = subprocess.run(
+            [sys.executable, "-m", "sparkrl.cli", "prompts", "--preset", "smoke",
+             *(arg for setting in [*given, "prompts.count=4"] for arg in ("--set", setting))],
+            capture_output=True, text=True, timeout=120, env=clean_env(),
+        )  # fmt: skip
+        assert fed.returncode == 2, fed.stdout + fed.stderr
+        assert "the feeder of run run-b refused" in fed.stderr and "is owned by run run-a" in fed.stderr
+        assert bus.pending_info("prompts").lag == 0  # nothing fed

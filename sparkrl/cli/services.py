@@ -171,6 +171,7 @@ def _feed(cfg: PromptsConfig, epochs: int, watch: bool, log: logging.Logger) -> 
     from sparkrl.services.common.bus import RedisBus
     from sparkrl.services.common.feeder import feeder_name, mark_feeding, watch_and_refeed
     from sparkrl.services.common.logs import stop_on_signals
+    from sparkrl.services.common.ownership import NamespaceOwned, refuse_foreign_owner
     from sparkrl.services.common.prompt_limits import feeder_limits
     from sparkrl.services.common.recovery import ensure_incarnation, warn_if_not_persistent
     from sparkrl.services.common.tasks.datasets import DatasetError, iter_prompts
@@ -192,6 +193,11 @@ def _feed(cfg: PromptsConfig, epochs: int, watch: bool, log: logging.Logger) -> 
     name = feeder_name(cfg.prompts, epochs)
     stop = stop_on_signals(log, "feeding")
     with RedisBus(cfg.bus) as bus:
+        try:  # a feeder of this run feeds no other run's namespace
+            refuse_foreign_owner(bus, cfg.bus.run_id, "the feeder")
+        except NamespaceOwned as exc:
+            log.error("%s", exc)
+            raise typer.Exit(2) from exc
         warn_if_not_persistent(bus)
 
         def feed_all(skip_trained: bool = False) -> FeedReport:
