@@ -313,7 +313,7 @@ class Learner:
         final_failed = self.final_checkpoint() if keep and state.step > self.ledger.saved_step else None
         keep = keep and final_failed is None
         suspect, latest = guard.suspect, latest_checkpoint(self.run_dir)
-        if suspect is not None and latest is not None:
+        if suspect is not None and latest is not None and fenced is None:
             try:
                 drop_overrides(latest, list(suspect.values))  # an older checkpoint may carry it
             except OSError as exc:
