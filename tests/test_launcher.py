@@ -155,8 +155,10 @@ def test_commands_start_each_service_from_its_file(tmp_path: Path) -> None:
         "--worker-id",
         "worker-1",
     )
-    assert by_name["redis"].command[1:] == (str(config / "redis.conf"),)
-    assert Path(by_name["redis"].command[0]).name == "redis-server"
+    # redis-server under its keeper (redis_keeper.py), which stops it after the run's other services.
+    assert by_name["redis"].command[1:3] == ("-m", "sparkrl.redis_keeper")
+    assert by_name["redis"].command[-1] == str(config / "redis.conf")
+    assert Path(by_name["redis"].command[3]).name == "redis-server"
     assert f"port {plan.settings.bus.url.rsplit(':', 1)[1].split('/')[0]}\n" in by_name["redis"].config
     assert {s.log_path for s in plan.services} == {tmp_path / "logs" / f"{n}.log" for n in by_name}
 

@@ -118,7 +118,7 @@ def test_an_older_learner_status_still_reads_and_says_nothing_of_staleness() -> 
 
 def test_the_learners_status_carries_the_max_staleness_in_force() -> None:
     cfg = LearnerSettings(max_staleness=3)
-    publisher = SimpleNamespace(last_sync=None, epoch=1, members=["w0"])
+    publisher = SimpleNamespace(last_sync=None, epoch=1, members=["w0"], snapshot_failure=None)
     source = StatusSource(publisher, cfg)  # type: ignore[arg-type]
     assert source(LearnerReport(), TrainState()).max_staleness == 3  # before the loop reports
     # A live change (`sparkrl set max_staleness=1`) reaches the status with the hyperparameters in force,
