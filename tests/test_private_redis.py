@@ -6,6 +6,7 @@ keeper stops it only after the run's other services, so a learner told to stop c
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,11 +15,13 @@ from pathlib import Path
 
 import pytest
 import redis
+from _tmpfs import tmpfs
 
 from sparkrl.plan import REDIS_IDLE_TIMEOUT_S, plan_stack, write_configs
 from sparkrl.run_lock import lock_run_dir
 from sparkrl.services.common.bus import BusUnavailable, RedisBus
-from sparkrl.services.common.settings import load_settings
+from sparkrl.services.common.settings import SupervisionSettings, load_settings
+from sparkrl.supervision import Restarts, on_exit
 
 FLOOD = 64  # the client slots, lowered from the planned 10,000 so the test floods them quickly
 
@@ -126,3 +129,19 @@ def test_the_keeper_stops_redis_only_after_the_runs_other_services(tmp_path: Pat
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL) if proc is keeper else proc.kill()
         client.close()
+
+
+def test_a_redis_that_died_on_a_full_disk_is_not_restarted_into_it(tmp_path: Path) -> None:
+    """Redis exits when its append-only file cannot grow: restarted into the same full disk it would die
+    again (five times, before): the run ends instead, naming the disk and the fix."""
+    with tmpfs(tmp_path / "run", "32m") as run_dir:
+        plan = plan_stack(load_settings("smoke", [f"run_dir={run_dir}"]), workers=1, private_redis=True)
+        write_configs(plan)
+        (spec,) = [s for s in plan.services if s.role == "redis"]
+        restarts = Restarts(SupervisionSettings())
+        assert on_exit(spec, 1, restarts, time.monotonic(), 1).action == "restart"  # room: restarted
+        with (run_dir / "filler").open("wb") as file:
+            os.posix_fallocate(file.fileno(), 0, shutil.disk_usage(run_dir).free - 4096)
+        outcome = on_exit(spec, 1, restarts, time.monotonic(), 1)
+        assert (outcome.action, outcome.code) == ("end", 1)
+        assert outcome.reason is not None and "is full" in outcome.reason and "--resume" in outcome.reason
