@@ -4,6 +4,7 @@ that names the lock (instead of waiting silently for ever and ignoring SIGTERM).
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -32,6 +33,28 @@ def test_only_locks_no_process_builds_under_are_cleared(tmp_path: Path) -> None:
     finally:
         builder.kill()
         builder.wait()
+
+
+def test_a_lock_a_process_holds_open_is_not_cleared(tmp_path: Path) -> None:
+    """torch's file baton keeps the lock's descriptor open while it loads the op (a version check, or a
+    build), elsewhere than its folder: a data-parallel learner's other rank. Clearing that lock made the
+    rank's release fail (FileNotFoundError) and the learner with it."""
+    folder = tmp_path / "op"
+    folder.mkdir()
+    lock = folder / "lock"
+    # The path comes in the environment: neither the command line nor the cwd names the folder.
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import os, time; fd = os.open(os.environ['LOCK'], os.O_CREAT | os.O_EXCL); "
+         "print('held', flush=True); time.sleep(30)"],
+        stdout=subprocess.PIPE, text=True, cwd=tmp_path, env={**os.environ, "LOCK": str(lock)},
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        assert clear_stale_locks(tmp_path) == [] and lock.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert clear_stale_locks(tmp_path) == [lock] and not lock.exists()  # its holder gone: stale
 
 
 @pytest.fixture

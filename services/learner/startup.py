@@ -43,16 +43,22 @@ def build_locks(root: Path) -> Iterator[Path]:
 
 
 def _busy(folder: Path) -> bool:
-    """Whether a live process works in `folder` (its cwd, or an argument naming it): a build under way."""
+    """Whether a live process works in `folder`: it holds the build lock open (torch's file baton keeps the
+    lock's descriptor until it releases it, through the whole load, a build or only a version check), its
+    cwd is there, or an argument names it. A data-parallel learner's other rank loading the op while this
+    one starts holds the lock: removing it would fail that rank's release."""
     target = str(folder.resolve())
+    lock = str(folder.resolve() / "lock")
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             cwd = os.readlink(proc / "cwd")
             cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if cwd.startswith(target) or target in cmdline:
+                return True
+            if any(os.readlink(fd) == lock for fd in (proc / "fd").iterdir()):
+                return True
         except OSError:
             continue
-        if cwd.startswith(target) or target in cmdline:
-            return True
     return False
 
 
