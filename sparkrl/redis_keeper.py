@@ -42,8 +42,8 @@ def keep(server: str, conf: Path) -> int:
     told = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: told.set())
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is the launcher's to act on
-    while redis.poll() is None and not told.wait(0.2):
-        pass
+    while not told.wait(0.2) and redis.poll() is None:
+        continue  # Redis serves; the keeper only waits to be told to stop (or for Redis to die)
     if redis.poll() is None:
         # Not counted: the keeper and its Redis, and the launcher that holds the lock while it stops the run
         # (its parent; once the launcher is killed, the parent is init).

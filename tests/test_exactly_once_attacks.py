@@ -11,6 +11,7 @@ it) and the audit trail, every group id in exactly one step, and every group the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -69,10 +70,9 @@ class JournalWatch(threading.Thread):
             self.read()
 
     def read(self) -> None:
-        try:
+        # A file trimmed while being read: the next look has the rest.
+        with contextlib.suppress(OSError, ValueError):
             self.seen |= journal_ids(self.run_dir)
-        except (OSError, ValueError):  # a file trimmed while being read: the next look has the rest
-            pass
 
 
 def published_after_the_run(run_dir: Path) -> set[str]:
