@@ -21,7 +21,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -56,6 +56,16 @@ def start(command: list[str], log: Path) -> subprocess.Popen[bytes]:
     """`sparkrl up` in its own session, as from a terminal: a SIGKILL reaches the launcher alone."""
     with log.open("ab") as out:
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def until(condition: Callable[[], bool], timeout_s: float) -> bool:
+    """Whether `condition` held within `timeout_s` (polled every 0.1 s)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
 
 
 class JournalWatch(threading.Thread):
@@ -205,13 +215,20 @@ def test_a_commit_refused_past_the_wait_is_never_checkpointed_and_resume_trains_
         raw = redis.Redis.from_url(url)
         # The learner held still until the workers have queued a step's groups, so that the first thing it
         # writes once Redis refuses writes is a commit (idle, it would fail reading the queue's depth).
+        # Held mid-broadcast, it holds the workers too (they wait on its weight-sync store): let it go on
+        # and try again.
         learner = json.loads((run_dir / "owner.json").read_text())["pid"]
-        os.kill(learner, signal.SIGSTOP)
-        try:
-            wait("a queued step", lambda: raw.xlen("sparkrl:trajectories") >= 2 * PER_STEP, run_dir, 60)
-            raw.config_set("maxmemory", 1)
-        finally:
-            os.kill(learner, signal.SIGCONT)
+        for _ in range(6):
+            os.kill(learner, signal.SIGSTOP)
+            try:
+                if queued := until(lambda: raw.xlen("sparkrl:trajectories") >= 2 * PER_STEP, 15):
+                    raw.config_set("maxmemory", 1)
+            finally:
+                os.kill(learner, signal.SIGCONT)
+            if queued:
+                break
+            time.sleep(3)
+        assert queued, "the workers never queued two steps' groups while the learner held still"
         assert first.wait(120) != 0, "a run whose learner cannot commit must not end as if it had"
         raw.close()  # its Redis went with it
     finally:
