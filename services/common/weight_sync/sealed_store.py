@@ -23,6 +23,7 @@ code path, and no protection.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -102,10 +103,9 @@ class SealedStore:
         deadline = time.monotonic() + timeout.total_seconds()
         pending, found = dict(keys), {}
         while pending and (left := deadline - time.monotonic()) > 0:
-            try:
+            # Some never came (DistStoreError): take the ones that did, and stop.
+            with contextlib.suppress(dist.DistStoreError):
                 self.raw.wait(list(pending.values()), timedelta(seconds=left))
-            except dist.DistStoreError:
-                pass  # some never came: take the ones that did, and stop
             for name, key in list(pending.items()):
                 value = self.value(key)
                 if value is not None:
