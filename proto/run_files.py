@@ -15,6 +15,11 @@ from sparkrl.proto.base import WireModel
 
 RUN_FILES_SCHEMA_VERSION = 1
 
+# A service's exit code that says its set-up is wrong (sysexits' EX_CONFIG): restarting it cannot help, so
+# `sparkrl up` ends the run with the service's last log lines instead. Writer: a rollout worker whose engine
+# cannot take the learner's tensors (`WeightsDoNotFit`). Reader: the launcher's supervision.
+EXIT_UNFIT = 78
+
 
 class RunLock(WireModel):
     """`RUN_DIR/run.lock`: the directory is live, held by this process until it exits."""

@@ -5,6 +5,8 @@ restarted, within a budget (`supervision.max_restarts` per `supervision.restart_
   terms: `--auto-resume` under a supervisor that restarts it, `sparkrl up --resume` here).
 - A clean exit is not a death where it has a meaning: the feeder fed everything, a worker obeyed a stop
   command, the evaluator is done.
+- A service that exits with `EXIT_UNFIT` (78: its set-up is wrong, e.g. a worker whose engine cannot take
+  the learner's tensors) ends the run with its last log lines: a restart would fail the same way.
 - Everything else is restarted (Redis on its port and append-only file, reward, control, evaluator,
   feeder, workers): the others wait for it meanwhile (the workers' reward calls retry within
   `rollout.reward_deadline_s`, prompts left unacknowledged are reclaimed). One that dies more often than
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from sparkrl.plan import ServiceSpec
+from sparkrl.proto.run_files import EXIT_UNFIT
 from sparkrl.run_files import ENDED_FILE, read_ended, tail_bytes
 from sparkrl.services.common.settings import SupervisionSettings
 
@@ -98,6 +101,9 @@ def on_exit(spec: ServiceSpec, returncode: int, restarts: Restarts, now: float, 
     if spec.role == "redis" and (full := disk_full(spec.log_path.parents[1] / "redis")) is not None:
         # Restarted into a disk that cannot take its append-only file, it would die again at once.
         return Outcome("end", f"error: {failure(spec, f'exited with code {returncode}')}\n{full}", 1, full)
+    if returncode == EXIT_UNFIT:  # its set-up is wrong: a restart would fail the same way
+        said = f"error: {failure(spec, f'exited with code {returncode}: its set-up is wrong, not restarted')}"
+        return Outcome("end", said, 1, f"{spec.name} exited with code {returncode}: its set-up is wrong")
     if returncode == 0 and spec.role in _CLEAN_EXIT_ROLES:
         said = {"rollout": f"{spec.name} stopped", "evaluator": f"{spec.name} finished"}.get(spec.role)
         return Outcome("go on", said)  # the feeder fed all it had: nothing to say

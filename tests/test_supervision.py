@@ -18,6 +18,7 @@ from conftest import free_port, start_stack
 
 from sparkrl.launcher import Role, ServiceSpec, Stack, StackPlan, plan_stack, write_configs
 from sparkrl.proto import RewardItem
+from sparkrl.proto.run_files import EXIT_UNFIT
 from sparkrl.services.common.reward_client import RewardClient, RewardServiceError
 from sparkrl.services.common.settings import SparkSettings, SupervisionSettings
 from sparkrl.supervision import Restarts, on_exit
@@ -77,6 +78,20 @@ def test_each_exit_is_a_restart_an_end_or_nothing(tmp_path: Path) -> None:
     for _ in range(2):
         assert on_exit(evaluator, 1, restarts, 0.0, 0).action == "restart"
     assert "training goes on without evaluation" in (on_exit(evaluator, 1, restarts, 0.0, 0).message or "")
+
+
+def test_a_service_whose_set_up_is_wrong_ends_the_run_at_once(tmp_path: Path) -> None:
+    """Exit code 78 (a worker whose engine cannot take the learner's tensors) is never restarted, even
+    with the restart budget untouched and other workers left: they run the same model."""
+    restarts = Restarts(SupervisionSettings(max_restarts=5, restart_window_s=60))
+    worker = spec(tmp_path, "worker-0", "rollout")
+    worker.log_path.parent.mkdir(parents=True, exist_ok=True)
+    worker.log_path.write_text("ERROR the learner's weights do not fit: Gemma2ForCausalLM has no lm_head\n")
+    outcome = on_exit(worker, EXIT_UNFIT, restarts, 0.0, 3)
+    assert (outcome.action, outcome.code) == ("end", 1)
+    assert "set-up is wrong, not restarted" in (outcome.message or "")
+    assert "Gemma2ForCausalLM has no lm_head" in (outcome.message or "")  # the cause, from its log
+    assert restarts.times == {}
 
 
 # ── real processes ────────────────────────────────────────────────────────────────────────────────────

@@ -13,6 +13,7 @@ from _tiny import tiny_model_dir  # noqa: F401  (pytest fixture)
 from sparkrl.proto import Completion
 from sparkrl.services.common.settings import SamplingSettings, TorchEngineSettings
 from sparkrl.services.common.weight_sync import weights_checksum
+from sparkrl.services.rollout.engine import WeightsDoNotFit
 from sparkrl.services.rollout.torch_engine import TorchEngine
 
 PROMPTS = ["Use 3 7 to make 21.\n", "Use 8 2 6 to make 40.\n", "Use 1 9 to make 10.\n"]
@@ -178,9 +179,9 @@ def test_load_weights_swaps_in_place(engine: TorchEngine) -> None:
 
 def test_load_weights_rejects_unknown_names_and_shapes(engine: TorchEngine) -> None:
     version = engine.policy_version
-    with pytest.raises(KeyError, match="no tensor"):
+    with pytest.raises(WeightsDoNotFit, match=r"'model\.not_a_layer\.weight', which Qwen2ForCausalLM"):
         engine.load_weights([("model.not_a_layer.weight", torch.zeros(1))], version=version + 1)
     name, tensor = next(iter(engine.model.state_dict().items()))
-    with pytest.raises(ValueError, match="shape"):
+    with pytest.raises(WeightsDoNotFit, match="shape"):
         engine.load_weights([(name, torch.zeros(tensor.shape[0] + 1))], version=version + 1)
     assert engine.policy_version == version

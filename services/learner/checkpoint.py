@@ -24,6 +24,7 @@ import deepspeed
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from sparkrl.services.common.weight_sync import distinct_tensors
 from sparkrl.services.learner.checkpoint_folder import (
     MANIFEST,
     PARTIAL,
@@ -258,4 +259,5 @@ def cpu_weights(engine: deepspeed.DeepSpeedEngine) -> dict[str, torch.Tensor]:
             return adapter_tensors(module)
         if is_lora(module):
             return merged_state_dict(module)
-        return {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict().items()}
+        # A tied output layer is its embedding: sent once, under the embedding's name (manifest.py).
+        return {n: t.detach().to("cpu", copy=True) for n, t in distinct_tensors(module.state_dict()).items()}

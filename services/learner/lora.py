@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors.torch import save_file
 
+from sparkrl.services.common.weight_sync import distinct_tensors
+
 if TYPE_CHECKING:
     from sparkrl.services.common.settings import LoraSettings
 
@@ -123,10 +125,11 @@ def lora_layers(module: torch.nn.Module) -> dict[str, torch.nn.Module]:
 @torch.no_grad()
 def merged_state_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """CPU copies of the weights as the model without LoRA names them, each LoRA layer's weight merged
-    (W0 + scaling · B A). The module is not changed (call under ZeRO-3's gather)."""
+    (W0 + scaling · B A), each tied tensor once (`distinct_tensors`). The module is not changed (call
+    under ZeRO-3's gather)."""
     layers = lora_layers(module)
     merged: dict[str, torch.Tensor] = {}
-    for name, tensor in module.state_dict().items():
+    for name, tensor in distinct_tensors(module.state_dict()).items():  # a tied head: its embedding's name
         if any(part in name for part in LORA_PARTS):
             continue
         owner, wrapped, leaf = name.rpartition(BASE_LAYER)

@@ -12,10 +12,13 @@ Both engines satisfy the same contract, checked by `tests/test_engine_contract.p
   (`finish_reason` "abort") with what they hold. `generate(..., prefixes=)` continues such rows instead of
   starting from the prompt: their tokens, log-probs and versions are kept, the cache recomputed.
 - `load_weights` replaces weights in place between `generate` calls (or between two decoding steps, from
-  `interrupts.poll`) and sets the policy version; a version it cannot install raises before the engine
-  changes (KeyError, ValueError) or after it undid the attempt (`WeightLoadFailed`): either way the
-  engine still serves the version it held. An engine that could not undo it raises `EngineBroken` and
-  refuses to generate.
+  `interrupts.poll`) and sets the policy version; a version it cannot install raises after it undid the
+  attempt (`WeightLoadFailed`: the engine still serves the version it held). Tensors that do not fit the
+  model (a name it does not have, another shape) raise `WeightsDoNotFit`, naming the tensor and the
+  model's class: another model, or a family this engine cannot update, which no restart mends. An engine
+  that could not undo a failed load raises `EngineBroken` and refuses to generate.
+- A tied tensor (a head that is its embedding) arrives once, under its first state-dict name
+  (`weight_sync.distinct_tensors`); the engine's own copy of it takes the values under every name.
 - `weights_checksum` is `sparkrl.services.common.weight_sync.weights_checksum` (blake2b-256 over raw
   tensor bytes in state-dict order), the algorithm of the learner's `WeightAnnouncement.checksum`.
 """
@@ -45,6 +48,12 @@ class WeightLoadFailed(SyncFailed):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.reason,))
+
+
+class WeightsDoNotFit(Exception):
+    """The learner's tensors do not fit this engine's model: a name it lacks or a shape it does not have
+    (the worker runs another model, or this engine's loader cannot take this family's tensors). The worker
+    exits with `proto.run_files.EXIT_UNFIT` and the run ends with this message: no restart could help."""
 
 
 class EngineBroken(Exception):

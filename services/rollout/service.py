@@ -15,6 +15,7 @@ import time
 from functools import partial
 from pathlib import Path
 
+from sparkrl.proto.run_files import EXIT_UNFIT
 from sparkrl.services.common.bus import BusStopping, RedisBus
 from sparkrl.services.common.control_channel import ControlReader
 from sparkrl.services.common.metrics_server import MetricsServer
@@ -29,6 +30,7 @@ from sparkrl.services.common.weight_sync import WeightReceiver
 from sparkrl.services.rollout.announcements import AnnouncementGate
 from sparkrl.services.rollout.catch_up import model_dir_for
 from sparkrl.services.rollout.control import WorkerControl
+from sparkrl.services.rollout.engine import WeightsDoNotFit
 from sparkrl.services.rollout.engines import make_engine
 from sparkrl.services.rollout.health import HealthGuard
 from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
@@ -200,5 +202,8 @@ def main(cfg: RolloutConfig, stop: threading.Event | None = None) -> None:
             step(worker)
     except BusStopping as exc:
         log.warning("stopping without Redis (%s): the prompts in hand stay pending, for another worker", exc)
+    except WeightsDoNotFit as exc:  # another model, or an engine that cannot update this family
+        log.error("the learner's weights do not fit this worker's engine: %s", exc)
+        raise SystemExit(EXIT_UNFIT) from None
     finally:
         close(worker)

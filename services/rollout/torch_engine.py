@@ -21,11 +21,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from sparkrl.proto import Completion, completions_of_rows
 from sparkrl.services.common.modeling import load_model, load_tokenizer
 from sparkrl.services.common.settings import SamplingSettings, TorchEngineSettings
-from sparkrl.services.common.weight_sync import weights_checksum
+from sparkrl.services.common.weight_sync import distinct_tensors, weights_checksum
 from sparkrl.services.rollout.engine import (
     Engine,
     Interrupts,
     Prefixes,
+    WeightsDoNotFit,
     cut_short,
     finished,
 )
@@ -311,24 +312,27 @@ class TorchEngine(Engine):
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Copy by state-dict name into the live tensors (any dtype/device; cast on copy). An unknown name
-        or a shape mismatch raises before that tensor is copied; the version changes only on success."""
+        or a shape mismatch raises WeightsDoNotFit before that tensor is copied; the version changes only
+        on success."""
         # state_dict(keep_vars=True): the live parameters and persistent buffers, a tied lm_head under its
-        # own name too: exactly the names the learner broadcasts (its state_dict).
+        # own name too (it shares the embedding's storage: the learner sends it once, as the embedding).
         targets = self.model.state_dict(keep_vars=True)
+        model = type(self.model).__name__
         for name, tensor in named_tensors:
             if name not in targets:
-                raise KeyError(f"load_weights: the model has no tensor {name!r}")
+                raise WeightsDoNotFit(f"the learner sent tensor {name!r}, which {model} does not have")
             if tuple(tensor.shape) != tuple(targets[name].shape):
                 expected = list(targets[name].shape)
-                raise ValueError(f"load_weights: {name} has shape {list(tensor.shape)}, model has {expected}")
+                raise WeightsDoNotFit(f"the learner sent {name} of shape {list(tensor.shape)}; {model}'s "
+                                      f"is {expected}")  # fmt: skip
             targets[name].copy_(tensor)
         self.policy_version = version
 
     def weights_checksum(self) -> str:
-        """`weight_sync.weights_checksum(model.state_dict().items())`: raw bytes in state-dict order and
-        the engine's dtype, equal to the announcement's checksum when the learner broadcasts the same
-        weights in the same dtype."""
-        return weights_checksum(self.model.state_dict().items())
+        """`weight_sync.weights_checksum` of the state dict's distinct tensors (a tied head once, as its
+        embedding) in order, raw bytes in the engine's dtype: the announcement's checksum when the learner
+        broadcasts the same weights in the same dtype."""
+        return weights_checksum(distinct_tensors(self.model.state_dict()).items())
 
     def close(self) -> None:
         self._closed = True

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -40,7 +41,12 @@ import torch
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from sparkrl.proto import Completion
-from sparkrl.services.common.modeling import checkpoint_state_dict, load_tokenizer, model_skeleton
+from sparkrl.services.common.modeling import (
+    checkpoint_state_dict,
+    load_tokenizer,
+    model_skeleton,
+    tied_names,
+)
 from sparkrl.services.common.settings import SamplingSettings, VllmEngineSettings
 from sparkrl.services.common.weight_sync import weights_checksum
 from sparkrl.services.rollout.engine import (
@@ -49,6 +55,7 @@ from sparkrl.services.rollout.engine import (
     Interrupts,
     Prefixes,
     WeightLoadFailed,
+    WeightsDoNotFit,
 )
 from sparkrl.services.rollout.vllm_launch import Launch, plan_launch
 from sparkrl.services.rollout.vllm_lora import AdapterSlots
@@ -108,6 +115,8 @@ class VllmEngine(Engine):
         self._vocab_size = int(config.vocab_size)
         self._eos_ids = _eos_ids(self.model_path, self._tokenizer)
         self._skeleton = model_skeleton(self.model_path)
+        self._tied = tied_names(self.model_path)
+        self._architecture = (config.architectures or [type(config).__name__])[0]
         self._serving, self._on_device, self._checksum, self._broken = None, False, None, None
         self._mid_batch: Literal["keep", "recompute"] | None = None  # a batch is being decoded
         self._stale_cache = False  # a version was taken mid-batch with the cache kept: drop it after
@@ -228,7 +237,8 @@ class VllmEngine(Engine):
     ) -> None:
         """Install a whole version (the learner's state dict, in its order) in place, then drop the prefix
         cache. `checksum`: the announced one, which vLLM's report must equal (None: computed here). Raises
-        KeyError / ValueError (untouched), WeightLoadFailed (undone), EngineBroken."""
+        WeightsDoNotFit (tensors the model lacks; vLLM refusing one leaves the engine broken),
+        WeightLoadFailed (undone), EngineBroken."""
         if self._broken is not None:
             raise EngineBroken(self._broken)
         if self._adapters is not None:  # checked before anything is touched: the engine stays as it is
@@ -269,13 +279,15 @@ class VllmEngine(Engine):
         the layers it skips on the old version: vLLM's reload keeps what it is not given), in state-dict
         order: the learner's manifest order, so the checksum does not depend on the order given (a
         snapshot file's is alphabetical), and vLLM gets each layer's tensors together."""
-        given = dict(tensors)
+        given = {name: t for name, t in tensors if name not in self._tied}  # a tied head is its embedding
+        model = self._architecture
         for name, tensor in given.items():
             if name not in self._skeleton:
-                raise KeyError(f"load_weights: the model has no tensor {name!r}")
+                raise WeightsDoNotFit(f"the learner sent tensor {name!r}, which {model} does not have")
             if tuple(tensor.shape) != tuple(self._skeleton[name].shape):
                 expected = list(self._skeleton[name].shape)
-                raise ValueError(f"load_weights: {name} has shape {list(tensor.shape)}, model has {expected}")
+                raise WeightsDoNotFit(f"the learner sent {name} of shape {list(tensor.shape)}; {model}'s "
+                                      f"is {expected}")  # fmt: skip
         missing = [name for name in self._skeleton if name not in given]
         if missing:
             raise ValueError(f"load_weights: {len(missing)} tensors missing (first: {missing[0]}): give all")
@@ -287,6 +299,10 @@ class VllmEngine(Engine):
             reports = self._session(tensors)
         except Exception as exc:  # vLLM's loaders and RPC: the version is undone whatever it was
             log.warning("loading weights into vLLM failed", exc_info=True)
+            unfit = _unfit(exc, [name for name, _ in tensors])
+            if unfit is not None:  # restoring would send the same names: nothing to undo it with
+                self._broken = unfit
+                raise WeightsDoNotFit(unfit) from exc
             return f"{type(exc).__name__}: {exc}"
         for report in reports:
             if report["problems"]:
@@ -368,6 +384,25 @@ class VllmEngine(Engine):
             self._adapters.close()
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
+
+
+# vLLM's loaders (`AutoWeightsLoader`) on a name the model has no module or parameter for.
+_NO_SUCH_NAME = re.compile(r"[Tt]here is no module or parameter named '([^']+)' in (\w+)")
+
+
+def _unfit(exc: BaseException, names: list[str]) -> str | None:
+    """The WeightsDoNotFit message when vLLM's loader refused a tensor by name, else None (another
+    failure: the version is undone and the worker goes on)."""
+    text = str(exc)
+    found = _NO_SUCH_NAME.search(text)
+    if found is not None:
+        name, model = found.groups()
+        return (f"vLLM's {model} has no parameter for tensor {name!r} the learner sent (its loader: {text}); "
+                "this vLLM cannot update this model in place: use rollout.engine.kind torch, or a vLLM whose "
+                "loader maps that name")  # fmt: skip
+    if isinstance(exc, KeyError) and exc.args and exc.args[0] in names:  # a loader's `params[name]`
+        return f"vLLM's model has no parameter for tensor {exc.args[0]!r} the learner sent"
+    return None
 
 
 def _eos_ids(model_path: Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -45,7 +45,9 @@ from sparkrl.services.common.weight_sync.manifest import (
     ALIGN,
     bucket_sizes,
     build_manifest,
+    distinct_tensors,
     pack,
+    tied_aliases,
     unpack,
     weights_checksum,
 )
@@ -77,8 +79,10 @@ __all__ = [
     "WeightSender",
     "bucket_sizes",
     "build_manifest",
+    "distinct_tensors",
     "make_transport",
     "pack",
+    "tied_aliases",
     "unpack",
     "weights_checksum",
 ]

@@ -8,6 +8,10 @@ dtype only at an offset that is a multiple of that dtype's size.
 
 Packing in order makes manifest order (bucket, offset) order, so a receiver can checksum bucket by
 bucket while later buckets are still arriving.
+
+A tensor shared under several names (a tied output layer: `lm_head.weight` is `model.embed_tokens.weight`)
+is sent once, under its first name in state-dict order (`distinct_tensors`): the canonical tied name, the
+one Hugging Face checkpoints store and every engine's loader knows. The checksum is over what is sent.
 """
 
 from collections.abc import Iterable, Mapping, Sequence
@@ -33,6 +37,36 @@ def dtype_name(dtype: torch.dtype) -> str:
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype a manifest names: "bfloat16" → torch.bfloat16."""
     return getattr(torch, name)
+
+
+def _identity(tensor: Tensor) -> object:
+    """What two names of one tensor share: the memory they view (a meta tensor has none: the object)."""
+    if tensor.device.type == "meta" or not tensor.numel():
+        return id(tensor)
+    storage = tensor.untyped_storage().data_ptr()
+    return (tensor.device, storage, tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()))
+
+
+def tied_aliases(named_tensors: Iterable[tuple[str, Tensor]]) -> dict[str, str]:
+    """Each later name of a tensor seen earlier under another → that first name (`lm_head.weight` →
+    `model.embed_tokens.weight` in a tied model's state dict). Meta tensors are told apart by object, so
+    pass `state_dict(keep_vars=True)` for a model on the meta device."""
+    first: dict[object, str] = {}
+    aliases: dict[str, str] = {}
+    held = []  # every tensor stays alive until the end: a freed one's memory could be the next one's
+    for name, tensor in named_tensors:
+        held.append(tensor)
+        canonical = first.setdefault(_identity(tensor), name)
+        if canonical != name:
+            aliases[name] = canonical
+    return aliases
+
+
+def distinct_tensors(named_tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """`named_tensors` with every tied alias left out (`tied_aliases`): what a weight broadcast sends, a
+    snapshot holds and the checksum covers, each tensor once under its first name."""
+    aliases = tied_aliases(named_tensors.items())
+    return {name: tensor for name, tensor in named_tensors.items() if name not in aliases}
 
 
 def _aligned(offset: int) -> int:
