@@ -41,7 +41,7 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-from sparkrl.services.common.weight_sync.manifest import raw_bytes
+from sparkrl.services.common.weight_sync.manifest import raw_bytes, tied_aliases
 
 log = logging.getLogger("sparkrl.rollout.vllm")
 
@@ -76,8 +76,11 @@ class UpdateReport:
 class UpdateSession:
     """One version's load into one model: hashes each tensor, loads it, remembers what to check."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, tied: dict[str, str]) -> None:
         self.model = model
+        self._aliases: dict[str, list[str]] = {}  # a tied tensor's name → vLLM's other names of it
+        for alias, first in tied.items():
+            self._aliases.setdefault(first, []).append(alias)
         self._load = model.load_weights  # the class's method: the NCCL engine's patch must not recurse
         self.digest = hashlib.blake2b(digest_size=32)
         self.loaded: set[str] = set()
@@ -97,6 +100,10 @@ class UpdateSession:
                     self._expected[name] = _digest(tensor.to(held.dtype))
                 self.tensors += 1
                 yield name, tensor
+                # The learner sends a tied tensor once; vLLM's reload rebuilds each layer apart (a tied
+                # head meanwhile its own tensor), so a head vLLM keeps takes it too (unhashed: the
+                # checksum is over what the learner sent). A model with no such parameter gets none.
+                yield from ((alias, tensor) for alias in self._aliases.get(name, ()))
 
         loaded = set(self._load(hashed()) or ())
         self.loaded |= loaded
@@ -157,8 +164,10 @@ class SparkrlTransferEngine(NCCLWeightTransferEngine):
     def start_weight_update(self) -> None:
         if self.session is not None:  # the last session died between calls: close it before reloading
             finish_session(self.model, self.model_config, self.session)
+        # Read while the model is whole: during a reload a tied head is a tensor of its own.
+        tied = tied_aliases(self.model.named_parameters(remove_duplicate=False))
         initialize_layerwise_reload(self.model)
-        self.session = UpdateSession(self.model)
+        self.session = UpdateSession(self.model, tied)
 
     def parse_update_info(self, update_dict: dict[str, Any]) -> Any:
         if "tensors" in update_dict:
