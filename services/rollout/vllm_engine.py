@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -57,6 +56,7 @@ from sparkrl.services.rollout.engine import (
     WeightLoadFailed,
     WeightsDoNotFit,
 )
+from sparkrl.services.rollout.vllm_fit import numerics_warnings, unfit_reason
 from sparkrl.services.rollout.vllm_launch import Launch, plan_launch
 from sparkrl.services.rollout.vllm_lora import AdapterSlots
 from sparkrl.services.rollout.vllm_steps import stepped_generate
@@ -117,6 +117,8 @@ class VllmEngine(Engine):
         self._skeleton = model_skeleton(self.model_path)
         self._tied = tied_names(self.model_path)
         self._architecture = (config.architectures or [type(config).__name__])[0]
+        for warning in numerics_warnings(config, self.launch.cpu):
+            log.warning("%s", warning)
         self._serving, self._on_device, self._checksum, self._broken = None, False, None, None
         self._mid_batch: Literal["keep", "recompute"] | None = None  # a batch is being decoded
         self._stale_cache = False  # a version was taken mid-batch with the cache kept: drop it after
@@ -299,7 +301,7 @@ class VllmEngine(Engine):
             reports = self._session(tensors)
         except Exception as exc:  # vLLM's loaders and RPC: the version is undone whatever it was
             log.warning("loading weights into vLLM failed", exc_info=True)
-            unfit = _unfit(exc, [name for name, _ in tensors])
+            unfit = unfit_reason(exc, [name for name, _ in tensors])
             if unfit is not None:  # restoring would send the same names: nothing to undo it with
                 self._broken = unfit
                 raise WeightsDoNotFit(unfit) from exc
@@ -384,25 +386,6 @@ class VllmEngine(Engine):
             self._adapters.close()
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-
-
-# vLLM's loaders (`AutoWeightsLoader`) on a name the model has no module or parameter for.
-_NO_SUCH_NAME = re.compile(r"[Tt]here is no module or parameter named '([^']+)' in (\w+)")
-
-
-def _unfit(exc: BaseException, names: list[str]) -> str | None:
-    """The WeightsDoNotFit message when vLLM's loader refused a tensor by name, else None (another
-    failure: the version is undone and the worker goes on)."""
-    text = str(exc)
-    found = _NO_SUCH_NAME.search(text)
-    if found is not None:
-        name, model = found.groups()
-        return (f"vLLM's {model} has no parameter for tensor {name!r} the learner sent (its loader: {text}); "
-                "this vLLM cannot update this model in place: use rollout.engine.kind torch, or a vLLM whose "
-                "loader maps that name")  # fmt: skip
-    if isinstance(exc, KeyError) and exc.args and exc.args[0] in names:  # a loader's `params[name]`
-        return f"vLLM's model has no parameter for tensor {exc.args[0]!r} the learner sent"
-    return None
 
 
 def _eos_ids(model_path: Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
