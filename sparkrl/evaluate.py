@@ -7,10 +7,16 @@ evaluator.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 from sparkrl.proto import Prompt
-from sparkrl.services.common.settings import CountdownSettings, PromptSettings, TorchEngineSettings
+from sparkrl.services.common.settings import (
+    CountdownSettings,
+    PromptFormat,
+    PromptSettings,
+    TorchEngineSettings,
+)
 from sparkrl.services.common.tasks.evaluation import EvalResult, evaluate_engine, heldout_countdown, pass_at_k
 
 __all__ = ["EvalResult", "evaluate", "heldout_countdown", "local_scorer", "math_tasks", "pass_at_k"]
@@ -104,16 +110,29 @@ def evaluate(
     threads: int | None = None,
     tasks: list[Prompt] | None = None,
     difficulty: CountdownSettings | None = None,
+    fmt: PromptFormat | None = None,
+    eos_tokens: Sequence[str | int] | None = None,
 ) -> EvalResult:
-    """`tasks`: these problems instead of the countdown held-out split's first `problems`."""
+    """`tasks`: these problems instead of the countdown held-out split's first `problems`; `fmt` and
+    `eos_tokens`: the run's `rollout` chat template, its variables, system prompt and stop tokens (None:
+    the defaults)."""
     from sparkrl.services.rollout.torch_engine import TorchEngine  # torch only when evaluating
 
     model_dir = resolve_model(path)
     tasks = tasks if tasks is not None else heldout_countdown(problems, difficulty)
-    engine = TorchEngine(model_dir, TorchEngineSettings(threads=threads, max_batch_sequences=256))
+    settings = TorchEngineSettings(threads=threads, max_batch_sequences=256)
+    engine = TorchEngine(model_dir, settings, eos_tokens=eos_tokens)
     try:
         return evaluate_engine(
-            engine, tasks, local_scorer, n, temperature, max_new_tokens, seed, model=str(model_dir)
+            engine,
+            tasks,
+            local_scorer,
+            n,
+            temperature,
+            max_new_tokens,
+            seed,
+            model=str(model_dir),
+            fmt=fmt or PromptFormat(),
         )
     finally:
         engine.close()

@@ -28,7 +28,13 @@ from sparkrl.services.common.prompt_limits import (
     resolve_limits,
     resolve_max_prompt_tokens,
 )
-from sparkrl.services.common.settings import BusSettings, RolloutSettings, TorchEngineSettings, load_settings
+from sparkrl.services.common.settings import (
+    BusSettings,
+    PromptFormat,
+    RolloutSettings,
+    TorchEngineSettings,
+    load_settings,
+)
 from sparkrl.services.common.settings.roles import PromptsConfig, RolloutConfig
 from sparkrl.services.rollout import service
 from sparkrl.services.rollout.batch import pull_prompts
@@ -160,7 +166,7 @@ def test_a_huge_prompt_that_reaches_a_worker_is_dead_lettered_untokenized(
         with RedisBus(bus_settings) as bus:
             for prompt in (_prompt("huge", TWO_MB), _prompt("fits", "Use 1 2 to make 3.")):
                 assert bus.publish_prompt(prompt.prompt_id, encode_message(prompt))
-            batch = pull_prompts(bus, engine, "w", 10, limits)
+            batch = pull_prompts(bus, engine, "w", 10, limits, fmt=PromptFormat())
             assert batch is not None and [p.prompt_id for p in batch.prompts] == ["fits"]
             (dead,) = bus.dead_letters(10)
             assert dead.item_id == "huge" and "prompt has 2000000 characters" in dead.reason

@@ -3,7 +3,7 @@
 Numbered as in the issue: (3) the README's math command, run as printed; (5) a finite dataset ends the
 run with a message, stale groups (made again) shown; (8) a value means the same whichever way it
 arrives; (9) `sparkrl prompts` never writes into a Redis it was not pointed at; (10) completions to read,
-verdicts counted, and settings errors without library noise.
+verdicts counted, what the model saw (the rendered prompt), and settings errors without library noise.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from sparkrl.services.common.settings import load_settings
 ROOT = Path(__file__).resolve().parents[1]
 STATUSES = ("correct", "incorrect", "no_answer", "timeout", "error")
 README_REDIS = "redis://127.0.0.1:6380/0"  # the address the README's example names
+SYSTEM = "Answer with one expression."  # test 5's rollout.system_prompt
 
 
 def _cli(*args: str, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -81,7 +82,7 @@ def test_5_a_finite_dataset_ends_the_run_with_a_message(tiny_model_dir: Path, tm
     done = _cli(
         "up", "--preset", "smoke", "--run-dir", str(run_dir),
         "--set", f"model={tiny_model_dir}", "--set", "prompts.count=10", "--set", "learner.max_steps=1000",
-        "--set", "learner.prompts_per_step=4", "--workers", "1",
+        "--set", "learner.prompts_per_step=4", "--workers", "1", "--set", f"rollout.system_prompt={SYSTEM}",
         timeout=400,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -100,6 +101,8 @@ def test_5_a_finite_dataset_ends_the_run_with_a_message(tiny_model_dir: Path, tm
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert samples and {s["step"] for s in samples} <= {r["step"] for r in rows}
     assert all(s["prompt"].startswith("Use ") and isinstance(s["completion"], str) for s in samples)
+    # What the model saw: the tiny model has no chat template, so the system prompt, a newline, the prompt.
+    assert all(s["rendered_prompt"] == f"{SYSTEM}\n{s['prompt']}" for s in samples)
     assert all(s["status"] in STATUSES and s["reward"] in (0.0, 1.0) for s in samples)
     for row in rows:
         counted = sum(row["metrics"][f"rollout/status_{status}"] for status in STATUSES)

@@ -16,7 +16,7 @@ from conftest import clean_env
 from torch.testing import assert_close
 
 from sparkrl.proto.testing import random_group
-from sparkrl.services.common.settings import BusSettings, LearnerSettings, ScheduleSettings
+from sparkrl.services.common.settings import BusSettings, LearnerSettings, PromptFormat, ScheduleSettings
 from sparkrl.services.learner.advantages import step_advantages
 from sparkrl.services.learner.reference import kl_to_reference
 from sparkrl.services.learner.schedule import lr_factor
@@ -129,7 +129,7 @@ def test_overlong_prompts_are_dropped_with_a_reason_or_truncated(
                     f"{mode}-{pid}",
                     encode_message(Prompt(prompt_id=f"{mode}-{pid}", task="countdown", text=text)),
                 )
-            batch = pull_prompts(bus, engine, "w", 10, PromptLimits(24, overlong=mode))
+            batch = pull_prompts(bus, engine, "w", 10, PromptLimits(24, overlong=mode), fmt=PromptFormat())
             assert batch is not None and all(len(ids) <= 24 for ids in batch.token_ids)
             bus.ack("prompts", [e.entry_id for e in batch.entries])
             if mode == "drop":

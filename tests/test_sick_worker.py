@@ -25,6 +25,7 @@ from sparkrl.services.common.feeder import feed_held, feed_prompts, mark_fed
 from sparkrl.services.common.settings import (
     BusSettings,
     LearnerSettings,
+    PromptFormat,
     PromptSettings,
     SparkSettings,
     TorchEngineSettings,
@@ -123,10 +124,10 @@ def test_a_prompt_the_engine_refuses_is_found_alone_and_the_others_are_generated
     try:
         with pytest.raises(ValueError) as raised:
             engine.generate(batch, sampling)
-        found = diagnose(engine, batch, sampling, raised.value)
+        found = diagnose(engine, batch, sampling, raised.value, PromptFormat())
         assert found.sick is None and list(found.bad) == [1] and "outside" in found.bad[1]
         assert sorted(found.completions) == [0, 2] and len(found.completions[0]) == sampling.n
-        assert probe(engine, sampling) is None
+        assert probe(engine, sampling, PromptFormat()) is None
     finally:
         engine.close()
 

@@ -188,10 +188,13 @@ def length_stats(groups: list[TrajectoryGroup]) -> dict[str, float]:
     return stats
 
 
-def sample_rows(step: int, groups: list[TrajectoryGroup], count: int) -> list[dict[str, object]]:
-    """The first completion of each of the step's first `count` groups, for people to read: prompt,
-    completion, its length and how it ended, reward = the verifier's score + its over-long penalty (0
-    without shaping), verdict."""
+def sample_rows(
+    step: int, groups: list[TrajectoryGroup], count: int, tokenizer: PreTrainedTokenizerBase
+) -> list[dict[str, object]]:
+    """The first completion of each of the step's first `count` groups, for people to read: prompt (the
+    question as fed, and `rendered_prompt`: what the model saw, its prompt token ids decoded with the
+    special tokens — chat template, system prompt, its variables' effect), completion, its length and how
+    it ended, reward = the verifier's score + its over-long penalty (0 without shaping), verdict."""
     rows = []
     for group in groups[:count]:
         if not group.completions:
@@ -203,6 +206,9 @@ def sample_rows(step: int, groups: list[TrajectoryGroup], count: int) -> list[di
                 "step": step,
                 "group_id": group.group_id,
                 "prompt": group.prompt.text if group.prompt.text is not None else group.prompt.messages,
+                "rendered_prompt": tokenizer.decode(
+                    group.prompt_token_ids.tolist(), skip_special_tokens=False
+                ),
                 "completion": completion.text,
                 "tokens": completion.num_tokens,
                 "finish_reason": completion.finish_reason,
@@ -279,7 +285,9 @@ class Reports:
             self.top_sparks(batch),
         )
         self.run_log.write_step(row, state)
-        self.run_log.write_samples(sample_rows(state.step, batch.groups, cfg.samples_per_step))
+        self.run_log.write_samples(
+            sample_rows(state.step, batch.groups, cfg.samples_per_step, self.tokenizer)
+        )
         if self.tracker is not None:
             self.tracker.log(row)
         self.telemetry.append(row)

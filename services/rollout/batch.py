@@ -17,10 +17,10 @@ from sparkrl.proto import (
     group_id_for,
 )
 from sparkrl.services.common.bus import Entry, RedisBus
-from sparkrl.services.common.modeling import apply_chat_template_if_any
+from sparkrl.services.common.modeling import render_prompt
 from sparkrl.services.common.prompt_limits import PromptLimits
 from sparkrl.services.common.reward_client import RewardClient
-from sparkrl.services.common.settings import RolloutSettings
+from sparkrl.services.common.settings import PromptFormat, RolloutSettings
 from sparkrl.services.rollout.engine import Engine
 from sparkrl.services.rollout.shaping import overlong_penalty
 
@@ -40,9 +40,16 @@ class PromptBatch:
 
 
 def pull_prompts(
-    bus: RedisBus, engine: Engine, worker_id: str, count: int, limits: PromptLimits | None = None
+    bus: RedisBus,
+    engine: Engine,
+    worker_id: str,
+    count: int,
+    limits: PromptLimits | None = None,
+    *,
+    fmt: PromptFormat,
 ) -> PromptBatch | None:
-    """Up to `count` prompts; malformed ones go to the dead-letter stream with the reason. A prompt over
+    """Up to `count` prompts, rendered in `fmt` (`modeling.render_prompt`: chat template, its variables,
+    system prompt); malformed ones go to the dead-letter stream with the reason. A prompt over
     `limits` is dead-lettered (`overlong: drop`, the reason says how long) or keeps its last
     `max_tokens` tokens (`truncate`: the question's end, where the instruction usually is). Characters
     are bounded before the tokenizer sees a prompt, so a huge one costs no memory."""
@@ -57,7 +64,7 @@ def pull_prompts(
             bus.dead_letter("prompts", entry, why or "over the prompt limit")
             continue
         try:
-            ids = apply_chat_template_if_any(engine.tokenizer, prompt.messages or prompt.text)
+            ids = render_prompt(engine.tokenizer, prompt.messages or prompt.text, fmt)
         except Exception as exc:  # this prompt's text or messages, which the tokenizer or template refuses
             bus.dead_letter(
                 "prompts", entry, f"the tokenizer refuses the prompt: {type(exc).__name__}: {exc}"

@@ -21,6 +21,7 @@ from pathlib import Path
 from sparkrl.proto import EvalRecord, Prompt, WeightAnnouncement
 from sparkrl.proto.reward import RewardItem
 from sparkrl.services.common.bus import BusStopping, RedisBus
+from sparkrl.services.common.modeling import chat_format_at_start
 from sparkrl.services.common.reward_client import RewardClient
 from sparkrl.services.common.settings import PromptSettings, TorchEngineSettings
 from sparkrl.services.common.settings.roles import EvaluatorConfig
@@ -66,8 +67,14 @@ class Evaluator:
         model = model_dir_for(
             cfg.model, self.run_dir, self.gate, cfg.sync.secret, cfg.rollout.model_wait_s, stop
         )
+        try:  # prompts rendered and ended as the workers' are; what the model cannot do stops us here
+            log.info("%s", chat_format_at_start(model, cfg.rollout.prompt_format, cfg.rollout.eos_tokens))
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
         self.engine = TorchEngine(
-            model, TorchEngineSettings(threads=self.settings.threads, max_batch_sequences=256)
+            model,
+            TorchEngineSettings(threads=self.settings.threads, max_batch_sequences=256),
+            eos_tokens=cfg.rollout.eos_tokens,
         )
         self.installer = VersionInstaller(self.engine, model)  # a LoRA run's snapshots are adapters
         self.evaluated: int | None = None  # the last version evaluated
@@ -107,7 +114,15 @@ class Evaluator:
     def _evaluate(self) -> None:
         s = self.settings
         result = evaluate_engine(
-            self.engine, self.tasks, self._score, s.n, s.temperature, s.max_new_tokens, s.seed, progress=False
+            self.engine,
+            self.tasks,
+            self._score,
+            s.n,
+            s.temperature,
+            s.max_new_tokens,
+            s.seed,
+            progress=False,
+            fmt=self.cfg.rollout.prompt_format,
         )
         version = self.engine.policy_version
         record = _record(result, version)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from sparkrl.proto import Completion
 from sparkrl.proto.telemetry import StateEvent
 from sparkrl.services.common.feeder import dead_letter_burst, feed_held, hold_feed
-from sparkrl.services.common.modeling import apply_chat_template_if_any
-from sparkrl.services.common.settings import SamplingSettings, WorkerHealthSettings
+from sparkrl.services.common.modeling import render_prompt
+from sparkrl.services.common.settings import PromptFormat, SamplingSettings, WorkerHealthSettings
 from sparkrl.services.common.telemetry import Telemetry, worker_target
 from sparkrl.services.rollout.engine import Engine
 from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
@@ -53,10 +53,10 @@ def is_model_fault(exc: BaseException) -> bool:
     return isinstance(exc, MemoryError) or bool(_MODEL_FAULT.search(describe(exc)))
 
 
-def probe(engine: Engine, sampling: SamplingSettings) -> str | None:
-    """Generate a few tokens from a known-good prompt with the sampling in force: None when the engine
-    works, else its error."""
-    ids = apply_chat_template_if_any(engine.tokenizer, PROBE_TEXT) or [engine.tokenizer.eos_token_id or 0]
+def probe(engine: Engine, sampling: SamplingSettings, fmt: PromptFormat) -> str | None:
+    """Generate a few tokens from a known-good prompt, rendered as the worker renders its prompts
+    (`fmt`), with the sampling in force: None when the engine works, else its error."""
+    ids = render_prompt(engine.tokenizer, PROBE_TEXT, fmt) or [engine.tokenizer.eos_token_id or 0]
     short = sampling.model_copy(
         update={"n": 1, "max_new_tokens": PROBE_TOKENS, "min_new_tokens": 0, "stop": [], "seed": 0}
     )
@@ -77,13 +77,13 @@ class Diagnosis:
 
 
 def diagnose(
-    engine: Engine, prompts: list[list[int]], sampling: SamplingSettings, exc: Exception
+    engine: Engine, prompts: list[list[int]], sampling: SamplingSettings, exc: Exception, fmt: PromptFormat
 ) -> Diagnosis:
     """After `engine.generate(prompts)` raised `exc`: a fault of the model (named by the error, or the
     probe fails too), or the prompts that fail alone (the rest are generated here, one by one)."""
     if is_model_fault(exc):
         return Diagnosis(sick=describe(exc))
-    broken = probe(engine, sampling)
+    broken = probe(engine, sampling, fmt)
     if broken is not None:
         return Diagnosis(sick=f"{describe(exc)}; a known-good probe prompt fails too: {broken}")
     if len(prompts) == 1:
@@ -122,6 +122,7 @@ class HealthGuard:
     heartbeat: Heartbeat
     metrics: WorkerMetrics
     settings: WorkerHealthSettings  # the worker's live `rollout.health`
+    prompt_format: PromptFormat  # how the probe prompt is rendered: as the worker's prompts are
     sick: Sickness | None = None
     dead_seen: int = -1  # the dead stream's length at the last burst check: unchanged, nothing to read
 
@@ -149,7 +150,7 @@ class HealthGuard:
         fresh = self.engine.policy_version != sick.version
         if not fresh and time.monotonic() - sick.checked_at < self.settings.recheck_s:
             return False
-        broken = probe(self.engine, sampling)
+        broken = probe(self.engine, sampling, self.prompt_format)
         if broken is not None:
             log.error("still unhealthy on policy version %s: %s", self.engine.policy_version, broken)
             self.sick = Sickness(broken, self.engine.policy_version, time.monotonic())

@@ -19,6 +19,7 @@ from sparkrl.proto.run_files import EXIT_UNFIT
 from sparkrl.services.common.bus import BusStopping, RedisBus
 from sparkrl.services.common.control_channel import ControlReader
 from sparkrl.services.common.metrics_server import MetricsServer
+from sparkrl.services.common.modeling import chat_format_at_start
 from sparkrl.services.common.ownership import refuse_foreign_owner
 from sparkrl.services.common.prompt_limits import PromptBudgetError, PromptLimits, resolve_limits
 from sparkrl.services.common.recovery import warn_if_not_persistent
@@ -57,8 +58,12 @@ def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
     gate = AnnouncementGate(bus, cfg.sync.secret, Path(cfg.run_dir))
     model = model_dir_for(cfg.model, Path(cfg.run_dir), gate, cfg.sync.secret, cfg.rollout.model_wait_s, stop)
     limits = _prompt_limits(cfg, Path(model))
+    try:  # the tokenizer alone, before the engine's start: a format the model cannot render stops us here
+        log.info("%s", chat_format_at_start(model, cfg.rollout.prompt_format, cfg.rollout.eos_tokens))
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     native = cfg.sync.backend == "vllm_nccl"  # vLLM's own transfer engine receives the weights
-    engine = make_engine(model, cfg.rollout.engine, native_transfer=native)
+    engine = make_engine(model, cfg.rollout.engine, native_transfer=native, eos_tokens=cfg.rollout.eos_tokens)
     clock.mark("engine")
     installer = VersionInstaller(engine, model)
     telemetry, metrics = Telemetry(bus), WorkerMetrics(worker_id)
@@ -85,7 +90,9 @@ def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
         secret=cfg.sync.secret,
         server=MetricsServer(cfg.rollout.metrics, metrics.registry, lambda: _health(state)),
         lockstep=Lockstep(cfg.rollout.lockstep_groups, cfg.rollout.lockstep_wait_s),
-        health=HealthGuard(engine, telemetry, state, heartbeat, metrics, cfg.rollout.health),
+        health=HealthGuard(
+            engine, telemetry, state, heartbeat, metrics, cfg.rollout.health, cfg.rollout.prompt_format
+        ),
         handover=Handover(
             bus,
             cfg.rollout.partial,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sparkrl.proto import Completion, completions_of_rows
-from sparkrl.services.common.modeling import load_model, load_tokenizer
+from sparkrl.services.common.modeling import load_model, load_tokenizer, stop_token_ids
 from sparkrl.services.common.settings import SamplingSettings, TorchEngineSettings
 from sparkrl.services.common.weight_sync import distinct_tensors, weights_checksum
 from sparkrl.services.rollout.engine import (
@@ -49,7 +49,15 @@ class TorchEngine(Engine):
     _generator: torch.Generator
     _closed: bool
 
-    def __init__(self, model_path: str | Path, settings: TorchEngineSettings) -> None:
+    def __init__(
+        self,
+        model_path: str | Path,
+        settings: TorchEngineSettings,
+        *,
+        eos_tokens: Sequence[str | int] | None = None,
+    ) -> None:
+        """`eos_tokens`: `rollout.eos_tokens`, exactly the tokens that end a completion (None: the model's
+        generation config's and the tokenizer's EOS); a string the vocabulary lacks is a ValueError."""
         self.settings = settings
         self.device = torch.device(settings.device)
         if settings.threads is not None:
@@ -58,7 +66,7 @@ class TorchEngine(Engine):
         self._tokenizer = load_tokenizer(model_path)
         self.policy_version = 0
         self._vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        self._eos_ids = self._find_eos_ids()
+        self._eos_ids = self._find_eos_ids(eos_tokens)
         self._pad_id = int(self._tokenizer.pad_token_id)
         # transformers 5 renamed `past_key_values` to `cache` (argument and output); older ones have only
         # the former. Passing the wrong name silently decodes without context.
@@ -78,11 +86,11 @@ class TorchEngine(Engine):
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    def _find_eos_ids(self) -> torch.Tensor:
-        ids = {self._tokenizer.eos_token_id}
-        configured = self.model.generation_config.eos_token_id
-        ids.update(configured if isinstance(configured, list) else [configured])
-        return torch.tensor(sorted(i for i in ids if i is not None), dtype=torch.long, device=self.device)
+    def _find_eos_ids(self, eos_tokens: Sequence[str | int] | None) -> torch.Tensor:
+        # modeling.stop_token_ids, as the vLLM engine's: both stop at the same ids.
+        configured = self.model.generation_config.eos_token_id  # generation_eos_ids(model_path)'s source
+        ids = stop_token_ids(self._tokenizer, configured, eos_tokens)
+        return torch.tensor(ids, dtype=torch.long, device=self.device)
 
     def _check_inputs(self, prompts: list[list[int]], sampling: SamplingSettings) -> None:
         if self._closed:
@@ -290,8 +298,14 @@ class TorchEngine(Engine):
         decoded in one call."""
         tokens = sampled.tokens.cpu().numpy()
         lengths = sampled.length.tolist()
+        # A stop token's text stays out of the text (a `rollout.eos_tokens` entry need not be special), as
+        # vLLM leaves it out; it stays in token_ids.
+        ends = [
+            length - int(finish == "stop" and not by_string)
+            for length, finish, by_string in zip(lengths, sampled.finish, sampled.by_stop_string, strict=True)
+        ]
         texts = self._tokenizer.batch_decode(
-            [tokens[row, :length].tolist() for row, length in enumerate(lengths)], skip_special_tokens=True
+            [tokens[row, :end].tolist() for row, end in enumerate(ends)], skip_special_tokens=True
         )
         for row, text in enumerate(texts):
             if sampled.by_stop_string[row]:

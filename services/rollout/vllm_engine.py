@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -42,8 +42,10 @@ from transformers import AutoConfig, PreTrainedTokenizerBase
 from sparkrl.proto import Completion
 from sparkrl.services.common.modeling import (
     checkpoint_state_dict,
+    generation_eos_ids,
     load_tokenizer,
     model_skeleton,
+    stop_token_ids,
     tied_names,
 )
 from sparkrl.services.common.settings import SamplingSettings, VllmEngineSettings
@@ -92,7 +94,8 @@ class VllmEngine(Engine):
     llm: Any  # vllm.LLM
     _tokenizer: PreTrainedTokenizerBase
     _vocab_size: int
-    _eos_ids: list[int]  # generation_config.json's end-of-sequence ids beyond the tokenizer's
+    _eos_ids: list[int]  # SamplingParams.stop_token_ids (`_stop_params`)
+    _ignore_eos: bool  # SamplingParams.ignore_eos: rollout.eos_tokens names the stop set exactly
     _skeleton: dict[str, torch.Tensor]
     _serving: Named | None  # the version held, on the host (None: the checkpoint's, or `_on_device`)
     _on_device: bool  # the version held came through vLLM's NCCL engine: no host copy to restore from
@@ -100,10 +103,16 @@ class VllmEngine(Engine):
     _broken: str | None  # why the engine cannot serve any more
 
     def __init__(
-        self, model_path: str | Path, settings: VllmEngineSettings, *, native_transfer: bool = False
+        self,
+        model_path: str | Path,
+        settings: VllmEngineSettings,
+        *,
+        native_transfer: bool = False,
+        eos_tokens: Sequence[str | int] | None = None,
     ) -> None:
         """`native_transfer`: versions arrive through vLLM's NCCL engine (`sync.backend: vllm_nccl`,
-        `vllm_transfer.VllmNativeReceiver`); the registered engine takes both, so nothing differs here."""
+        `vllm_transfer.VllmNativeReceiver`); the registered engine takes both, so nothing differs here.
+        `eos_tokens`: `rollout.eos_tokens` (None: the generation config's eos ids and the tokenizer's)."""
         from vllm.platforms import current_platform
 
         self.model_path = Path(model_path)
@@ -113,7 +122,7 @@ class VllmEngine(Engine):
         self._tokenizer = load_tokenizer(self.model_path)
         config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         self._vocab_size = int(config.vocab_size)
-        self._eos_ids = _eos_ids(self.model_path, self._tokenizer)
+        self._eos_ids, self._ignore_eos = _stop_params(self.model_path, self._tokenizer, eos_tokens)
         self._skeleton = model_skeleton(self.model_path)
         self._tied = tied_names(self.model_path)
         self._architecture = (config.architectures or [type(config).__name__])[0]
@@ -159,6 +168,7 @@ class VllmEngine(Engine):
             max_tokens=max_tokens,
             stop=list(sampling.stop) or None,
             stop_token_ids=self._eos_ids or None,
+            ignore_eos=self._ignore_eos,
             include_stop_str_in_output=False,
             skip_special_tokens=True,
             seed=seed,
@@ -388,14 +398,15 @@ class VllmEngine(Engine):
             llm.llm_engine.engine_core.shutdown()
 
 
-def _eos_ids(model_path: Path, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """generation_config.json's eos ids beyond the tokenizer's (vLLM stops at the tokenizer's itself), as
-    the torch engine does; the file's sampling defaults stay unread (`generation_config="vllm"`)."""
-    from transformers import GenerationConfig
-
-    try:
-        configured = GenerationConfig.from_pretrained(model_path, local_files_only=True).eos_token_id
-    except OSError:  # no generation_config.json
-        return []
-    ids = configured if isinstance(configured, list) else [configured]
-    return sorted({int(i) for i in ids if i is not None} - {tokenizer.eos_token_id})
+def _stop_params(
+    model_path: Path, tokenizer: PreTrainedTokenizerBase, eos_tokens: Sequence[str | int] | None
+) -> tuple[list[int], bool]:
+    """(stop_token_ids, ignore_eos) for vLLM's SamplingParams such that exactly `modeling.stop_token_ids`
+    end a completion, as in the torch engine. vLLM stops at the tokenizer's EOS by itself and, unless
+    ignore_eos, adds generation_config.json's eos ids (even with `generation_config="vllm"`, which leaves
+    only the file's sampling defaults unread): by default the ids beyond the tokenizer's EOS are named, as
+    before; an exact set (`rollout.eos_tokens`) is named whole with ignore_eos, so vLLM adds nothing."""
+    ids = stop_token_ids(tokenizer, generation_eos_ids(model_path), eos_tokens)
+    if eos_tokens is None:
+        return [i for i in ids if i != tokenizer.eos_token_id], False
+    return ids, True

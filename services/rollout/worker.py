@@ -186,7 +186,14 @@ class Worker:
         would reach the learner too stale (the weights moved on while it was made or waited to go out) is
         made again with the newest weights: a slow spell costs time, not data."""
         cfg = self.cfg
-        batch = pull_prompts(self.bus, self.engine, self.state.worker_id, cfg.prompts_per_batch, self.limits)
+        batch = pull_prompts(
+            self.bus,
+            self.engine,
+            self.state.worker_id,
+            cfg.prompts_per_batch,
+            self.limits,
+            fmt=cfg.prompt_format,
+        )
         if batch is None:
             self.health.check_burst()  # a pull may have dead-lettered every prompt it took
             return False
@@ -279,7 +286,7 @@ class Worker:
         except Exception as exc:  # a prompt the engine refuses, or a sick model: `diagnose` tells which
             log.warning("generation of %d prompts failed (%s: %s); diagnosing", len(batch.prompts),
                         type(exc).__name__, exc)  # fmt: skip
-            found = diagnose(self.engine, batch.token_ids, sampling, exc)
+            found = diagnose(self.engine, batch.token_ids, sampling, exc, self.cfg.prompt_format)
         if found.sick is not None:
             self.health.fall_sick(found.sick)
             return None

@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from sparkrl.cli.options import settings
+from sparkrl.cli.options import Overrides, settings
 from sparkrl.services.common.logs import setup_logging
 
 commands = typer.Typer()
@@ -31,11 +31,16 @@ def eval_model(
     seed: Annotated[int, typer.Option(help="Sampling seed.")] = 0,
     threads: Annotated[int | None, typer.Option(min=1, help="torch CPU threads (default: all).")] = None,
     preset: Annotated[
-        str | None, typer.Option(help="countdown: the difficulty of this preset's prompts.countdown.")
+        str | None,
+        typer.Option(
+            help="countdown: the difficulty of this preset's prompts.countdown; any task: its rollout "
+            "chat template, kwargs, system prompt and eos_tokens."
+        ),
     ] = None,
+    overrides: Overrides = None,
 ) -> None:
     """Evaluate a model on held-out problems: greedy accuracy, pass@1 and unbiased pass@k; a table, then
-    one JSON line."""
+    one JSON line. Prompts are rendered as the preset's (`--set`'s) rollout workers render them."""
     from sparkrl.evaluate import evaluate, math_tasks, resolve_model
 
     try:
@@ -46,7 +51,8 @@ def eval_model(
         raise typer.BadParameter(f"{task!r}: the tasks are countdown and math", param_hint="--task")
     if (task == "math") != (data is not None):
         raise typer.BadParameter("--data FILE goes with --task math (and only with it)", param_hint="--data")
-    tasks, difficulty = None, settings(preset, None).prompts.countdown if preset else None
+    cfg = settings(preset, overrides)
+    tasks, difficulty = None, cfg.prompts.countdown if preset else None
     if data is not None:
         from sparkrl.services.common.tasks.datasets import DatasetError
 
@@ -55,7 +61,17 @@ def eval_model(
         except DatasetError as exc:
             raise typer.BadParameter(str(exc), param_hint="--data") from exc
     result = evaluate(
-        model, problems or 256, n, temperature, max_new_tokens, seed, threads, tasks, difficulty
+        model,
+        problems or 256,
+        n,
+        temperature,
+        max_new_tokens,
+        seed,
+        threads,
+        tasks,
+        difficulty,
+        cfg.rollout.prompt_format,
+        cfg.rollout.eos_tokens,
     )
     typer.echo(result.table())
     typer.echo(json.dumps(result.as_json()))

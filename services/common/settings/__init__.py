@@ -3,9 +3,10 @@
 - `tree.py`: the root (`SparkSettings`), presets (`configs/*.yaml`), `--set` overrides, the environment
   (`SPARKRL_*`), and writing a resolved tree; imported from here (`from sparkrl.services.common.settings
   import load_settings, LearnerSettings`).
-- one module per section: `learner.py` (+ `learner_knobs.py`), `losses.py`, `rollout.py`, `engine.py`,
-  `prompts.py`, `evaluation.py`, `servers.py` (control, reward, /metrics), `sync.py`, `bus.py`, `ray.py`,
-  `supervision.py`; `section.py` and `fields.py`, the base every section shares.
+- one module per section: `learner.py` (+ `learner_knobs.py`), `losses.py`, `rollout.py` (+
+  `prompt_format.py`), `engine.py`, `prompts.py`, `evaluation.py`, `servers.py` (control, reward,
+  /metrics), `sync.py`, `bus.py`, `ray.py`, `supervision.py`; `section.py` and `fields.py`, the base every
+  section shares.
 - `roles.py`: each service's own config (`LearnerConfig`, `RolloutConfig`, …), what it receives.
 - `hparams.py`: the live hyperparameters: their names and the checks every live change passes.
 
@@ -27,6 +28,7 @@ from sparkrl.services.common.settings.tree import (
     LossSettings,
     LpRegLoss,
     MetricsEndpoint,
+    PromptFormat,
     PromptSettings,
     RaySettings,
     RewardSettings,
@@ -61,6 +63,7 @@ __all__ = [
     "LossSettings",
     "LpRegLoss",
     "MetricsEndpoint",
+    "PromptFormat",
     "PromptSettings",
     "RaySettings",
     "RewardSettings",

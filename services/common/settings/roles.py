@@ -7,7 +7,7 @@ and every role command takes either that file or a whole tree (a preset, the one
 Kubernetes mount) and keeps its own part (`for_role`, or the role's `of`).
 
 A part is a whole section of the tree, or, where a role reads a few fields of a section that is another
-service's, a narrower section of the same name holding just those (`RewardEndpoint`, `ModelWait`).
+service's, a narrower section of the same name holding just those (`RewardEndpoint`, `EvaluatorRollout`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from sparkrl.services.common.settings import (
     ControlSettings,
     EvalSettings,
     LearnerSettings,
+    PromptFormat,
     PromptSettings,
     RewardSettings,
     RolloutSettings,
@@ -30,6 +31,7 @@ from sparkrl.services.common.settings import (
     VllmEngineSettings,
     WeightSyncSettings,
 )
+from sparkrl.services.common.settings.prompt_format import ChatTemplateMode, TemplateKwargs
 from sparkrl.services.common.settings.section import Section
 
 Role = Literal["control", "reward", "learner", "rollout", "evaluator", "prompts"]
@@ -49,10 +51,23 @@ class RewardEndpoint(Section):
     url: str = _same_field(RewardSettings, "url")
 
 
-class ModelWait(Section):
-    """The evaluator's part of the `rollout` section: how long it waits for the learner's weight files."""
+class EvaluatorRollout(Section):
+    """The evaluator's part of the `rollout` section: how long it waits for the learner's weight files, and
+    how the workers render prompts and where their completions end (held-out problems are asked alike)."""
 
     model_wait_s: float = _same_field(RolloutSettings, "model_wait_s")
+    chat_template: ChatTemplateMode = _same_field(RolloutSettings, "chat_template")
+    chat_template_kwargs: TemplateKwargs = _same_field(RolloutSettings, "chat_template_kwargs")
+    system_prompt: str | None = _same_field(RolloutSettings, "system_prompt")
+    eos_tokens: list[str | int] | None = _same_field(RolloutSettings, "eos_tokens")
+
+    @property
+    def prompt_format(self) -> PromptFormat:
+        return PromptFormat.of(self)
+
+    @classmethod
+    def of(cls, rollout: RolloutSettings) -> EvaluatorRollout:
+        return cls(**{name: getattr(rollout, name) for name in cls.model_fields})
 
 
 class AnswerBudget(Section):
@@ -183,13 +198,13 @@ class RolloutConfig(_FollowsWeights):
 
 class EvaluatorConfig(_FollowsWeights):
     """What `sparkrl evaluator` reads: the shared parts, its own `eval` section, the prompts' format (the
-    held-out problems are asked as the training ones), where the reward service answers, and how long to
-    wait for the model."""
+    held-out problems are asked as the training ones: `prompts.template`, the workers' chat template and
+    stop tokens), where the reward service answers, and how long to wait for the model."""
 
     eval: EvalSettings
     prompts: PromptSettings
     reward: RewardEndpoint
-    rollout: ModelWait
+    rollout: EvaluatorRollout
 
     @classmethod
     def of(cls, tree: SparkSettings) -> EvaluatorConfig:
@@ -200,7 +215,7 @@ class EvaluatorConfig(_FollowsWeights):
             eval=t.eval,
             prompts=t.prompts,
             reward=RewardEndpoint(url=t.reward.url),
-            rollout=ModelWait(model_wait_s=t.rollout.model_wait_s),
+            rollout=EvaluatorRollout.of(t.rollout),
         )
 
 

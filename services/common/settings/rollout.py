@@ -12,6 +12,12 @@ from sparkrl.services.common.settings.engine import (
     TorchEngineSettings,
     VllmEngineSettings,
 )
+from sparkrl.services.common.settings.prompt_format import (
+    ChatTemplateMode,
+    PromptFormat,
+    TemplateKwargs,
+    same_format_field,
+)
 from sparkrl.services.common.settings.section import Section
 from sparkrl.services.common.settings.servers import MetricsEndpoint
 from sparkrl.services.common.settings.supervision import WorkerHealthSettings
@@ -100,6 +106,17 @@ class RolloutSettings(Section):
     )
     engine: EngineSettings = Field(default_factory=TorchEngineSettings, description="Generation engine.")
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
+    chat_template: ChatTemplateMode = same_format_field("chat_template")
+    chat_template_kwargs: TemplateKwargs = same_format_field("chat_template_kwargs")
+    system_prompt: str | None = same_format_field("system_prompt")
+    eos_tokens: list[str | int] | None = Field(
+        None,
+        min_length=1,
+        description="Exactly the tokens that end a completion (a turn), as the vocabulary spells them "
+        '("<|im_end|>", "<|eot_id|>") or as ids; both engines stop at these and no others. For a model '
+        "whose generation_config.json lists several. None: generation_config.json's eos_token_id list plus "
+        "the tokenizer's EOS. A string the tokenizer does not know is an error at start.",
+    )
     prompts_per_batch: int = Field(
         4, ge=1, le=1024, description="Prompts pulled and generated together (each yields one group)."
     )
@@ -178,6 +195,11 @@ class RolloutSettings(Section):
         default_factory=WorkerHealthSettings, description="A sick model is not a bad prompt."
     )
     metrics: MetricsEndpoint = Field(default_factory=MetricsEndpoint, description="/metrics and /healthz.")
+
+    @property
+    def prompt_format(self) -> PromptFormat:
+        """How this worker renders prompts (`chat_template`, `chat_template_kwargs`, `system_prompt`)."""
+        return PromptFormat.of(self)
 
     @model_validator(mode="after")
     def _in_flight_without_lockstep(self) -> RolloutSettings:

@@ -37,6 +37,7 @@ from sparkrl.services.common.settings.learner_knobs import (
     ScheduleSettings,
     TrackingSettings,
 )
+from sparkrl.services.common.settings.prompt_format import PromptFormat
 from sparkrl.services.common.settings.prompts import CountdownSettings, PromptSettings
 from sparkrl.services.common.settings.ray import RaySettings
 from sparkrl.services.common.settings.rollout import RolloutSettings
@@ -59,6 +60,7 @@ __all__ = [
     "LossSettings",
     "LpRegLoss",
     "MetricsEndpoint",
+    "PromptFormat",
     "PromptSettings",
     "RaySettings",
     "RewardSettings",

@@ -5,9 +5,10 @@ C(n, k) per problem, averaged).
 Problems are `Prompt`s, as the training stream carries them: the countdown held-out split (the generator
 seeded per problem with `heldout-<i>` strings, a seed range the training feeder — an integer-seeded
 stream — and the tiny model's warm-up — `eval-…`, `final-…` — never use; same distribution, so a
-problem's numbers can coincide with a training one's), or the rows of a math benchmark file. Prompts go
-through the model's chat template, as a rollout worker's do; whoever calls decides how answers are scored
-(the reward service's verifiers, in-process or over HTTP). Generation is the engine's.
+problem's numbers can coincide with a training one's), or the rows of a math benchmark file. Prompts are
+rendered as a rollout worker's are (`modeling.render_prompt` in the run's `PromptFormat`); whoever calls
+decides how answers are scored (the reward service's verifiers, in-process or over HTTP). Generation is
+the engine's.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sparkrl.proto import Prompt
-from sparkrl.services.common.modeling import apply_chat_template_if_any
-from sparkrl.services.common.settings import CountdownSettings, SamplingSettings
+from sparkrl.services.common.modeling import render_prompt
+from sparkrl.services.common.settings import CountdownSettings, PromptFormat, SamplingSettings
 from sparkrl.services.common.tasks.countdown import format_prompt, generate_problem
 
 CHUNK_PROMPTS = 32  # problems generated together (× n rows)
@@ -110,12 +111,15 @@ def evaluate_engine(
     seed: int = 0,
     model: str = "",
     progress: bool = True,
+    *,
+    fmt: PromptFormat,
 ) -> EvalResult:
-    """`tasks` sampled n times each at `temperature` and once greedily, scored by `score`."""
+    """`tasks` rendered in `fmt` (the run's `rollout` chat template, its variables, system prompt), sampled
+    n times each at `temperature` and once greedily, scored by `score`."""
     if not tasks:
         raise ValueError("no problems to evaluate")
     started = time.perf_counter()
-    prompts = [apply_chat_template_if_any(engine.tokenizer, p.messages or p.text or "") for p in tasks]
+    prompts = [render_prompt(engine.tokenizer, p.messages or p.text or "", fmt) for p in tasks]
     sampled = SamplingSettings(n=n, temperature=temperature, max_new_tokens=max_new_tokens, topk_logprobs=1)
     # top_p this small keeps only the most likely token: argmax decoding through the same engine.
     greedy = SamplingSettings(n=1, top_p=1e-9, max_new_tokens=max_new_tokens, topk_logprobs=1)
