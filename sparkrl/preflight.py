@@ -1,14 +1,16 @@
 """`sparkrl check` (and the first thing `sparkrl up` does): what would fail later, found before anything is
 spawned, each as one line that names the setting and the fix.
 
-Checked: the model directory and its tokenizer load; the prompt file exists and has the fields; the
-prompts and the longest completion fit the model's context; the rollout engine imports in the interpreter
-that will run the workers (`rollout.python` for a separate vLLM environment), and for vLLM what that
-environment holds (`vllm_check.py`: its version, CPU or GPU build, the model's head size on CPU);
-requested GPUs exist and the learner's do not overlap the workers'; the sync backend is there (torch's
-NCCL, nccl4py in both environments, vLLM on both sides for its weight transfer) with a GPU; the top-k fits
-the vocabulary. Cheap by design: config files and the tokenizer, never the weights (vLLM's import, in the
-workers' interpreter, is the dearest part: ~10 s).
+Checked: the model directory and its tokenizer (sparkrl/model_check.py: the tokenizer files, a vocabulary that
+fits the embedding, prompts rendered as `rollout.chat_template` / `chat_template_kwargs` / `system_prompt`
+ask, `rollout.eos_tokens` known); the prompt file exists and has the fields; the prompts (rendered by the
+workers' own `modeling.render_prompt`) and the longest completion fit the model's context; the rollout engine
+imports in the interpreter that will run the workers (`rollout.python` for a separate vLLM environment), and
+for vLLM what that environment holds (`vllm_check.py`: its version, CPU or GPU build, the model's
+architecture, its head size on CPU); requested GPUs exist and the learner's do not overlap the workers'; the
+sync backend is there (torch's NCCL, nccl4py in both environments, vLLM on both sides for its weight transfer)
+with a GPU; the top-k fits the vocabulary. Cheap by design: config files and the tokenizer, never the weights
+(vLLM's import, in the workers' interpreter, is the dearest part: ~10 s).
 """
 
 from __future__ import annotations
@@ -22,18 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from sparkrl import ports
+from sparkrl import model_check, ports
 from sparkrl.services.common.prompt_limits import PromptBudgetError, context_of, resolve_max_prompt_tokens
 from sparkrl.services.common.settings import SparkSettings
 
 ENGINE_MODULES = {"torch": "torch", "vllm": "vllm"}
 CONTEXT_SAMPLE = 2000  # prompts looked at for the longest (a file's first rows, or generated ones)
 LONGEST = 20  # of those, the longest by characters are tokenized
-CHAT_TEMPLATE_ALLOWANCE = 64  # tokens a chat template adds around a prompt, at most (roles, markers)
-
-
-def _read(path: Path) -> str | None:
-    return path.read_text() if path.is_file() else None
 
 
 @dataclass(frozen=True)
@@ -57,18 +54,8 @@ def _model(cfg: SparkSettings) -> tuple[list[Problem], dict | None, object | Non
         )
         return [Problem("model", f"{path}{where} {what}: {fix}")], None, None
     config = json.loads((path / "config.json").read_text())
-    try:
-        if (path / "tokenizer.json").is_file():  # the fast tokenizer alone: no transformers import (~4 s)
-            from tokenizers import Tokenizer
-
-            tokenizer: object = Tokenizer.from_file(str(path / "tokenizer.json"))
-        else:
-            from transformers import AutoTokenizer
-
-            tokenizer = AutoTokenizer.from_pretrained(path)
-    except Exception as exc:  # whatever the tokenizer files say is wrong, said once
-        return [Problem("model", f"the tokenizer in {path} does not load: {exc}"[:400])], config, None
-    return [], config, tokenizer
+    found, tokenizer = model_check.load(path, cfg.rollout)
+    return [Problem(*finding) for finding in found], config, tokenizer
 
 
 def _prompt_texts(cfg: SparkSettings) -> tuple[list[Problem], list[str]]:
@@ -93,12 +80,14 @@ def _prompt_texts(cfg: SparkSettings) -> tuple[list[Problem], list[str]]:
     return [], texts
 
 
-def _tokens(tokenizer: object, text: str) -> int:
+def _tokens(tokenizer: object, text: str, cfg: SparkSettings) -> int:
+    """The prompt's tokens as a worker renders it; the `tokenizers` library's tokenizer is loaded only
+    where no chat template or system prompt is in force (`model_check.load`): the text alone."""
     if hasattr(tokenizer, "encode") and not hasattr(tokenizer, "apply_chat_template"):  # `tokenizers`
         return len(tokenizer.encode(text).ids)  # type: ignore[attr-defined]
-    from sparkrl.services.common.modeling import apply_chat_template_if_any
+    from sparkrl.services.common.modeling import render_prompt
 
-    return len(apply_chat_template_if_any(tokenizer, text))  # type: ignore[arg-type]
+    return len(render_prompt(tokenizer, text, cfg.rollout.prompt_format))  # type: ignore[arg-type]
 
 
 def _context(cfg: SparkSettings, config: dict, tokenizer: object, texts: list[str]) -> list[Problem]:
@@ -111,9 +100,7 @@ def _context(cfg: SparkSettings, config: dict, tokenizer: object, texts: list[st
             return [Problem("rollout.max_prompt_tokens", str(exc))]
     if not limit or not texts:
         return []
-    template = json.loads(_read(Path(cfg.model) / "tokenizer_config.json") or "{}").get("chat_template")
-    allowance = CHAT_TEMPLATE_ALLOWANCE if template else 0  # roles and markers the template adds
-    longest = max(_tokens(tokenizer, text) for text in sorted(texts, key=len)[-LONGEST:]) + allowance
+    longest = max(_tokens(tokenizer, text, cfg) for text in sorted(texts, key=len)[-LONGEST:])
     if explicit is not None:  # longer ones are dropped or cut by the feeder and the workers
         longest = min(longest, explicit)
     need = longest + new_tokens
@@ -393,7 +380,11 @@ def check(cfg: SparkSettings) -> list[Problem]:
     problems += found
     problems += [Problem(*problem) for problem in ports.problems(cfg)]
     if config is not None and tokenizer is not None:
-        problems += _context(cfg, config, tokenizer, texts)
+        sample = texts[0] if texts else None
+        findings = model_check.findings(Path(cfg.model), config, tokenizer, cfg.rollout, sample)
+        problems += [Problem(*finding) for finding in findings]
+        if not any(setting in model_check.RENDERING for setting, _ in findings):  # else nothing to count
+            problems += _context(cfg, config, tokenizer, texts)
         vocab = config.get("vocab_size")
         if vocab and cfg.rollout.sampling.topk_logprobs > vocab:
             problems.append(

@@ -1,10 +1,11 @@
 """The preflight of a vLLM rollout engine: what the workers' environment holds, asked of it once.
 
 `probe(python)` runs one short script in the workers' interpreter (`rollout.python`, or this one) that
-imports vLLM and reports its distribution and version, whether it is the CPU build, and the head sizes
-its CPU attention supports. `problems(cfg, found, model_config)` turns that into lines naming the
-setting and the fix: no environment, a vLLM too old for the weight-update session API, a build for the
-wrong device, a head size the CPU kernels lack, a block size they reject, sampling the engine refuses.
+imports vLLM and reports its distribution and version, whether it is the CPU build, the head sizes its
+CPU attention supports and the model architectures its registry knows. `problems(cfg, found,
+model_config)` turns that into lines naming the setting and the fix: no environment, a vLLM too old for
+the weight-update session API, a build for the wrong device, an architecture it does not run, a head size
+the CPU kernels lack, a block size they reject, sampling the engine refuses.
 
 `python -m sparkrl.vllm_check` (what `make vllm-env` ends with) checks the environment it runs in.
 """
@@ -32,7 +33,13 @@ sizes = None
 if cpu:
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
     sizes = list(CPUAttentionBackend.get_supported_head_sizes())
-print({MARK!r} + json.dumps({{"dist": dist, "version": md.version(dist), "cpu": cpu, "head_sizes": sizes}}))
+try:  # the registry's names (`LlamaForCausalLM`, ...): what config.json's `architectures` must name
+    from vllm.model_executor.models import ModelRegistry
+    archs = sorted(ModelRegistry.get_supported_archs())
+except Exception:  # a vLLM without it: the architecture is left to the workers' start
+    archs = None
+found = {{"dist": dist, "version": md.version(dist), "cpu": cpu, "head_sizes": sizes, "archs": archs}}
+print({MARK!r} + json.dumps(found))
 """
 INSTALL_HINT = (
     "`make vllm-env` builds .venv-vllm (vLLM's CPU build); configs/vllm-cpu.yaml points rollout.python at it"
@@ -48,6 +55,7 @@ class Found:
     version: str | None = None
     cpu: bool | None = None
     head_sizes: list[int] | None = None
+    archs: list[str] | None = None  # the architectures vLLM's model registry supports (None: not asked)
     error: str | None = None
 
 
@@ -100,6 +108,7 @@ def problems(cfg: SparkSettings, found: Found, model_config: dict[str, Any] | No
         out.append(
             ("rollout.engine.device", f"cpu, but {found.python} holds a GPU build of vLLM: {INSTALL_HINT}")
         )
+    out += _architecture_problems(found, model_config)
     if found.cpu:
         out += _cpu_problems(engine, found, model_config)
     sampling = cfg.rollout.sampling
@@ -115,6 +124,16 @@ def problems(cfg: SparkSettings, found: Found, model_config: dict[str, Any] | No
         why = "vLLM's log-probs would carry its EOS mask: use 0, or the torch engine"
         out.append(("rollout.sampling.min_new_tokens", why))
     return out
+
+
+def _architecture_problems(found: Found, model_config: dict[str, Any] | None) -> list[tuple[str, str]]:
+    """config.json's architectures when the installed vLLM's registry knows none of them (vLLM takes the
+    first it knows)."""
+    wanted = (model_config or {}).get("architectures") or []
+    if found.archs is None or not wanted or any(arch in found.archs for arch in wanted):
+        return []
+    why = f"architecture {', '.join(wanted)} is not in the model registry of {found.dist} {found.version}"
+    return [("model", f"{why} ({found.python}): use rollout.engine.kind=torch, or a vLLM that lists it")]
 
 
 def _cpu_problems(
