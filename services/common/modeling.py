@@ -16,7 +16,6 @@ from transformers import (
 )
 
 from sparkrl.services.common.settings import PromptFormat
-from sparkrl.services.common.weight_sync.manifest import distinct_tensors, tied_aliases
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -227,36 +226,3 @@ def chat_format_at_start(
 
 def _id_list(ids: int | list[int] | None) -> list[int]:
     return [int(i) for i in (ids if isinstance(ids, list) else [ids]) if i is not None]
-
-
-def model_skeleton(model_path: Path) -> dict[str, torch.Tensor]:
-    """The Hugging Face model's distinct tensors on the meta device (names and shapes, a tied head left
-    out: `weight_sync.distinct_tensors`), no weights; `tied_names(model_path)` gives the aliases."""
-    return distinct_tensors(_meta_state_dict(model_path))
-
-
-def tied_names(model_path: Path) -> dict[str, str]:
-    """Each tied alias of the model (`lm_head.weight` of a tied head) → the name its tensor is sent under."""
-    return tied_aliases(_meta_state_dict(model_path).items())
-
-
-def _meta_state_dict(model_path: Path) -> dict[str, torch.Tensor]:
-    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
-    return skeleton.state_dict(keep_vars=True)  # parameters themselves: a tied one is one object
-
-
-def checkpoint_state_dict(model_path: Path) -> list[tuple[str, torch.Tensor]]:
-    """The checkpoint's distinct tensors in the Hugging Face model's state-dict order (the learner's
-    broadcast: a tied head once, under its embedding's name), read from the safetensors files on CPU."""
-    from safetensors import safe_open
-
-    live = _meta_state_dict(model_path)
-    stored: dict[str, torch.Tensor] = {}
-    for file in sorted(model_path.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as shard:
-            stored.update({name: shard.get_tensor(name) for name in shard.keys()})
-    # A tied weight (lm_head sharing embed_tokens) is stored once, under one of its names.
-    stored_name = {id(tensor): name for name, tensor in live.items() if name in stored}
-    return [(name, stored[stored_name[id(tensor)]]) for name, tensor in distinct_tensors(live).items()]

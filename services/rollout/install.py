@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from sparkrl.services.common.modeling import checkpoint_state_dict
+from sparkrl.services.common.model_tensors import checkpoint_state_dict
 from sparkrl.services.common.weight_sync import weights_checksum
 from sparkrl.services.rollout.engine import Engine, WeightLoadFailed
 

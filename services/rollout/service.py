@@ -203,7 +203,11 @@ def close(worker: Worker) -> None:
 def main(cfg: RolloutConfig, stop: threading.Event | None = None) -> None:
     """Build, step until `stop` is set (a signal, a stop command, the Ray driver), close."""
     stop = stop or threading.Event()
-    worker = build(cfg, stop)
+    try:
+        worker = build(cfg, stop)
+    except WeightsDoNotFit as exc:  # an engine that cannot update this family
+        log.error("this worker's engine cannot take the learner's weights: %s", exc)
+        raise SystemExit(EXIT_UNFIT) from None
     try:
         while not stop.is_set():
             step(worker)

@@ -29,6 +29,7 @@ even that fails, the engine refuses to generate (`EngineBroken`): the worker exi
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -40,16 +41,10 @@ import torch
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from sparkrl.proto import Completion
-from sparkrl.services.common.modeling import (
-    checkpoint_state_dict,
-    generation_eos_ids,
-    load_tokenizer,
-    model_skeleton,
-    stop_token_ids,
-    tied_names,
-)
+from sparkrl.services.common.model_tensors import checkpoint_state_dict, meta_model, to_checkpoint_format
+from sparkrl.services.common.modeling import generation_eos_ids, load_tokenizer, stop_token_ids
 from sparkrl.services.common.settings import SamplingSettings, VllmEngineSettings
-from sparkrl.services.common.weight_sync import weights_checksum
+from sparkrl.services.common.weight_sync import distinct_tensors, tied_aliases, weights_checksum
 from sparkrl.services.rollout.engine import (
     Engine,
     EngineBroken,
@@ -58,7 +53,7 @@ from sparkrl.services.rollout.engine import (
     WeightLoadFailed,
     WeightsDoNotFit,
 )
-from sparkrl.services.rollout.vllm_fit import numerics_warnings, unfit_reason
+from sparkrl.services.rollout.vllm_fit import cpu_update_problem, unfit_reason
 from sparkrl.services.rollout.vllm_launch import Launch, plan_launch
 from sparkrl.services.rollout.vllm_lora import AdapterSlots
 from sparkrl.services.rollout.vllm_steps import stepped_generate
@@ -118,16 +113,18 @@ class VllmEngine(Engine):
         self.model_path = Path(model_path)
         self.settings = settings
         self.launch = plan_launch(settings, cpu=current_platform.is_cpu())
+        unfit = cpu_update_problem(json.loads((self.model_path / "config.json").read_text()))
+        if self.launch.cpu and unfit is not None:  # before vLLM starts: nothing to undo
+            raise WeightsDoNotFit(unfit)
         self.policy_version = 0
         self._tokenizer = load_tokenizer(self.model_path)
         config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         self._vocab_size = int(config.vocab_size)
         self._eos_ids, self._ignore_eos = _stop_params(self.model_path, self._tokenizer, eos_tokens)
-        self._skeleton = model_skeleton(self.model_path)
-        self._tied = tied_names(self.model_path)
+        self._meta = meta_model(self.model_path)  # names, shapes, ties; and how the checkpoint stores them
+        held = self._meta.state_dict(keep_vars=True)
+        self._skeleton, self._tied = distinct_tensors(held), tied_aliases(held.items())
         self._architecture = (config.architectures or [type(config).__name__])[0]
-        for warning in numerics_warnings(config, self.launch.cpu):
-            log.warning("%s", warning)
         self._serving, self._on_device, self._checksum, self._broken = None, False, None, None
         self._mid_batch: Literal["keep", "recompute"] | None = None  # a batch is being decoded
         self._stale_cache = False  # a version was taken mid-batch with the cache kept: drop it after
@@ -306,7 +303,12 @@ class VllmEngine(Engine):
         return [(name, given[name]) for name in self._skeleton]
 
     def _try_install(self, tensors: Named, expected: str) -> str | None:
-        """One weight-update session; None when every worker reports `expected` and no problem."""
+        """One weight-update session of `tensors` (whose checksum is `expected`) in the checkpoint's layout,
+        which vLLM's loaders read (`to_checkpoint_format`); None when every worker reports the checksum of
+        what it was given and no problem."""
+        stored = to_checkpoint_format(self._meta, dict(tensors))
+        if stored.keys() != dict(tensors).keys():  # converted (fused experts split): its own bytes
+            tensors, expected = list(stored.items()), weights_checksum(stored.items())
         try:
             reports = self._session(tensors)
         except Exception as exc:  # vLLM's loaders and RPC: the version is undone whatever it was

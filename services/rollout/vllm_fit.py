@@ -1,11 +1,12 @@
 """Whether a model family fits vLLM as sparkrl drives it: the learner's tensors vLLM's loader refuses by
-name (`unfit_reason`: the worker ends with the reason, no restart could help), and the known numeric
-differences between vLLM's CPU build and the learner that a family brings (`numerics_warnings`; the
-measured figures are in docs/models.md)."""
+name (`unfit_reason`: the worker ends with the reason, no restart could help), and a family vLLM's CPU
+build cannot update in place (`cpu_update_problem`: `sparkrl check` says it before start, the worker at its
+own start)."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 # vLLM's loaders (`AutoWeightsLoader`) on a name the model has no module or parameter for.
@@ -29,15 +30,22 @@ def unfit_reason(exc: BaseException, names: list[str]) -> str | None:
     return None
 
 
-def numerics_warnings(config: Any, cpu: bool) -> list[str]:
-    """What the worker says at start about log-probs that will differ from the learner's beyond the
-    engine contract's tolerance on this family (`config`: the model's transformers config)."""
-    said = []
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if cpu and softcap:
-        said.append(
-            f"this model soft-caps its attention logits (attn_logit_softcapping {softcap}): vLLM's CPU "
-            "attention differs from that by up to 1e-2 in a token's log-prob (Gemma 2, docs/models.md); keep "
-            "learner.old_logp_source recompute so the learner corrects it (truncated importance sampling)"
-        )
-    return said
+# config.json fields that count a mixture of experts' experts (Qwen-MoE, Mixtral, DeepSeek / GLM).
+EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def cpu_update_problem(config: Mapping[str, Any]) -> str | None:
+    """Why vLLM's CPU build cannot take in-place updates of this model (config.json's fields), or None.
+
+    A mixture of experts: vLLM 0.32's CPU build re-packs the experts' weights for its kernel at load, and
+    its layerwise reload leaves them in the checkpoint's layout instead (measured on a tiny Qwen3-MoE:
+    log-probs off by up to 7 nats after reloading the very same weights; the experts' tensors read back
+    unpacked; docs/models.md)."""
+    experts = next((int(config[f]) for f in EXPERT_FIELDS if config.get(f)), 0)
+    if experts <= 1:
+        return None
+    return (
+        f"a mixture of experts ({experts} experts): vLLM's CPU build does not re-pack the experts after an "
+        "in-place weight update (their log-probs are then wrong; docs/models.md): use rollout.engine.kind "
+        "torch for this model on CPU"
+    )

@@ -1,6 +1,9 @@
-"""A tied output layer (the head is the embedding) travels once, under its embedding's name: the learner's
+"""A model's tensors as sent and as stored (services/common/model_tensors.py).
+
+A tied output layer (the head is the embedding) travels once, under its embedding's name: the learner's
 published weights, the checkpoint's tensors a vLLM worker restores, the LoRA merge and the torch engine's
-checksum all agree on that, and the torch engine's head follows its embedding."""
+checksum all agree on that, and the torch engine's head follows its embedding. A family whose layout
+transformers converts on load (Qwen3-MoE's fused experts) goes back to its checkpoint's layout for vLLM."""
 
 from __future__ import annotations
 
@@ -8,15 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from _families import build_family
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
 from transformers import AutoModelForCausalLM
 
-from sparkrl.services.common.modeling import (
+from sparkrl.services.common.model_tensors import (
     checkpoint_state_dict,
-    load_model,
+    meta_model,
     model_skeleton,
     tied_names,
+    to_checkpoint_format,
 )
+from sparkrl.services.common.modeling import load_model
 from sparkrl.services.common.settings import TorchEngineSettings
 from sparkrl.services.common.weight_sync import distinct_tensors, tied_aliases, weights_checksum
 from sparkrl.services.rollout.torch_engine import TorchEngine
@@ -87,3 +93,23 @@ def test_a_lora_merge_of_a_tied_model_sends_the_embedding_once(tied_dir: Path) -
     merged = merged_state_dict(model)
     assert HEAD not in merged and EMBEDDING in merged
     assert list(merged) == list(distinct_tensors(load_model(tied_dir).state_dict()))
+
+
+def test_fused_experts_go_back_to_the_checkpoints_layout(tmp_path: Path) -> None:
+    """Qwen3-MoE: transformers 5 holds each layer's experts fused (`mlp.experts.gate_up_proj`); the
+    checkpoint (and vLLM's loader) has them one by one. Reverted, the learner's tensors are the file's."""
+    from safetensors.torch import load_file
+
+    model_dir = build_family("qwen3_moe", tmp_path)
+    sent = distinct_tensors(load_model(model_dir).state_dict())
+    assert "model.layers.0.mlp.experts.gate_up_proj" in sent
+    stored = to_checkpoint_format(meta_model(model_dir), sent)
+    on_disk = load_file(str(model_dir / "model.safetensors"))
+    assert stored.keys() == on_disk.keys() and all(torch.equal(stored[n], on_disk[n]) for n in on_disk)
+    # The checkpoint's tensors as sent: what a vLLM worker restores and checksums before any update.
+    assert weights_checksum(checkpoint_state_dict(model_dir)) == weights_checksum(sent.items())
+
+
+def test_a_family_without_conversions_is_sent_as_stored(tied_dir: Path) -> None:
+    sent = distinct_tensors(load_model(tied_dir).state_dict())
+    assert to_checkpoint_format(meta_model(tied_dir), sent) == sent
