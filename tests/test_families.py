@@ -17,6 +17,7 @@ too), and shows:
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Callable
@@ -208,3 +209,23 @@ def test_a_family_an_engine_cannot_train_is_refused_before_start(
     assert REFUSED[key, engine] in done.stderr and "Traceback" not in done.stderr
     assert not (run_dir / "config").exists()  # nothing was written for a service, nothing spawned
     record_property("refused", REFUSED[key, engine])
+
+
+@pytest.mark.parametrize("thinking", [False, True], ids=["thinking-off", "thinking-on"])
+def test_qwen3s_enable_thinking_reaches_what_the_model_saw(
+    thinking: bool, tmp_path: Path, stacks: list[Stack]
+) -> None:
+    """`rollout.chat_template_kwargs` reaches Qwen3's template in the workers: with enable_thinking false
+    every prompt the model saw (samples.jsonl's rendered_prompt) ends in the empty think block Qwen3's
+    template writes, and with it true in the bare assistant turn; the raw question is kept beside it."""
+    kwargs = f"rollout.chat_template_kwargs={{enable_thinking: {str(thinking).lower()}}}"
+    plan, _ = run_family("qwen3", "torch", tmp_path, stacks, kwargs, "learner.samples_per_step=2")
+    rows = [json.loads(line) for line in (plan.run_dir / "samples.jsonl").read_text().splitlines()]
+    assert rows
+    ending = "<|im_start|>assistant\n" + ("" if thinking else "<think>\n\n</think>\n\n")
+    for row in rows:
+        assert row["rendered_prompt"].endswith(ending), row["rendered_prompt"][-60:]
+        assert row["rendered_prompt"].startswith("<|im_start|>user\n" + row["prompt"])
+    worker_log = (plan.run_dir / "logs" / "worker-0.log").read_text()
+    said = f'kwargs {{"enable_thinking": {str(thinking).lower()}}}'
+    assert said in worker_log  # said at start: the rendering in force
