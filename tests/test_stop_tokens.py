@@ -15,7 +15,7 @@ from sparkrl.services.common.modeling import generation_eos_ids, load_tokenizer,
 from sparkrl.services.common.settings import SamplingSettings, TorchEngineSettings
 from sparkrl.services.common.tasks.countdown import format_prompt, generate_problem
 from sparkrl.services.rollout.torch_engine import TorchEngine
-from sparkrl.services.rollout.vllm_engine import _stop_params
+from sparkrl.services.rollout.vllm_fit import stop_params
 
 EOS, NEWLINE = 2, "Ċ"  # the tiny tokenizer's <eos>, and "\n" as its byte-level vocabulary spells it
 SAMPLING = SamplingSettings(n=4, max_new_tokens=24, seed=1)
@@ -71,6 +71,6 @@ def test_the_vllm_engine_is_given_the_same_set(tiny_model_dir: Path) -> None:  #
     ignore EOS: the default names the rest, an exact set is named whole with ignore_eos."""
     tokenizer = load_tokenizer(tiny_model_dir)
     newline = tokenizer.convert_tokens_to_ids(NEWLINE)
-    assert _stop_params(tiny_model_dir, tokenizer, None) == ([], False)  # stops at EOS (2) by itself
-    assert _stop_params(tiny_model_dir, tokenizer, [NEWLINE]) == ([newline], True)
-    assert _stop_params(tiny_model_dir, tokenizer, ["<eos>", NEWLINE]) == ([EOS, newline], True)
+    assert stop_params(tiny_model_dir, tokenizer, None) == ([], False)  # stops at EOS (2) by itself
+    assert stop_params(tiny_model_dir, tokenizer, [NEWLINE]) == ([newline], True)
+    assert stop_params(tiny_model_dir, tokenizer, ["<eos>", NEWLINE]) == ([EOS, newline], True)

@@ -42,7 +42,7 @@ from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from sparkrl.proto import Completion
 from sparkrl.services.common.model_tensors import checkpoint_state_dict, meta_model, to_checkpoint_format
-from sparkrl.services.common.modeling import generation_eos_ids, load_tokenizer, stop_token_ids
+from sparkrl.services.common.modeling import load_tokenizer
 from sparkrl.services.common.settings import SamplingSettings, VllmEngineSettings
 from sparkrl.services.common.weight_sync import distinct_tensors, tied_aliases, weights_checksum
 from sparkrl.services.rollout.engine import (
@@ -53,7 +53,7 @@ from sparkrl.services.rollout.engine import (
     WeightLoadFailed,
     WeightsDoNotFit,
 )
-from sparkrl.services.rollout.vllm_fit import cpu_update_problem, unfit_reason
+from sparkrl.services.rollout.vllm_fit import cpu_update_problem, stop_params, unfit_reason
 from sparkrl.services.rollout.vllm_launch import Launch, plan_launch
 from sparkrl.services.rollout.vllm_lora import AdapterSlots
 from sparkrl.services.rollout.vllm_steps import stepped_generate
@@ -89,7 +89,7 @@ class VllmEngine(Engine):
     llm: Any  # vllm.LLM
     _tokenizer: PreTrainedTokenizerBase
     _vocab_size: int
-    _eos_ids: list[int]  # SamplingParams.stop_token_ids (`_stop_params`)
+    _eos_ids: list[int]  # SamplingParams.stop_token_ids (`vllm_fit.stop_params`)
     _ignore_eos: bool  # SamplingParams.ignore_eos: rollout.eos_tokens names the stop set exactly
     _skeleton: dict[str, torch.Tensor]
     _serving: Named | None  # the version held, on the host (None: the checkpoint's, or `_on_device`)
@@ -120,7 +120,7 @@ class VllmEngine(Engine):
         self._tokenizer = load_tokenizer(self.model_path)
         config = AutoConfig.from_pretrained(self.model_path, local_files_only=True)
         self._vocab_size = int(config.vocab_size)
-        self._eos_ids, self._ignore_eos = _stop_params(self.model_path, self._tokenizer, eos_tokens)
+        self._eos_ids, self._ignore_eos = stop_params(self.model_path, self._tokenizer, eos_tokens)
         self._meta = meta_model(self.model_path)  # names, shapes, ties; and how the checkpoint stores them
         held = self._meta.state_dict(keep_vars=True)
         self._skeleton, self._tied = distinct_tensors(held), tied_aliases(held.items())
@@ -398,17 +398,3 @@ class VllmEngine(Engine):
             self._adapters.close()
         if llm is not None:
             llm.llm_engine.engine_core.shutdown()
-
-
-def _stop_params(
-    model_path: Path, tokenizer: PreTrainedTokenizerBase, eos_tokens: Sequence[str | int] | None
-) -> tuple[list[int], bool]:
-    """(stop_token_ids, ignore_eos) for vLLM's SamplingParams such that exactly `modeling.stop_token_ids`
-    end a completion, as in the torch engine. vLLM stops at the tokenizer's EOS by itself and, unless
-    ignore_eos, adds generation_config.json's eos ids (even with `generation_config="vllm"`, which leaves
-    only the file's sampling defaults unread): by default the ids beyond the tokenizer's EOS are named, as
-    before; an exact set (`rollout.eos_tokens`) is named whole with ignore_eos, so vLLM adds nothing."""
-    ids = stop_token_ids(tokenizer, generation_eos_ids(model_path), eos_tokens)
-    if eos_tokens is None:
-        return [i for i in ids if i != tokenizer.eos_token_id], False
-    return ids, True

@@ -1,13 +1,18 @@
 """Whether a model family fits vLLM as sparkrl drives it: the learner's tensors vLLM's loader refuses by
 name (`unfit_reason`: the worker ends with the reason, no restart could help), and a family vLLM's CPU
 build cannot update in place (`cpu_update_problem`: `sparkrl check` says it before start, the worker at its
-own start)."""
+own start); and the stop tokens vLLM is asked for so that it ends a completion exactly where the torch
+engine does (`stop_params`)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # vLLM's loaders (`AutoWeightsLoader`) on a name the model has no module or parameter for.
 _NO_SUCH_NAME = re.compile(r"[Tt]here is no module or parameter named '([^']+)' in (\w+)")
@@ -49,3 +54,19 @@ def cpu_update_problem(config: Mapping[str, Any]) -> str | None:
         "in-place weight update (their log-probs are then wrong; docs/models.md): use rollout.engine.kind "
         "torch for this model on CPU"
     )
+
+
+def stop_params(
+    model_path: Path, tokenizer: PreTrainedTokenizerBase, eos_tokens: Sequence[str | int] | None
+) -> tuple[list[int], bool]:
+    """(stop_token_ids, ignore_eos) for vLLM's SamplingParams such that exactly `modeling.stop_token_ids`
+    end a completion, as in the torch engine. vLLM stops at the tokenizer's EOS by itself and, unless
+    ignore_eos, adds generation_config.json's eos ids (even with `generation_config="vllm"`, which leaves
+    only the file's sampling defaults unread): by default the ids beyond the tokenizer's EOS are named, as
+    before; an exact set (`rollout.eos_tokens`) is named whole with ignore_eos, so vLLM adds nothing."""
+    from sparkrl.services.common.modeling import generation_eos_ids, stop_token_ids
+
+    ids = stop_token_ids(tokenizer, generation_eos_ids(model_path), eos_tokens)
+    if eos_tokens is None:
+        return [i for i in ids if i != tokenizer.eos_token_id], False
+    return ids, True
