@@ -113,3 +113,26 @@ def test_fused_experts_go_back_to_the_checkpoints_layout(tmp_path: Path) -> None
 def test_a_family_without_conversions_is_sent_as_stored(tied_dir: Path) -> None:
     sent = distinct_tensors(load_model(tied_dir).state_dict())
     assert to_checkpoint_format(meta_model(tied_dir), sent) == sent
+
+
+def test_a_late_joiner_takes_a_tied_models_snapshot(tied_dir: Path, tmp_path: Path) -> None:
+    """The learner's snapshot file (what a worker outside the broadcast loads) of a tied model holds the
+    embedding once; a torch worker installs it, its head follows, and it reports the published checksum."""
+    from sparkrl.services.learner.publisher import write_snapshot
+    from sparkrl.services.rollout.catch_up import load_snapshot
+    from sparkrl.services.rollout.install import VersionInstaller
+
+    learner = load_model(tied_dir)
+    with torch.no_grad():
+        for tensor in learner.parameters():
+            tensor.add_(0.01)
+    published = {n: t.detach().clone() for n, t in distinct_tensors(learner.state_dict()).items()}
+    path = write_snapshot(published, 4, tmp_path)
+    engine = TorchEngine(tied_dir, TorchEngineSettings())
+    try:
+        assert load_snapshot(VersionInstaller(engine, tied_dir), str(path)) is not None
+        assert engine.policy_version == 4
+        assert engine.weights_checksum() == weights_checksum(published.items())
+        assert torch.equal(engine.model.lm_head.weight, published[EMBEDDING])
+    finally:
+        engine.close()
