@@ -12,8 +12,15 @@ Stats = dict[str, float]  # statistics by name (`loss`, `grad_norm`, …): the s
 # How an update's statistics combine, said once for the micro-batches, the updates and the ranks: counts
 # add up; every other statistic is a token-share-weighted part of a mean. GLOBAL ones are the whole
 # update's on every rank already (its token count, the norm of the reduced gradient): ranks keep one copy.
+# A loss's own counts end in `_tokens` (STAPO's `spurious_tokens`, DPPO's `masked_pos_tokens`): a new loss
+# stays one file.
 COUNTS = frozenset({"reg_tokens", "reg_tokens_pos", "proxy_inexact", "tokens", *COUNT_STATS})
 GLOBAL = frozenset({"grad_norm", "tokens"})
+
+
+def is_count(key: str) -> bool:
+    """Whether the statistic `key` adds up (a count) rather than averaging by token share."""
+    return key in COUNTS or key.endswith("_tokens")
 
 
 def add_mismatch(sums: Stats, measured: dict[str, float], weight: float) -> None:
@@ -32,7 +39,7 @@ def merge(stats: list[Stats]) -> Stats:
     for s in stats:
         weight = s.get("tokens", 0.0) / total
         for key, value in s.items():
-            merged[key] = merged.get(key, 0.0) + (value if key in COUNTS else value * weight)
+            merged[key] = merged.get(key, 0.0) + (value if is_count(key) else value * weight)
     return merged
 
 

@@ -59,7 +59,7 @@ from sparkrl.services.learner.prompt_sharing import collator
 from sparkrl.services.learner.proxy import proxy_logp_from_topk
 from sparkrl.services.learner.reference import kl_to_reference
 from sparkrl.services.learner.schedule import lr_factor
-from sparkrl.services.learner.stats import COUNTS, NotApplied, Stats, Updated, add_mismatch, merge
+from sparkrl.services.learner.stats import NotApplied, Stats, Updated, add_mismatch, is_count, merge
 
 T = TypeVar("T")
 
@@ -225,7 +225,7 @@ def apply_update(
             add_mismatch(sums, old.tis, weight)
         for key, value in stats.items():
             if key != "entropy":  # measured above over every token; entropy_bonus reports its own copy
-                sums[key] += float(value) * (1.0 if key in COUNTS else weight)
+                sums[key] += float(value) * (1.0 if is_count(key) else weight)
     stepped = time.perf_counter()
     sums["grad_norm"], applied = apply_gradients(engine)
     sums["tokens"] = float(total_tokens)
