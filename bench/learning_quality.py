@@ -33,6 +33,7 @@ from sparkrl.run_files import read_evals, read_steps
 ROOT = Path(__file__).resolve().parents[1]
 LOSSES = ("grpo", "entropy_bonus", "clip_higher", "eighty_twenty", "kl_cov", "clip_cov", "lp_reg")
 RUN_TIMEOUT_S = 1800
+MID_WINDOW = (31, 150)  # steps (1-based, inclusive) of the fixed mid-run entropy window
 WALL_FILE = "experiment.json"  # in the runs folder: the experiment's wall time, for --report-only
 # The section `--wide` writes into the same report.md (learning_quality_wide.py); a rewrite here keeps it.
 WIDE_BEGIN = "<!-- explore-wide: begin (written by bench/learning_quality.py --wide) -->"
@@ -137,7 +138,8 @@ def summarize(runs: list[Run], n: int) -> dict[str, dict[str, float]]:
     """Per run, the table's numbers; the last evaluation is the final model's."""
     out = {}
     for run in runs:
-        entropy = _smooth(_series(run, "loss/entropy"), 5)
+        raw = _series(run, "loss/entropy")
+        entropy = _smooth(raw, 5)
         tail = max(1, len(entropy) // 10)
         final = run.evals[-1]
         out[f"{run.loss}-s{run.seed}"] = {
@@ -147,6 +149,11 @@ def summarize(runs: list[Run], n: int) -> dict[str, dict[str, float]]:
             "entropy_first": float(np.nanmean(entropy[:tail])),
             "entropy_final": float(np.nanmean(entropy[-tail:])),
             "entropy_min": float(np.nanmin(entropy)),
+            # Before any update acts (step 1's forward is the initial model's): no loss can move it.
+            "entropy_step1": float(raw[0]) if len(raw) else float("nan"),
+            "entropy_mid": float(np.nanmean(raw[MID_WINDOW[0] - 1 : MID_WINDOW[1]]))
+            if len(raw)
+            else float("nan"),
             "reg_tokens": float(np.nanmean(np.nan_to_num(_series(run, "loss/reg_tokens")))),
             "neg_tokens_k": float(np.nanmean(np.nan_to_num(_series(run, "loss/k_neg")))),
             "low_prob_share": float(np.nanmean(_series(run, "explore/low_prob_share"))),

@@ -6,15 +6,20 @@ issue's outcomes the records show (an effect, no effect, or an effect on entropy
 accuracy), with the spread it rests on.
 
 The outcome weighs two measures, each Lp-Reg against the best baseline on that measure, mean ± sample
-std over the seeds every loss has finished: held-out pass@1 for accuracy, and entropy kept (the last
-tenth of a run's `loss/entropy` over its first tenth) for exploration. A difference counts as an effect
-only when it is larger than the larger of the two spreads, and, since each seed feeds every loss the
-same prompt stream, only when it has the same sign on every seed (the paired differences are printed)."""
+std over the seeds every loss has finished: held-out pass@1 for accuracy, and entropy kept for
+exploration (the wide report: the last tenth of a run's `loss/entropy` over its step 1, before any update
+acted, so an effect early in the run cannot invert it; the first tenth, which a regularizer already
+moves, was the denominator before issue 47). A difference counts as an effect only when it is larger
+than the larger of the two spreads, has the same sign on every seed (each seed feeds every loss the same
+prompt stream; the paired differences are printed) and passes the paired t-test at p < 0.05
+(lq_caveats.paired_p)."""
 
 from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass
+
+from lq_caveats import ALPHA, paired_p
 
 LABELS = {
     "grpo": "GRPO",
@@ -56,8 +61,11 @@ def accuracy_sentence(per_run: PerRun, losses: tuple[str, ...], seeds: tuple[int
 
 def entropy_sentence(per_run: PerRun, losses: tuple[str, ...], seeds: tuple[int, ...]) -> str:
     """Every loss's entropy kept (last tenth over first), and the tokens Lp-Reg regularized a step."""
-    drops = {}
+    drops, kept = {}, all("entropy_kept" in per_run[f"{x}-s{s}"] for x in losses for s in seeds)
     for loss in losses:
+        if kept:  # the wide report's measure: the last tenth over step 1
+            drops[loss] = statistics.fmean(per_run[f"{loss}-s{s}"]["entropy_kept"] for s in seeds)
+            continue
         first = statistics.fmean(per_run[f"{loss}-s{s}"]["entropy_first"] for s in seeds)
         final = statistics.fmean(per_run[f"{loss}-s{s}"]["entropy_final"] for s in seeds)
         drops[loss] = final / first if first > 0 else float("nan")
@@ -66,9 +74,10 @@ def entropy_sentence(per_run: PerRun, losses: tuple[str, ...], seeds: tuple[int,
     said += "".join(f"; {LABELS[x]} {v:.2f}" for x, v in drops.items() if x not in first)
     reg = statistics.fmean(per_run[f"lp_reg-s{s}"]["reg_tokens"] for s in seeds)
     tokens = statistics.fmean(per_run[f"lp_reg-s{s}"]["tokens"] for s in seeds)
+    measure = "the last tenth's over step 1's" if kept else "last tenth of the run over the first"
     return (
-        f"Entropy, last tenth of the run over the first: {said}. Lp-Reg regularized {reg:.1f} tokens per "
-        f"step of the {tokens:.0f} it trained."
+        f"Entropy kept, {measure}: {said}. Lp-Reg regularized {reg:.1f} tokens per step of the {tokens:.0f} "
+        "it trained."
     )
 
 
@@ -91,9 +100,15 @@ class Comparison:
         return max(self.lp[1], self.best[1])
 
     @property
+    def p(self) -> float:
+        """The paired t-test's two-sided p over the seeds."""
+        return paired_p(self.paired)
+
+    @property
     def sign(self) -> int:
-        """+1 / -1 where Lp-Reg is above / below by more than the spread on every seed, else 0."""
-        if abs(self.difference) <= self.spread:
+        """+1 / -1 where Lp-Reg is above / below by more than the spread on every seed and the paired test
+        says so (p < ALPHA), else 0."""
+        if abs(self.difference) <= self.spread or self.p >= ALPHA:
             return 0
         same = all(d > 0 for d in self.paired) or all(d < 0 for d in self.paired)
         return (1 if self.difference > 0 else -1) if same else 0
@@ -103,7 +118,7 @@ class Comparison:
         return (
             f"{MEASURES[self.measure]} {self.lp[0]:.3f} ± {self.lp[1]:.3f} against {LABELS[self.baseline]}'s "
             f"{self.best[0]:.3f} ± {self.best[1]:.3f} (difference {self.difference:+.3f}, spread "
-            f"{self.spread:.3f}; seed by seed {paired})"
+            f"{self.spread:.3f}; seed by seed {paired}; paired t-test p = {self.p:.2f})"
         )
 
 
@@ -129,7 +144,10 @@ def outcome(accuracy: Comparison, entropy: Comparison) -> str:
             "no effect in Lp-Reg's favour: it keeps no more entropy and is *less* accurate than the best "
             "baseline"
         )
-    return "no effect: Lp-Reg neither keeps more entropy nor is more accurate than the best baseline"
+    return (
+        "no effect in Lp-Reg's favour: it is not more accurate and keeps no more entropy than the best "
+        "baseline (nor is either difference against it one the paired test can tell from the seeds' spread)"
+    )
 
 
 def outcome_line(stats: PerRun, losses: tuple[str, ...], seeds: tuple[int, ...]) -> str:
@@ -146,6 +164,6 @@ def outcome_line(stats: PerRun, losses: tuple[str, ...], seeds: tuple[int, ...])
     return (
         f"**What the data says, over {len(seeds)} seeds: {outcome(accuracy, entropy)}.** "
         f"{said[0].upper()}{said[1:]}; {entropy.text()}. An effect counts only where the difference is "
-        "larger than the spread (the sample std over seeds, the larger of the two) and has the same sign on "
-        f"every seed; {len(seeds)} seeds make that spread a rough one. "
+        "larger than the spread (the sample std over seeds, the larger of the two), has the same sign on "
+        f"every seed and passes the paired t-test (p < {ALPHA}); {len(seeds)} seeds make that a high bar. "
     )

@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from learning_quality import Run, Scale, table
+from lq_dose import dose_line
 from lq_records import RECORD_FILE, recorded_steps
 from lq_settings import settings_line
 from lq_verdict import verdict
-from lq_wide_report import compared_runs, dose_line, k_line, per_spec, read_record
+from lq_wide_report import compared_runs, k_line, per_spec, read_record
 
 if TYPE_CHECKING:
     from learning_quality_wide import Spec

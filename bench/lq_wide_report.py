@@ -5,7 +5,6 @@ are in and that its verdict is preliminary."""
 from __future__ import annotations
 
 import statistics
-from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,12 +15,13 @@ from learning_quality import (
     WIDE_END,
     Run,
     Scale,
-    _save,
     _series,
     plots,
     summarize,
     table,
 )
+from lq_caveats import async_line, reach_line
+from lq_dose import dose_line, dose_plot, dose_rows
 from lq_records import CONFIG_DIR, read_record_steps
 from lq_settings import settings_line, staleness_line
 from lq_verdict import LABELS, entropy_sentence, outcome_line, verdict
@@ -71,6 +71,15 @@ def skipping(runs: dict[Spec, Run], records: Path) -> list[str]:
     return on
 
 
+def max_staleness(records: Path) -> int | None:
+    """`learner.max_staleness` as the first recorded run's config has it (the series shares it)."""
+    for record in sorted(records.iterdir()) if records.is_dir() else []:
+        if (record / CONFIG_DIR / "learner.yaml").is_file():
+            value = learner_config(record).get("max_staleness")
+            return int(value) if value is not None else None
+    return None
+
+
 def learner_config(record_dir: Path) -> dict:
     """The `learner:` block of the run's recorded learner.yaml."""
     config = yaml.safe_load((record_dir / CONFIG_DIR / "learner.yaml").read_text()) or {}
@@ -113,7 +122,8 @@ def per_spec(runs: dict[Spec, Run], records: Path, n: int) -> dict[str, dict[str
             "steps": float(len(run.steps)),
             "step_s": step_seconds(read_record_steps(records / spec.name).rows)[0],
             "train_s": run.seconds,
-            "entropy_kept": row["entropy_final"] / row["entropy_first"] if row["entropy_first"] else 0.0,
+            # Over step 1 (the initial model, before any update): an early effect cannot invert it.
+            "entropy_kept": row["entropy_final"] / row["entropy_step1"] if row["entropy_step1"] else 0.0,
             "staleness": float(np.nanmean(_series(run, "rollout/staleness_mean"))),
         }
         out[spec.name] = row
@@ -148,90 +158,6 @@ def k_line(stats: dict[str, dict[str, float]], specs_at_preset: list[Spec]) -> s
         f"{median:.0f}, lowest {low:.0f}, ≥ {K_TARGET} {said}; of those candidates {regs:.1f} a step passed "
         "the min-p test and were regularized."
     )
-
-
-def dose_line(
-    stats: dict[str, dict[str, float]], dose: list[tuple[float, Spec]], losses: tuple[str, ...], first: int
-) -> str:
-    """What the ρ sweep (one seed) adds to the verdict: pass@1 and entropy kept per ρ, and how its best
-    point compares with the baselines on the same seed."""
-    if len(dose) < 2:
-        return ""
-    rhos = ", ".join(f"{rho:.0%}" for rho, _ in dose)
-    passes = ", ".join(f"{stats[spec.name]['pass@1']:.3f}" for _, spec in dose)
-    kept = ", ".join(f"{stats[spec.name]['entropy_kept']:.2f}" for _, spec in dose)
-    rho, spec = max(dose, key=lambda point: stats[point[1].name]["pass@1"])
-    best = stats[spec.name]["pass@1"]
-    same_seed = {
-        loss: stats[f"{loss}-s{first}"]["pass@1"]
-        for loss in losses
-        if loss != "lp_reg" and f"{loss}-s{first}" in stats
-    }
-    others = ", ".join(f"{LABELS.get(loss, loss)} {value:.3f}" for loss, value in same_seed.items())
-    above = bool(same_seed) and all(best > value for value in same_seed.values())
-    if above:
-        where = (
-            f"above every baseline on the same seed ({others}); one seed per ρ, so a second seed at that ρ "
-            "is what would make it a result rather than a lead"
-        )
-    else:
-        where = f"not above every baseline on the same seed ({others}): no ρ tried lifts Lp-Reg past them"
-    kept_by_rho = [stats[s.name]["entropy_kept"] for _, s in dose]
-    if all(later > earlier for earlier, later in pairwise(kept_by_rho)):
-        entropy = "the entropy kept rises with ρ"
-    elif all(later < earlier for earlier, later in pairwise(kept_by_rho)):
-        entropy = "the entropy kept falls as ρ rises: regularizing more tokens kept less entropy, not more"
-    else:
-        entropy = "the entropy kept does not rise with ρ"
-    regs = ", ".join(f"{stats[spec.name]['reg_tokens']:.1f}" for _, spec in dose)
-    return (
-        f" Across ρ = {rhos} (seed {first} only), Lp-Reg regularized {regs} tokens a step; its pass@1 was "
-        f"{passes}; entropy kept {kept}. Its best, ρ = {rho:.0%} at {best:.3f}, is {where}. And {entropy}."
-    )
-
-
-def dose_rows(stats: dict[str, dict[str, float]], dose: list[tuple[float, Spec]], n: int) -> list[str]:
-    head = (
-        "| ρ | k per micro-batch (mean) | regularized tokens / step | entropy first → final | entropy kept |"
-    )
-    lines = [head + f" entropy (min) | low-prob share | pass@1 | pass@{n} |", "|---" * 9 + "|"]
-    for rho, spec in dose:
-        v = stats[spec.name]
-        lines.append(
-            f"| {rho:.0%} (`{spec.name}`) | {v['k_mean']:.1f} | {v['reg_tokens']:.1f} | "
-            f"{v['entropy_first']:.3f} → {v['entropy_final']:.3f} | {v['entropy_kept']:.2f} | "
-            f"{v['entropy_min']:.3f} | {v['low_prob_share']:.3f} | {v['pass@1']:.3f} | {v[f'pass@{n}']:.3f} |"
-        )
-    return lines
-
-
-def dose_plot(
-    stats: dict[str, dict[str, float]], dose: list[tuple[float, Spec]], baselines: list[str], out: Path
-) -> str:
-    """Regularized tokens per step against the entropy kept and against held-out pass@1, each point a ρ;
-    `baselines`: the other losses' runs on the same seed, drawn as lines."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    xs = [stats[s.name]["reg_tokens"] for _, s in dose]
-    for ax, measure, label in zip(
-        axes, ("entropy_kept", "pass@1"), ("entropy kept (final / first)", "held-out pass@1"), strict=True
-    ):
-        ys = [stats[s.name][measure] for _, s in dose]
-        ax.plot(xs, ys, "o-", color="tab:red", label="Lp-Reg")
-        for (rho, _), x, y in zip(dose, xs, ys, strict=True):
-            ax.annotate(f"ρ = {rho:.0%}", (x, y), textcoords="offset points", xytext=(5, 5))
-        for name, style in zip(baselines, ("--", ":", "-."), strict=False):
-            said = f"{LABELS.get(name.split('-s')[0], name)}, same seed"
-            ax.axhline(stats[name][measure], color="gray", ls=style, label=said)
-        ax.set(xlabel="regularized tokens per step", ylabel=label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle("Lp-Reg's dose response (one seed)")
-    return _save(fig, out / "wide_dose.png")
 
 
 def run_rows(stats: dict[str, dict[str, float]], n: int) -> list[str]:
@@ -337,6 +263,7 @@ def wide_report(
         images.append(dose_plot(stats, dose_points, same_seed, out))
     # Over two seeds or more the outcome line states the pass@1 comparison; the verdict adds the rest.
     said = verdict(stats, losses, seeds) if len(seeds) < 2 else entropy_sentence(stats, losses, seeds)
+    runs_by_name = {spec.name: run for spec, run in runs.items()}
     text = [
         *intro(runs, plan, scale, records, quick),
         "",
@@ -344,6 +271,8 @@ def wide_report(
         "",
         *paragraphs(
             preliminary(runs, plan, losses, seeds) + outcome_line(stats, losses, seeds) + said,
+            reach_line({s.name: runs[s] for s in at_preset})
+            + async_line(runs_by_name, max_staleness(records)),
             k_line(stats, at_preset) + dose_line(stats, dose_points, losses, scale.seeds[0]),
             settings_line({s.name: (s.seed, records / s.name) for s in runs}) + staleness_line(stats),
         ),
@@ -359,7 +288,8 @@ def wide_report(
         "k per micro-batch: `loss/k_neg` of the step rows (int(N_neg · ρ), counted per micro-batch; a step "
         "with several micro-batches reports their token-weighted mean), mean over steps. Regularized "
         "tokens: `loss/reg_tokens`, summed over a step's micro-batches. Entropy kept: the last tenth of "
-        "the run's entropy over the first tenth's.",
+        "the run's entropy over its step 1 (the initial model's, before any update acted). Entropy, steps "
+        "31–150: the mean `loss/entropy` over that fixed window.",
         "",
         "### Curves",
         "",

@@ -39,6 +39,8 @@ def test_hand_case_regularizes_lowest_logp_token_with_finite_proxy() -> None:
     assert stats["reg_tokens"] == 1 and stats["reg_tokens_pos"] == 0 and stats["k_neg"] == 2
     assert_close(stats["kl3_mean"], torch.tensor(math.e**2 - 3, dtype=torch.float64))
     assert_close(stats["ratio_kl"], torch.tensor(0.0, dtype=torch.float64))
+    # The regularizer's share of the gradient on token 0: |1 − e²| against |−A·r| = 1.
+    assert_close(stats["reg_grad_share"], torch.tensor((math.e**2 - 1) / math.e**2, dtype=torch.float64))
 
 
 def test_regularized_token_is_not_clipped_and_kl3_saturates_at_10() -> None:
@@ -59,6 +61,10 @@ def test_regularized_token_is_not_clipped_and_kl3_saturates_at_10() -> None:
     assert_close(
         stats["kl3_mean"], torch.tensor((10 + math.e**0.5 - 1.5 + math.e - 2) / 3, dtype=torch.float64)
     )
+    # Its share: token 0's kl3 sits at the clamp (no gradient); tokens 1, 2 give |1 − e^0.5|, |1 − e|
+    # against the policy gradient's e⁻², 1, 1.
+    reg = (math.e**0.5 - 1) + (math.e - 1)
+    assert_close(stats["reg_grad_share"], torch.tensor(reg / (reg + math.e**-2 + 2), dtype=torch.float64))
 
 
 def test_both_clip_sides_with_paper_range() -> None:

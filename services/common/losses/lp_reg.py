@@ -126,7 +126,8 @@ def lp_reg_loss(
 
     Metrics (detached 0-d tensors): `reg_tokens`, `reg_tokens_pos` (counts), `k_neg`, `k_pos`,
     `clip_frac` (valid, unregularized tokens whose clipped branch is active), `ratio_kl`
-    (mean old_logp − logp), `ratio_mean`, `kl3_mean` (over regularized tokens; 0 when none).
+    (mean old_logp − logp), `ratio_mean`, `kl3_mean` (over regularized tokens; 0 when none),
+    `reg_grad_share` (the regularizer's share of the gradient on the tokens it touches: `regularizer_share`).
     """
     valid, log_ratio, ratio, adv = prepare(logp, old_logp, advantages, mask)
     logp_c = logp.to(ratio.dtype)
@@ -149,5 +150,21 @@ def lp_reg_loss(
             "k_neg": k_neg,
             "k_pos": k_pos,
             "kl3_mean": masked_mean(kl3, regularized),
+            "reg_grad_share": regularizer_share(logp_c, proxy_logp, adv * ratio, kl3, regularized, cfg.beta),
         }
     return loss, metrics
+
+
+def regularizer_share(
+    logp: Tensor, proxy_logp: Tensor, adv_ratio: Tensor, kl3: Tensor, regularized: Tensor, beta: float
+) -> Tensor:
+    """How much of the loss's gradient on the regularized tokens is the regularizer's: Σ|β·∂kl3/∂logp| /
+    (Σ|β·∂kl3/∂logp| + Σ|∂(−A·r)/∂logp|) over them, 0 when none. ∂kl3/∂logp = 1 − exp(proxy_logp − logp)
+    below the clamp and 0 at it; ∂(−A·r)/∂logp = −A·r. Near 0: the policy gradient decides those tokens."""
+    d = torch.where(regularized, proxy_logp.detach().to(logp.dtype) - logp.detach(), torch.zeros_like(logp))
+    reg = torch.where(
+        regularized & (kl3 < 10.0), beta * (1.0 - torch.exp(d.clamp(max=_KL3_LOG_RATIO_CAP))), 0.0
+    )
+    pg = torch.where(regularized, adv_ratio.detach(), torch.zeros_like(logp))
+    reg_size, pg_size = reg.abs().sum(), pg.abs().sum()
+    return torch.where(reg_size + pg_size > 0, reg_size / (reg_size + pg_size).clamp(min=1e-30), 0.0)
