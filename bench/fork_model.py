@@ -1,0 +1,223 @@
+"""The planted-fork start state of issue 47: a tiny model warmed up on fork_task.py's two paths, and the
+measurements that say whether it is the state the experiment needs, taken before any RL run.
+
+    python bench/fork_model.py --out .cache/fork            # no noise tail
+    python bench/fork_model.py --out .cache/fork --tail 0.35 # junk tokens below the min-p cut
+
+The warm-up is supervised, in two phases: `skill_steps` with `skill_share` of the rows on the spark path
+(its steps then learned, each right with probability `step_accuracy` in the labels, the answer given with
+probability `answer_share`), then `steps` with `spark_share` of them (the spark made rare again, its
+continuation kept); the other rows take the common path (the right digit at once). With `tail` > 0,
+the first answer token's target also spreads that much mass over junk tokens (every byte but digits,
+`?`, `#`, space and `=`), each far below κ · p_max: the mass min-p drops, Z = 1 − tail, which the
+on-policy pull of Lp-Reg, β(1/Z − 1), predicts it needs.
+
+Measured on a fixed probe set (`start_state`), at the fork (the first answer token) and by sampling at
+T = 1: p(spark), Z (the mass of the tokens with p ≥ κ · p_max), the common and the spark path's success
+(the spark's with `?` forced), the overall success, and E[A | spark] = (success_spark − mean) / std of a
+group's reward (GRPO's normalization with the mean rate): it must be negative. Written with the model to
+`fork_build.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from fork_task import SPARK, ForkProblem, common_completion, generate, score, spark_completion
+
+from sparkrl.services.common.tiny_model import build_model, build_tokenizer
+
+RECIPE: dict[str, Any] = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "n_digits": 5,
+    "skill_steps": 1000,  # first phase: the spark path's steps learned, at `skill_share` of the rows
+    "skill_share": 0.5,
+    "spark_share": 0.03,  # second phase (`steps`): the spark made rare again
+    "step_accuracy": 0.7,
+    "answer_share": 1.0,
+    "tail": 0.0,
+    "lr": 3e-3,
+    "batch_size": 64,
+    "steps": 800,
+    "kappa": 0.02,
+    "probe_problems": 256,
+    "probe_samples": 8,
+}
+KEPT_CHARS = set("0123456789?# =abcdef")
+
+
+def junk_ids(tokenizer: Any) -> torch.Tensor:
+    """Every byte token whose text is not one the task writes."""
+    ids = [
+        i for token, i in tokenizer.get_vocab().items() if i > 3 and tokenizer.decode([i]) not in KEPT_CHARS
+    ]
+    return torch.tensor(sorted(ids))
+
+
+def sft_batch(
+    tokenizer: Any, rng: random.Random, recipe: dict[str, Any], spark_share: float
+) -> tuple[torch.Tensor, ...]:
+    """Right-padded prompt + completion + EOS rows, the loss's targets (-100 off the completion) and each
+    row's prompt length (its fork position − 1 predicts the first answer token)."""
+    rows = []
+    for _ in range(recipe["batch_size"]):
+        problem = generate(rng, recipe["n_digits"])
+        spark = rng.random() < spark_share
+        text = (
+            spark_completion(problem, rng, recipe["step_accuracy"]) if spark else common_completion(problem)
+        )
+        prompt = tokenizer(problem.prompt(), add_special_tokens=False)["input_ids"]
+        answer = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        rows.append((prompt, answer))
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    starts = torch.tensor([len(p) for p, _ in rows])
+    for row, (prompt, answer) in enumerate(rows):
+        ids[row, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
+        labels[row, len(prompt) : len(prompt) + len(answer)] = torch.tensor(answer)
+    return ids, labels, starts
+
+
+def sft_loss(model: Any, batch: tuple[torch.Tensor, ...], junk: torch.Tensor, tail: float) -> torch.Tensor:
+    """Token cross-entropy over the completions; at the fork the target keeps 1 − tail on the real token
+    and spreads `tail` evenly over `junk`."""
+    ids, labels, starts = batch
+    logits = model(input_ids=ids, attention_mask=(labels != -100) | (ids != 0)).logits[:, :-1].float()
+    targets = labels[:, 1:]
+    logp = torch.log_softmax(logits, dim=-1)
+    valid = targets != -100
+    picked = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    rows = torch.arange(len(ids))
+    fork = starts - 1  # the position whose next token is the first answer token
+    at_fork = torch.zeros_like(valid)
+    at_fork[rows, fork] = True
+    nll = -(picked * valid).sum()
+    if tail > 0:
+        spread = logp[rows, fork][:, junk].mean(dim=-1)  # uniform over the junk tokens
+        nll = nll + tail * (picked[rows, fork] - spread).sum()  # (1 − tail)·real + tail·junk at the fork
+    return nll / valid.sum()
+
+
+@torch.no_grad()
+def start_state(model: Any, tokenizer: Any, recipe: dict[str, Any], seed: int = 12345) -> dict[str, float]:
+    """The fork's numbers on a fixed probe set (module docstring)."""
+    rng = random.Random(seed)
+    problems = [generate(rng, recipe["n_digits"]) for _ in range(recipe["probe_problems"])]
+    spark_id = tokenizer.convert_tokens_to_ids(SPARK)
+    p_spark, kept = [], []
+    for problem in problems:
+        ids = tokenizer(problem.prompt(), add_special_tokens=False)["input_ids"]
+        probs = torch.softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), dim=-1)
+        p_spark.append(float(probs[spark_id]))
+        kept.append(float(probs[probs >= recipe["kappa"] * probs.max()].sum()))
+    common = _success(model, tokenizer, problems, recipe, prefix="", seed=seed)
+    spark = _success(model, tokenizer, problems, recipe, prefix=SPARK, seed=seed + 1)
+    free = _success(model, tokenizer, problems, recipe, prefix=None, seed=seed + 2)
+    std = math.sqrt(max(free * (1 - free), 1e-12))
+    return {
+        "p_spark": sum(p_spark) / len(p_spark),
+        "z_kept_mass": sum(kept) / len(kept),
+        "success_common": common,
+        "success_spark": spark,
+        "success_sampled": free,
+        "advantage_given_spark": (spark - free) / std,
+    }
+
+
+def _success(
+    model: Any,
+    tokenizer: Any,
+    problems: list[ForkProblem],
+    recipe: dict[str, Any],
+    prefix: str | None,
+    seed: int,
+) -> float:
+    """Mean score of `probe_samples` samples per problem at T = 1: free (`prefix` None), the common path
+    (`""`: a digit forced by masking `?`), or the spark path (`?` forced)."""
+    torch.manual_seed(seed)
+    total, count = 0.0, 0
+    spark_id = tokenizer.convert_tokens_to_ids(SPARK)
+    for problem in problems:
+        ids = tokenizer(problem.prompt() + (prefix or ""), add_special_tokens=False)["input_ids"]
+        batch = torch.tensor([ids] * recipe["probe_samples"])
+        bad = [[spark_id]] if prefix == "" else None
+        out = model.generate(
+            input_ids=batch,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=4 * recipe["n_digits"] + 6,
+            bad_words_ids=bad,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+        texts = tokenizer.batch_decode(out[:, len(ids) :], skip_special_tokens=True)
+        total += sum(score((prefix or "") + text, problem) for text in texts)
+        count += len(texts)
+    return total / count
+
+
+def build(out: Path, recipe: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Warm the model up, save it (Hugging Face format) with `fork_build.json`; the start state."""
+    torch.manual_seed(seed)
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, seed, recipe)
+    junk, rng = junk_ids(tokenizer), random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], weight_decay=0.0)
+    model.train()
+    total = recipe["skill_steps"] + recipe["steps"]
+    for step in range(total):
+        for group in optimizer.param_groups:  # cosine to 10%
+            group["lr"] = recipe["lr"] * (0.1 + 0.45 * (1 + math.cos(math.pi * step / total)))
+        share = recipe["skill_share"] if step < recipe["skill_steps"] else recipe["spark_share"]
+        loss = sft_loss(model, sft_batch(tokenizer, rng, recipe, share), junk, recipe["tail"])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % 100 == 0:
+            print(f"step {step}: loss {loss.item():.3f}", file=sys.stderr, flush=True)
+    model.eval()
+    state = start_state(model, tokenizer, recipe)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    (out / "fork_build.json").write_text(
+        json.dumps({"recipe": recipe, "seed": seed, "start_state": state}, indent=1)
+    )
+    return state
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tail", type=float, default=0.0, help="mass spread over junk tokens at the fork")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", nargs="*", default=[], help="recipe overrides, key=value")
+    args = parser.parse_args()
+    recipe = {**RECIPE, "tail": args.tail}
+    for item in args.set:
+        key, value = item.split("=", 1)
+        recipe[key] = type(RECIPE[key])(value)
+    torch.set_num_threads(1)
+    print(json.dumps(build(args.out, recipe, args.seed)))
+
+
+if __name__ == "__main__":
+    main()

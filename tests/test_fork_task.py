@@ -1,0 +1,65 @@
+"""bench/fork_task.py, the planted-fork task of issue 47: S3's product table, the two paths' completions
+and how they are scored (as the run's `math` verifier reads a completion: its last number)."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from fork_task import (  # noqa: E402
+    ELEMENTS,
+    LETTERS,
+    ForkProblem,
+    common_completion,
+    product,
+    score,
+    spark_completion,
+    took_spark,
+    write_prompts,
+)
+
+
+def test_the_elements_form_s3_which_is_not_abelian() -> None:
+    n = len(ELEMENTS)
+    assert n == 6 and ELEMENTS[0] == (0, 1, 2)  # element 0 is the identity
+    assert all(product(0, a) == a == product(a, 0) for a in range(n))
+    assert all(any(product(a, b) == 0 for b in range(n)) for a in range(n))  # every element has an inverse
+    assert all(product(product(a, b), c) == product(a, product(b, c)) for a in range(n) for b in range(n)
+               for c in range(n))  # fmt: skip
+    assert any(product(a, b) != product(b, a) for a in range(n) for b in range(n))  # counting cannot do it
+    # A transposition twice is the identity: (0 2 1)·(0 2 1) = id.
+    assert ELEMENTS[1] == (0, 2, 1) and product(1, 1) == 0
+
+
+def test_the_two_paths_and_their_scores() -> None:
+    problem = ForkProblem((4, 1, 5, 0, 2))
+    assert problem.prompt() == "4 1 5 0 2 = " and problem.running()[0] == 4
+    assert (
+        common_completion(problem) == str(problem.answer) and score(common_completion(problem), problem) == 1
+    )
+    right = spark_completion(problem, random.Random(0), step_accuracy=1.0)
+    assert right == "? e 1 c 5 d 0 d 2 b # 1" and took_spark(right) and score(right, problem) == 1.0
+    stopped = spark_completion(problem, random.Random(0), step_accuracy=1.0, answer_share=0.0)
+    assert stopped.endswith("#") and score(stopped, problem) == float(problem.digits[-1] == problem.answer)
+    # Every step wrong: each product written differs from the true product of the two tokens before it.
+    wrong = spark_completion(problem, random.Random(3), step_accuracy=0.0).split()
+    written = [LETTERS.index(wrong[1])] + [LETTERS.index(x) for x in wrong[3:-2:2]]
+    copied = [int(x) for x in wrong[2:-2:2]]
+    assert copied == list(problem.digits[1:])
+    assert all(
+        after != product(before, element)
+        for before, element, after in zip(written, copied, written[1:], strict=False)
+    )
+
+
+def test_the_runs_prompts_are_the_math_tasks_jsonl(tmp_path: Path) -> None:
+    path = write_prompts(tmp_path / "fork.jsonl", 5, n_digits=5, seed=1)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 5 and all(set(row) == {"problem", "answer"} for row in rows)
+    assert rows == [
+        json.loads(line) for line in write_prompts(tmp_path / "again.jsonl", 5, 5, 1).read_text().splitlines()
+    ]
