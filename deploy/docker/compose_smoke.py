@@ -338,7 +338,10 @@ def smoke(stack: Stack, workers: int, timeout_s: float) -> None:
     stack("down", "--timeout", "60", capture_output=True)
     last, resumed_at = first + RESUME_EXTRA_STEPS, time.time()
     tokens = TokenCheck(stack)
-    stack.up(resume_preset(last), workers)
+    # The feeder waits for every worker here too: the resumed learner trains its few steps in seconds, and a
+    # worker restarted on a metrics-port clash (compose.hostnet.yml) would come up after the run's end,
+    # unable to catch up (a fresh clone's CI failed so, 2026-12-07).
+    stack.up(resume_preset(last), workers, feed_when_ready=True)
     say(f"PASS resumed run: {wait_for_end(stack, workers, last, timeout_s, during=tokens)}")
     if not tokens.done:
         raise SmokeFailed("the learner never trained long enough to check the control token", "control")
