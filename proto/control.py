@@ -124,6 +124,11 @@ class HyperparameterPatch(WireModel):
     clip_cov_ratio: LiveFloat | None = Field(default=None, description="clip_cov: fraction detached.")
     clip_cov_lb: LiveFloat | None = Field(default=None, description="clip_cov: lower covariance bound.")
     clip_cov_ub: LiveFloat | None = Field(default=None, description="clip_cov: upper covariance bound.")
+    delta_low: LiveFloat | None = Field(default=None, description="dppo: probability fall that masks A<0.")
+    delta_high: LiveFloat | None = Field(default=None, description="dppo: probability rise that masks A>0.")
+    max_weight: LiveFloat | None = Field(default=None, description="dppo: cap of the importance weight.")
+    prob_threshold: LiveFloat | None = Field(default=None, description="stapo: τ_p, a spurious token's p.")
+    entropy_quantile: LiveFloat | None = Field(default=None, description="stapo: τ_h as an entropy quantile.")
     temperature: LiveFloat | None = Field(default=None, description="Rollout sampling temperature (workers).")
     top_p: LiveFloat | None = Field(default=None, description="Rollout nucleus mass (workers).")
 

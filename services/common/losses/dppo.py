@@ -39,6 +39,12 @@ class DppoLoss(LossSection):
         le=1,
         description="δ_low: a token of negative advantage is masked once its probability fell more than this "
         "below the behavior policy's (an absolute difference of probabilities).",
+        json_schema_extra={
+            "why": {
+                "gt": "at 0 every move of a negative token would mask it: no update",
+                "le": "a probability cannot fall by more than 1",
+            }
+        },
     )
     delta_high: float = Field(
         0.2,
@@ -46,12 +52,24 @@ class DppoLoss(LossSection):
         le=1,
         description="δ_high: a token of positive advantage is masked once its probability rose more than "
         "this above the behavior policy's.",
+        json_schema_extra={
+            "why": {
+                "gt": "at 0 every move of a positive token would mask it: no update",
+                "le": "a probability cannot rise by more than 1",
+            }
+        },
     )
     max_weight: float = Field(
         10.0,
         ge=1,
         le=1000,
         description="C: the importance weight sg(r) is capped at this (Stable-RL's clip_ratio_c).",
+        json_schema_extra={
+            "why": {
+                "ge": "below 1 the weight of an unmoved token (r = 1) would be cut",
+                "le": "past it one stale token's weight outweighs a batch",
+            }
+        },
     )
 
 

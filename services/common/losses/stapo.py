@@ -48,6 +48,9 @@ class StapoLoss(LossSection):
         le=1,
         description="τ_p: a token of positive advantage whose current probability is below this (and whose "
         "position's entropy is low) is silenced.",
+        json_schema_extra={
+            "why": {"gt": "at 0 nothing is ever silenced: that is GRPO", "le": "it is a probability"}
+        },
     )
     entropy_quantile: float = Field(
         0.05,
@@ -55,6 +58,12 @@ class StapoLoss(LossSection):
         le=1,
         description="τ_h as a quantile: a position's entropy is low when it is below this quantile of the "
         "entropies of the micro-batch's valid tokens.",
+        json_schema_extra={
+            "why": {
+                "gt": "at 0 no entropy is below the threshold: nothing is silenced",
+                "le": "it is a quantile",
+            }
+        },
     )
 
 
