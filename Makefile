@@ -37,7 +37,7 @@ test: install chromium vllm-env
 	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -m "slow and not vllm and not families" --durations=15
 	SPARKRL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_engine_contract.py tests/test_engine_in_flight.py tests/test_vllm_cpu.py tests/test_vllm_lora.py tests/test_vllm_families.py
 
-# Every model family on both engines (tests/test_families.py, `make test` runs a few of them; about 8
+# Every model family on both engines (tests/test_families.py, `make test` runs a few of them; about 4.5
 # minutes here), then its table for docs/models.md. `.ci/run` runs it.
 test-families: install vllm-env
 	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q tests/test_families.py --junitxml=.cache/families.xml -o junit_family=xunit1 --durations=5
