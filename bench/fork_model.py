@@ -76,7 +76,9 @@ def sft_batch(
         problem = generate(rng, recipe["n_digits"])
         spark = rng.random() < spark_share
         text = (
-            spark_completion(problem, rng, recipe["step_accuracy"]) if spark else common_completion(problem)
+            spark_completion(problem, rng, recipe["step_accuracy"], recipe["answer_share"])
+            if spark
+            else common_completion(problem)
         )
         prompt = tokenizer(problem.prompt(), add_special_tokens=False)["input_ids"]
         answer = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
