@@ -98,5 +98,7 @@ def test_lora_trains_and_the_workers_hold_the_merged_model(
     with_adapter = peft.PeftModel.from_pretrained(load_model(tiny_model_dir), str(final / ADAPTER_DIR))
     completion = torch.randint(0, 260, (1, 24), generator=torch.Generator().manual_seed(3))
     held = _logprobs(engine.model, completion)
-    torch.testing.assert_close(held, _logprobs(merged, completion), atol=1e-5, rtol=0)
-    torch.testing.assert_close(held, _logprobs(with_adapter, completion), atol=1e-5, rtol=0)
+    # float32 rounding only: a merge and the adapter applied on the fly differ by a few ulps of a log-prob
+    # near -11 (CI once saw 1.05e-5, relative 1e-6); a stale or unmerged version is off by far more.
+    torch.testing.assert_close(held, _logprobs(merged, completion), atol=1e-5, rtol=5e-6)
+    torch.testing.assert_close(held, _logprobs(with_adapter, completion), atol=1e-5, rtol=5e-6)
