@@ -8,22 +8,25 @@ right (a digit 0–5). The prompt is the elements and `=`:
     common  "1"                   the answer at once: one forward pass must compose D permutations, which
                                   counting cannot do (S3 is not abelian) and a 2-layer model does not
                                   learn: capped near chance, 1/6
-    spark   "? e 1 c 5 d 0 d 2 b # 1"
+    spark   "? e B c F d A d C b # 1"
                                   `?`, the first element as a letter (`a`–`f` for 0–5), then for each
-                                  next element: it copied (a digit), and the running product as a letter;
-                                  `#`, the answer. Each step is one product of the two tokens before it, a
-                                  6 × 6 table (learnable), so once the steps are right, always right
+                                  next element: it copied (a capital, `A`–`F`), and the running product as
+                                  a letter; `#`, the answer. Each step is one product of the two tokens
+                                  before it, a 6 × 6 table (learnable), so once the steps are right,
+                                  always right
 
 (A first design took the parity of a digit sum: the common path learned it directly, by counting the odd
 digits: 0.54 after the warm-up against chance's 0.50, 4 standard errors above it.)
 
-The fork is the first answer token: a digit (common) or `?` (the spark). The running product is written
-in letters so that a spark path that stops at `#` ends on no answer digit; it holds the copied elements,
-though, and `score` and the run read the last digit, so such a path scores as its last copied element
-does (one time in six). The warm-up (fork_model.py) makes the spark rare (p ≈ 0.03) and its path
-unreliable (steps right with probability `step_accuracy`, the answer given with probability
-`answer_share`), so that at the start it succeeds *less* often than the common path on every prompt: its
-advantage is negative, and plain GRPO pushes the spark down before its continuation can be learned.
+The fork is the first answer token: a digit (common) or `?` (the spark). Everything on the spark path
+before the answer is a letter, so a path that stops at `#` holds no digit and scores 0 (`score` and the
+run's verifier read the last number). (Copies written as digits, in a first version, made such a path
+score as its last copy did, one time in six: the spark path could then never fall below the common path's
+chance, and its advantage could not be made negative.) The warm-up (fork_model.py) makes the spark rare (p
+≈ 0.03) and its path unreliable (steps right with probability `step_accuracy`, the answer given with
+probability `answer_share`), so that at the start it succeeds *less* often than the common path on every
+prompt: its advantage is negative, and plain GRPO pushes the spark down before its continuation can be
+learned.
 
 The run's data is the built-in `math` task (a jsonl of prompt and answer): nothing of this task lives in
 the services.
@@ -41,6 +44,7 @@ SPARK = "?"
 SEPARATOR = "#"
 ELEMENTS = list(itertools.permutations(range(3)))  # S3, element i written as the digit i
 LETTERS = "abcdef"  # element i in the spark path's running product
+CAPITALS = "ABCDEF"  # element i copied from the prompt onto the spark path
 
 
 def product(a: int, b: int) -> int:
@@ -81,17 +85,16 @@ def spark_completion(
 ) -> str:
     """The spark path with each running-product step right with probability `step_accuracy` (a wrong step
     writes another element and carries on from it, as a model that mis-stepped would); the answer is the
-    last element written, given (`# d`) with probability `answer_share`, else the path stops at `#` (it
-    scores 0)."""
+    last element written, given (`# d`) with probability `answer_share`, else the path stops at `#` (no
+    digit: it scores 0)."""
     written = [problem.digits[0]]
     for element in problem.digits[1:]:
         step = product(written[-1], element)
         if rng.random() >= step_accuracy:
             step = rng.choice([e for e in range(len(ELEMENTS)) if e != step])
         written.append(step)
-    steps = " ".join(
-        f"{element} {LETTERS[e]}" for element, e in zip(problem.digits[1:], written[1:], strict=True)
-    )
+    pairs = zip(problem.digits[1:], written[1:], strict=True)
+    steps = " ".join(f"{CAPITALS[element]} {LETTERS[e]}" for element, e in pairs)
     path = f"{SPARK} {LETTERS[written[0]]} {steps} {SEPARATOR}"
     return f"{path} {written[-1]}" if rng.random() < answer_share else path
 

@@ -11,6 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from fork_task import (  # noqa: E402
+    CAPITALS,
     ELEMENTS,
     LETTERS,
     ForkProblem,
@@ -42,13 +43,14 @@ def test_the_two_paths_and_their_scores() -> None:
         common_completion(problem) == str(problem.answer) and score(common_completion(problem), problem) == 1
     )
     right = spark_completion(problem, random.Random(0), step_accuracy=1.0)
-    assert right == "? e 1 c 5 d 0 d 2 b # 1" and took_spark(right) and score(right, problem) == 1.0
+    assert right == "? e B c F d A d C b # 1" and took_spark(right) and score(right, problem) == 1.0
+    # Stopped at `#`: no digit on the path, so it scores 0 (never chance through a copied element).
     stopped = spark_completion(problem, random.Random(0), step_accuracy=1.0, answer_share=0.0)
-    assert stopped.endswith("#") and score(stopped, problem) == float(problem.digits[-1] == problem.answer)
+    assert stopped == "? e B c F d A d C b #" and score(stopped, problem) == 0.0
     # Every step wrong: each product written differs from the true product of the two tokens before it.
     wrong = spark_completion(problem, random.Random(3), step_accuracy=0.0).split()
     written = [LETTERS.index(wrong[1])] + [LETTERS.index(x) for x in wrong[3:-2:2]]
-    copied = [int(x) for x in wrong[2:-2:2]]
+    copied = [CAPITALS.index(x) for x in wrong[2:-2:2]]
     assert copied == list(problem.digits[1:])
     assert all(
         after != product(before, element)
