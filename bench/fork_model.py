@@ -6,11 +6,13 @@ measurements that say whether it is the state the experiment needs, taken before
 
 The warm-up is supervised, in two phases: `skill_steps` with `skill_share` of the rows on the spark path
 (its steps then learned, each right with probability `step_accuracy` in the labels, the answer given with
-probability `answer_share`), then `steps` with `spark_share` of them (the spark made rare again, its
-continuation kept); the other rows take the common path (the right digit at once). With `tail` > 0,
-the first answer token's target also spreads that much mass over junk tokens (every byte but digits,
-`?`, `#`, space and `=`), each far below κ · p_max: the mass min-p drops, Z = 1 − tail, which the
-on-policy pull of Lp-Reg, β(1/Z − 1), predicts it needs.
+probability `skill_answer_share`), then `steps` with `spark_share` of them and the answer given with
+probability `answer_share` (the spark made rare again and its path unreliable at the end); the other rows
+take the common path (the right digit at once). The first phase's model is kept beside `--out`
+(`fork-skill-<hash>.pt`, the hash over what it depends on), so variants of the second phase start from it.
+With `tail` > 0, in the second phase, the first answer token's target also spreads that much mass over
+junk tokens (every byte but digits, `?`, `#`, space and `=`), each far below κ · p_max: the mass min-p
+drops, Z = 1 − tail, which the on-policy pull of Lp-Reg, β(1/Z − 1), predicts it needs.
 
 Measured on a fixed probe set (`start_state`), at the fork (the first answer token) and by sampling at
 T = 1: p(spark), Z (the mass of the tokens with p ≥ κ · p_max), the common and the spark path's success
@@ -22,6 +24,7 @@ group's reward (GRPO's normalization with the mean rate): it must be negative. W
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import random
@@ -30,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from fork_task import SPARK, ForkProblem, common_completion, generate, score, spark_completion
+from fork_probe import start_state
+from fork_task import common_completion, generate, spark_completion
 
 from sparkrl.services.common.tiny_model import build_model, build_tokenizer
 
@@ -46,6 +50,7 @@ RECIPE: dict[str, Any] = {
     "skill_share": 0.5,
     "spark_share": 0.03,  # second phase (`steps`): the spark made rare again
     "step_accuracy": 0.7,
+    "skill_answer_share": 1.0,
     "answer_share": 1.0,
     "tail": 0.0,
     "lr": 3e-3,
@@ -55,7 +60,7 @@ RECIPE: dict[str, Any] = {
     "probe_problems": 256,
     "probe_samples": 8,
 }
-KEPT_CHARS = set("0123456789?# =abcdef")
+KEPT_CHARS = set("0123456789?# =abcdefABCDEF")
 
 
 def junk_ids(tokenizer: Any) -> torch.Tensor:
@@ -67,7 +72,7 @@ def junk_ids(tokenizer: Any) -> torch.Tensor:
 
 
 def sft_batch(
-    tokenizer: Any, rng: random.Random, recipe: dict[str, Any], spark_share: float
+    tokenizer: Any, rng: random.Random, recipe: dict[str, Any], spark_share: float, answer_share: float
 ) -> tuple[torch.Tensor, ...]:
     """Right-padded prompt + completion + EOS rows, the loss's targets (-100 off the completion) and each
     row's prompt length (its fork position − 1 predicts the first answer token)."""
@@ -76,7 +81,7 @@ def sft_batch(
         problem = generate(rng, recipe["n_digits"])
         spark = rng.random() < spark_share
         text = (
-            spark_completion(problem, rng, recipe["step_accuracy"], recipe["answer_share"])
+            spark_completion(problem, rng, recipe["step_accuracy"], answer_share)
             if spark
             else common_completion(problem)
         )
@@ -113,87 +118,65 @@ def sft_loss(model: Any, batch: tuple[torch.Tensor, ...], junk: torch.Tensor, ta
     return nll / valid.sum()
 
 
-@torch.no_grad()
-def start_state(model: Any, tokenizer: Any, recipe: dict[str, Any], seed: int = 12345) -> dict[str, float]:
-    """The fork's numbers on a fixed probe set (module docstring)."""
-    rng = random.Random(seed)
-    problems = [generate(rng, recipe["n_digits"]) for _ in range(recipe["probe_problems"])]
-    spark_id = tokenizer.convert_tokens_to_ids(SPARK)
-    p_spark, kept = [], []
-    for problem in problems:
-        ids = tokenizer(problem.prompt(), add_special_tokens=False)["input_ids"]
-        probs = torch.softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), dim=-1)
-        p_spark.append(float(probs[spark_id]))
-        kept.append(float(probs[probs >= recipe["kappa"] * probs.max()].sum()))
-    common = _success(model, tokenizer, problems, recipe, prefix="", seed=seed)
-    spark = _success(model, tokenizer, problems, recipe, prefix=SPARK, seed=seed + 1)
-    free = _success(model, tokenizer, problems, recipe, prefix=None, seed=seed + 2)
-    std = math.sqrt(max(free * (1 - free), 1e-12))
-    return {
-        "p_spark": sum(p_spark) / len(p_spark),
-        "z_kept_mass": sum(kept) / len(kept),
-        "success_common": common,
-        "success_spark": spark,
-        "success_sampled": free,
-        "advantage_given_spark": (spark - free) / std,
-    }
+SKILL_KEYS = (
+    "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "max_position_embeddings", "n_digits", "skill_steps", "skill_share", "step_accuracy",
+    "skill_answer_share", "lr", "batch_size",
+)  # fmt: skip
 
 
-def _success(
-    model: Any,
-    tokenizer: Any,
-    problems: list[ForkProblem],
-    recipe: dict[str, Any],
-    prefix: str | None,
-    seed: int,
-) -> float:
-    """Mean score of `probe_samples` samples per problem at T = 1: free (`prefix` None), the common path
-    (`""`: a digit forced by masking `?`), or the spark path (`?` forced)."""
-    torch.manual_seed(seed)
-    total, count = 0.0, 0
-    spark_id = tokenizer.convert_tokens_to_ids(SPARK)
-    for problem in problems:
-        ids = tokenizer(problem.prompt() + (prefix or ""), add_special_tokens=False)["input_ids"]
-        batch = torch.tensor([ids] * recipe["probe_samples"])
-        bad = [[spark_id]] if prefix == "" else None
-        out = model.generate(
-            input_ids=batch,
-            do_sample=True,
-            temperature=1.0,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=4 * recipe["n_digits"] + 6,
-            bad_words_ids=bad,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
-        )
-        texts = tokenizer.batch_decode(out[:, len(ids) :], skip_special_tokens=True)
-        total += sum(score((prefix or "") + text, problem) for text in texts)
-        count += len(texts)
-    return total / count
-
-
-def build(out: Path, recipe: dict[str, Any], seed: int = 0) -> dict[str, Any]:
-    """Warm the model up, save it (Hugging Face format) with `fork_build.json`; the start state."""
-    torch.manual_seed(seed)
-    tokenizer = build_tokenizer()
-    model = build_model(tokenizer, seed, recipe)
-    junk, rng = junk_ids(tokenizer), random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], weight_decay=0.0)
+def _train(
+    model: Any, tokenizer: Any, recipe: dict[str, Any], rng: random.Random, phase: str, optimizer: Any
+) -> None:
+    """One warm-up phase: the skill phase on a cosine from lr to lr/10, the second at lr/10."""
+    junk = junk_ids(tokenizer)
+    skill = phase == "skill"
+    steps = recipe["skill_steps"] if skill else recipe["steps"]
+    share = recipe["skill_share"] if skill else recipe["spark_share"]
+    answers = recipe["skill_answer_share"] if skill else recipe["answer_share"]
     model.train()
-    total = recipe["skill_steps"] + recipe["steps"]
-    for step in range(total):
-        for group in optimizer.param_groups:  # cosine to 10%
-            group["lr"] = recipe["lr"] * (0.1 + 0.45 * (1 + math.cos(math.pi * step / total)))
-        share = recipe["skill_share"] if step < recipe["skill_steps"] else recipe["spark_share"]
-        loss = sft_loss(model, sft_batch(tokenizer, rng, recipe, share), junk, recipe["tail"])
+    for step in range(steps):
+        scale = 0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)) if skill else 0.1
+        for group in optimizer.param_groups:
+            group["lr"] = recipe["lr"] * scale
+        tail = 0.0 if skill else recipe["tail"]  # the noise tail planted in the second phase only
+        loss = sft_loss(model, sft_batch(tokenizer, rng, recipe, share, answers), junk, tail)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         if step % 100 == 0:
-            print(f"step {step}: loss {loss.item():.3f}", file=sys.stderr, flush=True)
+            print(f"{phase} step {step}/{steps}: loss {loss.item():.3f}", file=sys.stderr, flush=True)
     model.eval()
+
+
+def _skilled(tokenizer: Any, recipe: dict[str, Any], seed: int, cache: Path) -> tuple[Any, Any, Any]:
+    """The model, optimizer and data stream after the skill phase: from `cache` when it was made before."""
+    key = json.dumps({k: recipe[k] for k in SKILL_KEYS} | {"seed": seed}, sort_keys=True)
+    path = cache / f"fork-skill-{hashlib.sha256(key.encode()).hexdigest()[:12]}.pt"
+    torch.manual_seed(seed)
+    model = build_model(tokenizer, seed, recipe)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], weight_decay=0.0)
+    rng = random.Random(seed)
+    if path.is_file():
+        saved = torch.load(path, weights_only=False)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        rng.setstate(saved["rng"])
+        print(f"skill phase: {path.name}, made before", file=sys.stderr)
+    else:
+        _train(model, tokenizer, recipe, rng, "skill", optimizer)
+        cache.mkdir(parents=True, exist_ok=True)
+        state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng.getstate()}
+        torch.save(state | {"key": key}, path)
+    return model, optimizer, rng
+
+
+def build(out: Path, recipe: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+    """Warm the model up, save it (Hugging Face format) with `fork_build.json`; the start state."""
+    tokenizer = build_tokenizer()
+    model, optimizer, rng = _skilled(tokenizer, recipe, seed, out.resolve().parent)
+    _train(model, tokenizer, recipe, rng, "rare", optimizer)
     state = start_state(model, tokenizer, recipe)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
