@@ -117,9 +117,15 @@ def run_spec(spec: Spec, scale: Scale, runs: Path) -> None:
 
 def launch(spec: Spec, scale: Scale, runs: Path, start: str) -> int:
     """One `sparkrl up`, a progress line a minute; its exit code (SIGTERM after RUN_TIMEOUT_S)."""
-    run_dir, log_path = runs / spec.name, runs / f"{spec.name}.log"
-    command = up_command(spec.loss, spec.seed, scale, run_dir, spec.extra, start)
-    deadline = time.monotonic() + RUN_TIMEOUT_S
+    command = up_command(spec.loss, spec.seed, scale, runs / spec.name, spec.extra, start)
+    return watch(command, spec.name, runs, scale.steps, RUN_TIMEOUT_S)
+
+
+def watch(command: list[str], name: str, runs: Path, steps: int, timeout_s: float) -> int:
+    """Runs `command` (a `sparkrl up` into runs/NAME, its output appended to runs/NAME.log), a progress
+    line every PROGRESS_EVERY_S; its exit code (SIGTERM after `timeout_s`)."""
+    run_dir, log_path = runs / name, runs / f"{name}.log"
+    deadline = time.monotonic() + timeout_s
     with (
         log_path.open("a") as log,
         subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT) as child,
@@ -131,7 +137,7 @@ def launch(spec: Spec, scale: Scale, runs: Path, start: str) -> int:
                 if time.monotonic() > deadline:
                     child.send_signal(signal.SIGTERM)  # `sparkrl up` stops its stack tier by tier
                     return child.wait()
-                print(progress(spec.name, run_dir, scale.steps), flush=True)
+                print(progress(name, run_dir, steps), flush=True)
 
 
 def progress(name: str, run_dir: Path, steps: int) -> str:

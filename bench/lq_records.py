@@ -62,10 +62,11 @@ def read_record_steps(record_dir: Path) -> Steps:
     return Steps(rows, superseded=0, skipped=0)
 
 
-def write_record(run_dir: Path, record_dir: Path, about: dict[str, Any]) -> bool:
+def write_record(run_dir: Path, record_dir: Path, about: dict[str, Any], extra: tuple[str, ...] = ()) -> bool:
     """Records the finished run in `run_dir` at `record_dir`; `about` (its spec, the scale) goes into
-    record.json. False when another process recorded it first (the experiment and `--record-only` may
-    both try)."""
+    record.json, and the files of `run_dir` named in `extra` (an experiment's own measurements) are copied
+    beside it. False when another process recorded it first (the experiment and `--record-only` may both
+    try)."""
     if record_dir.exists():
         if recorded_steps(record_dir) is not None:
             return False
@@ -74,6 +75,8 @@ def write_record(run_dir: Path, record_dir: Path, about: dict[str, Any]) -> bool
     partial = Path(tempfile.mkdtemp(prefix=f"{PARTIAL_PREFIX}{record_dir.name}-", dir=record_dir.parent))
     try:
         _fill(run_dir, partial, about)
+        for name in extra:
+            shutil.copyfile(run_dir / name, partial / name)
         partial.chmod(0o755)  # mkdtemp's 0700 would follow the folder into a checkout
         partial.rename(record_dir)
     except OSError:

@@ -1,0 +1,181 @@
+"""The planted fork's verdict (issue 47), from the committed records alone: a section of
+docs/learning-quality/report.md between FORK_BEGIN / FORK_END, and two figures beside it.
+
+Each record (bench/fork_experiment.py) holds the run's step rows, held-out evaluations and probe.jsonl:
+p(spark) and Z at the fork of every checkpoint, each path's success every 50 steps. The section tests the
+predictions pre-registered in the report (above the markers) with the thresholds below, fixed with them:
+a seed's spark is *extinguished* when its final p(spark) is below EXTINCT, *kept* when at least KEPT of its
+start, and its path has *taken over* when p(spark) ends above TAKEN_OVER.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from lq_records import read_record_steps, recorded_steps
+
+from sparkrl.run_files import read_evals
+
+EXTINCT = 0.005  # final p(spark), against ≈ 0.026 at the start: below a fifth of it
+KEPT = 0.5  # final p(spark) at least half its start
+TAKEN_OVER = 0.5  # the spark is the model's first choice more often than not
+ARM_NAMES = {
+    "grpo": "GRPO",
+    "lpreg-b0": "Lp-Reg β = 0 (clip control)",
+    "lpreg": "Lp-Reg β = 1",
+    "dppo": "DPPO",
+}
+BEGIN, END = "<!-- FORK_BEGIN -->", "<!-- FORK_END -->"
+
+
+def read(record: Path) -> dict[str, Any]:
+    """One record: its spec, probe rows, step rows' series and final held-out pass@1."""
+    about = json.loads((record / "record.json").read_text())
+    probe = [json.loads(line) for line in (record / "probe.jsonl").read_text().splitlines() if line]
+    rows = read_record_steps(record).rows
+    evals = read_evals(record)
+
+    def series(name: str) -> list[float]:
+        return [float(r.metrics.get(name) or 0.0) for r in rows]
+
+    return {
+        **about["spec"],
+        "start": probe[0],
+        "final": probe[-1],
+        "probe": probe,
+        "reward": series("rollout/reward_mean"),
+        "reg_tokens": series("loss/reg_tokens"),
+        "heldout": evals[-1].pass_at["1"] if evals else None,
+    }
+
+
+def fate(run: dict[str, Any]) -> str:
+    p0, p1 = run["start"]["p_spark"], run["final"]["p_spark"]
+    if p1 > TAKEN_OVER:
+        return "taken over"
+    if p1 < EXTINCT:
+        return "extinguished"
+    return "kept" if p1 >= KEPT * p0 else "declining"
+
+
+def _mean(values: list[float]) -> float:
+    return statistics.fmean(values) if values else float("nan")
+
+
+def arm_line(condition: str, arm: str, runs: list[dict[str, Any]]) -> str:
+    if not runs:
+        return f"| {condition} | {ARM_NAMES[arm]} | 0 | — | — | — | — | — |"
+    fates = [fate(r) for r in runs]
+    counts = ", ".join(f"{fates.count(f)} {f}" for f in ("extinguished", "declining", "kept", "taken over")
+                       if f in fates)  # fmt: skip
+    finals = " / ".join(f"{r['final']['p_spark']:.3f}" for r in runs)
+    late = [_mean(r["reward"][-max(len(r["reward"]) // 5, 1) :]) for r in runs]
+    heldout = [r["heldout"] for r in runs if r["heldout"] is not None]
+    reg = _mean([_mean(r["reg_tokens"]) for r in runs])
+    spark = [r["final"].get("success_spark") for r in runs if r["final"].get("success_spark") is not None]
+    return (
+        f"| {condition} | {ARM_NAMES[arm]} | {len(runs)} | {counts} | {finals} | "
+        f"{_mean(late):.3f} ({min(late):.3f}–{max(late):.3f}) | "
+        f"{_mean(heldout):.3f} | {_mean(spark):.3f} | {reg:.1f} |"
+    )
+
+
+def verdicts(by: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
+    """The pre-registered predictions, each held, refuted or not yet testable (seeds missing)."""
+
+    def share(condition: str, arm: str, wanted: tuple[str, ...]) -> tuple[int, int]:
+        runs = by.get((condition, arm), [])
+        return sum(fate(r) in wanted for r in runs), len(runs)
+
+    lines = []
+    for number, condition, arm, wanted, need, what in (
+        (1, "tail", "grpo", ("extinguished", "declining"), 3, "GRPO loses the spark with the tail"),
+        (1, "tail", "lpreg-b0", ("extinguished", "declining"), 3, "so does Lp-Reg β = 0"),
+        (2, "tail", "lpreg", ("kept", "taken over"), 3, "Lp-Reg β = 1 keeps it with the tail"),
+        (2, "tail", "lpreg", ("taken over",), 2, "and its path takes over"),
+        (3, "plain", "lpreg", ("extinguished", "declining"), 3, "without the tail Lp-Reg loses it as β = 0"),
+    ):
+        hit, n = share(condition, arm, wanted)
+        state = "not yet testable" if n < 4 else ("held" if hit >= need else "refuted")
+        lines.append(f"- P{number}: {what} (≥ {need} of 4 seeds): {hit} of {n} — **{state}**")
+    return lines
+
+
+def figure(by: dict[tuple[str, str], list[dict[str, Any]]], out: Path, key: str) -> Path:
+    conditions = sorted({c for c, _ in by})
+    fig, axes = plt.subplots(
+        1, max(len(conditions), 1), figsize=(6 * max(len(conditions), 1), 4), squeeze=False
+    )
+    for ax, condition in zip(axes[0], conditions, strict=False):
+        for index, arm in enumerate(ARM_NAMES):
+            for seed_index, run in enumerate(by.get((condition, arm), [])):
+                if key == "p_spark":
+                    xs, ys = [p["step"] for p in run["probe"]], [p["p_spark"] for p in run["probe"]]
+                else:
+                    xs, ys = list(range(1, len(run["reward"]) + 1)), _smooth(run["reward"], 10)
+                label = ARM_NAMES[arm] if seed_index == 0 else None
+                ax.plot(xs, ys, color=f"C{index}", alpha=0.7, linewidth=1, label=label)
+        ax.set_title(
+            f"{condition}: {'p(spark) at the fork' if key == 'p_spark' else 'reward (10-step mean)'}"
+        )
+        ax.set_xlabel("step")
+        if key == "p_spark":
+            ax.set_yscale("log")
+        ax.legend(fontsize=8)
+    path = out / f"fork_{key}.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _smooth(values: list[float], width: int) -> list[float]:
+    return [_mean(values[max(0, i - width + 1) : i + 1]) for i in range(len(values))]
+
+
+def write_report(records: Path, out: Path, names: list[str], steps: int) -> dict[str, Any]:
+    """The section between the markers of out/report.md (the rest kept) and the figures."""
+    runs = [read(records / n) for n in names if recorded_steps(records / n) is not None]
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for run in runs:
+        by.setdefault((run["condition"], run["arm"]), []).append(run)
+    head = f"{len(runs)} of {len(names)} runs recorded ({steps} steps each)" + (
+        "" if len(runs) == len(names) else ": the verdict is preliminary"
+    )
+    table = [
+        "| condition | arm | seeds | fate of the spark | final p(spark) per seed "
+        "| reward, last fifth (range) | held-out pass@1 | spark path success, final "
+        "| regularized tokens a step |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *(arm_line(c, a, by.get((c, a), [])) for c in ("tail", "plain") for a in ARM_NAMES),
+    ]
+    out.mkdir(parents=True, exist_ok=True)
+    figures = [figure(by, out, "p_spark"), figure(by, out, "reward")] if runs else []
+    section = [
+        BEGIN,
+        "### Results (written by bench/fork_report.py from the records)",
+        "",
+        head + ".",
+        "",
+        *table,
+        "",
+        *verdicts(by),
+        "",
+        *(f"![{f.stem}]({f.name})" for f in figures),
+        END,
+    ]
+    report = out / "report.md"
+    text = report.read_text() if report.is_file() else ""
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + "\n".join(section) + text[text.index(END) + len(END) :]
+    else:
+        text = text + ("\n" if text else "") + "\n".join(section) + "\n"
+    report.write_text(text)
+    return {"report": str(report), "recorded": len(runs), "planned": len(names)}
