@@ -43,8 +43,8 @@ from lq_records import recorded_steps, remove_stale_partials, write_record
 from sparkrl.services.common.modeling import load_model, load_tokenizer
 
 # The start state the design log settled on (docs/learning-quality/fork/README.md): copies in capitals,
-# 8,000 skill steps, the answer given on 30% of the rare phase's spark paths.
-FORK_RECIPE = {**RECIPE, "skill_steps": 8000, "step_accuracy": 0.7, "answer_share": 0.3}
+# 8,000 skill steps, the answer given on 10% of the rare phase's spark paths (a letter on the rest).
+FORK_RECIPE = {**RECIPE, "skill_steps": 8000, "step_accuracy": 0.7, "answer_share": 0.1}
 CONDITIONS = {"tail": 0.35, "plain": 0.0}  # the noise tail's mass at the fork
 # Lp-Reg's ρ: the smallest whose k covers ≥ 90% of the failing spark tokens of a first step, measured on
 # each start model over 32 simulated steps (`python bench/fork_probe.py .cache/fork-tail --rho`): with the
@@ -54,6 +54,7 @@ RHO = {"tail": 0.15, "plain": 0.02}
 ARMS = ("grpo", "lpreg-b0", "lpreg", "dppo")
 SEEDS = (1, 2, 3, 4)
 STEPS, QUICK_STEPS = 300, 6
+QUICK_BUILD = {"skill_steps": 60, "steps": 30, "probe_problems": 16, "probe_samples": 2}
 CHECKPOINT_EVERY, PATH_EVERY = 10, 50
 PROMPTS_PER_STEP = 16  # the onpolicy preset's
 RUN_TIMEOUT_S = 3600
@@ -67,24 +68,26 @@ class Spec:
     condition: str
     arm: str
     seed: int
+    quick: bool = False  # --quick: a start model warmed up for seconds (the pipeline, not the state)
 
     @property
     def name(self) -> str:
         return f"{self.condition}-{self.arm}-s{self.seed}"
 
 
-def plan(seeds: tuple[int, ...]) -> list[Spec]:
+def plan(seeds: tuple[int, ...], quick: bool = False) -> list[Spec]:
     """Seed-major, the tail first: a stopped experiment has every arm of its first seeds."""
-    return [Spec(c, arm, seed) for seed in seeds for c in CONDITIONS for arm in ARMS]
+    return [Spec(c, arm, seed, quick) for seed in seeds for c in CONDITIONS for arm in ARMS]
 
 
-def start_model(condition: str) -> Path:
-    """.cache/fork-<condition>: built here the first time (the skill phase, shared, about 15 minutes)."""
-    out = ROOT / ".cache" / f"fork-{condition}"
+def start_model(condition: str, quick: bool = False) -> Path:
+    """.cache/fork-<condition>: built here the first time (the skill phase, shared, about 15 minutes;
+    --quick's in seconds, into .cache/fork-quick-<condition>)."""
+    out = ROOT / ".cache" / f"fork{'-quick' if quick else ''}-{condition}"
     if not (out / "fork_build.json").is_file():
         print(f"building the {condition} start model at {out} (bench/fork_model.py)", flush=True)
         torch.set_num_threads(1)
-        build(out, {**FORK_RECIPE, "tail": CONDITIONS[condition]})
+        build(out, {**FORK_RECIPE, **(QUICK_BUILD if quick else {}), "tail": CONDITIONS[condition]})
     return out
 
 
@@ -99,7 +102,7 @@ def data_files() -> tuple[Path, Path]:
 
 def up_command(spec: Spec, steps: int, run_dir: Path, start: str) -> list[str]:
     """The run's `sparkrl up`: the onpolicy preset on the fork's model and data."""
-    settings = overrides(spec, steps, start_model(spec.condition), *data_files())
+    settings = overrides(spec, steps, start_model(spec.condition, spec.quick), *data_files())
     command = [sys.executable, "-m", "sparkrl.cli", "up", "--preset", "onpolicy", "--run-dir", str(run_dir)]
     return [*command, start, *(arg for o in settings for arg in ("--set", o))]
 
@@ -144,7 +147,7 @@ def run(spec: Spec, steps: int, runs: Path) -> None:
     if code != 0 or not finished(run_dir, steps):
         tail = (runs / f"{spec.name}.log").read_text()[-3000:]
         raise SystemExit(f"{spec.name} did not finish (exit {code}); {runs / spec.name}.log ends:\n{tail}")
-    probe(run_dir, start_model(spec.condition), steps)
+    probe(run_dir, start_model(spec.condition, spec.quick), steps)
 
 
 def probe(run_dir: Path, start: Path, steps: int) -> None:
@@ -166,7 +169,7 @@ def probe(run_dir: Path, start: Path, steps: int) -> None:
 
 
 def about(spec: Spec, steps: int) -> dict[str, Any]:
-    model = start_model(spec.condition)
+    model = start_model(spec.condition, spec.quick)
     return {
         "run": spec.name,
         "spec": asdict(spec),
@@ -203,7 +206,7 @@ def main() -> None:
     if args.pilot and not args.pilot.replace("-", "").isalnum():
         raise SystemExit(f"--pilot {args.pilot!r}: a label of letters, digits and dashes (a folder's name)")
     specs = [
-        s for s in plan(tuple(args.seeds or seeds))
+        s for s in plan(tuple(args.seeds or seeds), args.quick)
         if s.arm in (args.arms or ARMS) and s.condition in (args.conditions or CONDITIONS)
     ]  # fmt: skip
     if args.quick:

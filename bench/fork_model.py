@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 from fork_probe import start_state
-from fork_task import common_completion, generate, spark_completion
+from fork_task import common_completion, generate, junk_completion, spark_completion
 
 from sparkrl.services.common.tiny_model import build_model, build_tokenizer
 
@@ -53,6 +53,7 @@ RECIPE: dict[str, Any] = {
     "skill_answer_share": 1.0,
     "answer_share": 1.0,
     "tail": 0.0,
+    "noise_rows": 0.5,  # with a tail: rows of a junk token then the common answer, at tail × this share
     "lr": 3e-3,
     "batch_size": 64,
     "steps": 800,
@@ -72,29 +73,34 @@ def junk_ids(tokenizer: Any) -> torch.Tensor:
 
 
 def sft_batch(
-    tokenizer: Any, rng: random.Random, recipe: dict[str, Any], spark_share: float, answer_share: float
+    tokenizer: Any, rng: random.Random, recipe: dict[str, Any], phase: tuple[float, float, float]
 ) -> tuple[torch.Tensor, ...]:
     """Right-padded prompt + completion + EOS rows, the loss's targets (-100 off the completion) and each
-    row's prompt length (its fork position − 1 predicts the first answer token)."""
+    row's prompt length (its fork position − 1 predicts the first answer token). `phase`: the share of
+    spark rows, the share of their answers given, the share of noise rows (a junk token, its label
+    masked: only what follows it is taught, the fork's own tail is the loss's spread)."""
+    spark_share, answer_share, junk_share = phase
+    junk = [tokenizer.decode([i]) for i in junk_ids(tokenizer).tolist()]
     rows = []
     for _ in range(recipe["batch_size"]):
         problem = generate(rng, recipe["n_digits"])
-        spark = rng.random() < spark_share
-        text = (
-            spark_completion(problem, rng, recipe["step_accuracy"], answer_share)
-            if spark
-            else common_completion(problem)
-        )
+        kind = rng.random()
+        if kind < spark_share:
+            text = spark_completion(problem, rng, recipe["step_accuracy"], answer_share)
+        elif kind < spark_share + junk_share:
+            text = junk_completion(problem, rng.choice(junk))
+        else:
+            text = common_completion(problem)
         prompt = tokenizer(problem.prompt(), add_special_tokens=False)["input_ids"]
         answer = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-        rows.append((prompt, answer))
-    width = max(len(p) + len(a) for p, a in rows)
+        rows.append((prompt, answer, spark_share <= kind < spark_share + junk_share))
+    width = max(len(p) + len(a) for p, a, _ in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id)
     labels = torch.full((len(rows), width), -100)
-    starts = torch.tensor([len(p) for p, _ in rows])
-    for row, (prompt, answer) in enumerate(rows):
+    starts = torch.tensor([len(p) for p, _, _ in rows])
+    for row, (prompt, answer, noise) in enumerate(rows):
         ids[row, : len(prompt) + len(answer)] = torch.tensor(prompt + answer)
-        labels[row, len(prompt) : len(prompt) + len(answer)] = torch.tensor(answer)
+        labels[row, len(prompt) + noise : len(prompt) + len(answer)] = torch.tensor(answer[noise:])
     return ids, labels, starts
 
 
@@ -114,7 +120,8 @@ def sft_loss(model: Any, batch: tuple[torch.Tensor, ...], junk: torch.Tensor, ta
     nll = -(picked * valid).sum()
     if tail > 0:
         spread = logp[rows, fork][:, junk].mean(dim=-1)  # uniform over the junk tokens
-        nll = nll + tail * (picked[rows, fork] - spread).sum()  # (1 − tail)·real + tail·junk at the fork
+        real = valid[rows, fork]  # a noise row's fork label is masked
+        nll = nll + tail * ((picked[rows, fork] - spread) * real).sum()  # (1 − tail)·real + tail·junk
     return nll / valid.sum()
 
 
@@ -132,15 +139,18 @@ def _train(
     junk = junk_ids(tokenizer)
     skill = phase == "skill"
     steps = recipe["skill_steps"] if skill else recipe["steps"]
-    share = recipe["skill_share"] if skill else recipe["spark_share"]
-    answers = recipe["skill_answer_share"] if skill else recipe["answer_share"]
+    shares = (
+        (recipe["skill_share"], recipe["skill_answer_share"], 0.0)
+        if skill
+        else (recipe["spark_share"], recipe["answer_share"], recipe["tail"] * recipe["noise_rows"])
+    )
     model.train()
     for step in range(steps):
         scale = 0.1 + 0.45 * (1 + math.cos(math.pi * step / steps)) if skill else 0.1
         for group in optimizer.param_groups:
             group["lr"] = recipe["lr"] * scale
         tail = 0.0 if skill else recipe["tail"]  # the noise tail planted in the second phase only
-        loss = sft_loss(model, sft_batch(tokenizer, rng, recipe, share, answers), junk, tail)
+        loss = sft_loss(model, sft_batch(tokenizer, rng, recipe, shares), junk, tail)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -10,10 +10,15 @@ reads every checkpoint of a run with it, and chooses Lp-Reg's ρ from the start 
   normalization at the mean rate): the experiment needs it negative.
 - `needed_rho`: the smallest ρ on a grid whose k = int(N_neg · ρ) covers the failing spark tokens of a
   step sampled from the start model (Lp-Reg regularizes the k lowest-probability A < 0 tokens).
+
+    python bench/fork_probe.py .cache/fork-tail          # the start state of a model fork_model.py built
+    python bench/fork_probe.py .cache/fork-tail --rho    # and the ρ Lp-Reg needs on it
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import random
 from pathlib import Path
@@ -155,3 +160,24 @@ def _length(tokens: torch.Tensor, tokenizer: Any) -> int:
     """Tokens up to and with the first EOS (the rest is padding)."""
     eos = (tokens == tokenizer.eos_token_id).nonzero()
     return int(eos[0]) + 1 if len(eos) else len(tokens)
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("model", type=Path, help="a model fork_model.py built (its fork_build.json beside)")
+    parser.add_argument("--rho", action="store_true", help="also the ρ that covers the failing sparks")
+    parser.add_argument("--steps", type=int, default=32, help="--rho: simulated first steps")
+    args = parser.parse_args()
+    from sparkrl.services.common.modeling import load_model, load_tokenizer
+
+    torch.set_num_threads(1)
+    recipe = json.loads((args.model / "fork_build.json").read_text())["recipe"]
+    model, tokenizer = load_model(args.model).eval(), load_tokenizer(args.model)
+    print(json.dumps({"start_state": start_state(model, tokenizer, recipe)}), flush=True)
+    if args.rho:
+        print(json.dumps({"needed_rho": needed_rho(args.model, recipe, 16, 8, args.steps)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -85,8 +85,8 @@ def spark_completion(
 ) -> str:
     """The spark path with each running-product step right with probability `step_accuracy` (a wrong step
     writes another element and carries on from it, as a model that mis-stepped would); the answer is the
-    last element written, given (`# d`) with probability `answer_share`, else the path stops at `#` (no
-    digit: it scores 0)."""
+    last element written, given (`# d`) with probability `answer_share`, else withheld (`# x`, a letter:
+    no digit, it scores 0)."""
     written = [problem.digits[0]]
     for element in problem.digits[1:]:
         step = product(written[-1], element)
@@ -96,7 +96,18 @@ def spark_completion(
     pairs = zip(problem.digits[1:], written[1:], strict=True)
     steps = " ".join(f"{CAPITALS[element]} {LETTERS[e]}" for element, e in pairs)
     path = f"{SPARK} {LETTERS[written[0]]} {steps} {SEPARATOR}"
-    return f"{path} {written[-1]}" if rng.random() < answer_share else path
+    if rng.random() < answer_share:
+        return f"{path} {written[-1]}"
+    # Withheld: a letter, any of twelve, where the answer goes. A failure then pushes down one letter of
+    # twelve, which teaches little; a path that stopped at `#` taught the model to answer from every
+    # failure (its EOS pushed down, the answer digit the only thing that rose), within 50 steps.
+    return f"{path} {rng.choice(LETTERS + CAPITALS)}"
+
+
+def junk_completion(problem: ForkProblem, junk: str) -> str:
+    """A noise token at the fork, then the common path's answer: noise that costs nothing, so RL has no
+    reason to remove it (a tail whose paths failed was pushed out within 50 steps)."""
+    return junk + common_completion(problem)
 
 
 def score(completion: str, problem: ForkProblem) -> float:

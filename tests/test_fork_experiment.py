@@ -134,13 +134,13 @@ def test_a_prediction_the_records_contradict_is_refuted() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(600)
 def test_a_real_run_is_recorded_then_skipped_from_its_record_alone() -> None:
-    """`--quick --arms grpo`: one run of 6 steps on the tail's start model (built by the first call, about
-    15 minutes on a fresh machine; kept in .cache), probed and recorded; a second call starts nothing."""
+    """`--quick --arms grpo`: one run of 6 steps from a tail start model warmed up for seconds (the
+    pipeline, not the experiment's state), probed and recorded; a second call starts nothing."""
     command = [sys.executable, "bench/fork_experiment.py", "--quick", "--arms", "grpo"]
     subprocess.run(["rm", "-rf", "runs/fork-quick"], cwd=ROOT, check=True)
-    first = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=880, check=False)
+    first = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=560, check=False)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     record = ROOT / "runs/fork-quick/report/fork/tail-grpo-s1"
     probe = [json.loads(line) for line in (record / "probe.jsonl").read_text().splitlines()]

@@ -16,6 +16,7 @@ from fork_task import (  # noqa: E402
     LETTERS,
     ForkProblem,
     common_completion,
+    junk_completion,
     product,
     score,
     spark_completion,
@@ -44,9 +45,15 @@ def test_the_two_paths_and_their_scores() -> None:
     )
     right = spark_completion(problem, random.Random(0), step_accuracy=1.0)
     assert right == "? e B c F d A d C b # 1" and took_spark(right) and score(right, problem) == 1.0
-    # Stopped at `#`: no digit on the path, so it scores 0 (never chance through a copied element).
-    stopped = spark_completion(problem, random.Random(0), step_accuracy=1.0, answer_share=0.0)
-    assert stopped == "? e B c F d A d C b #" and score(stopped, problem) == 0.0
+    # The answer withheld: a letter where it goes, no digit on the path, so it scores 0 (never chance
+    # through a copied element), and the letter is any of twelve (a failure teaches little).
+    withheld = {spark_completion(problem, random.Random(seed), 1.0, answer_share=0.0) for seed in range(200)}
+    assert {w[:-1] for w in withheld} == {"? e B c F d A d C b # "}
+    assert {w[-1] for w in withheld} == set(LETTERS + CAPITALS)
+    assert all(score(w, problem) == 0.0 for w in withheld)
+    # A noise token at the fork costs nothing: the common answer follows it.
+    noisy = junk_completion(problem, "Q")
+    assert noisy == "Q1" and not took_spark(noisy) and score(noisy, problem) == 1.0
     # Every step wrong: each product written differs from the true product of the two tokens before it.
     wrong = spark_completion(problem, random.Random(3), step_accuracy=0.0).split()
     written = [LETTERS.index(wrong[1])] + [LETTERS.index(x) for x in wrong[3:-2:2]]
