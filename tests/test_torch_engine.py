@@ -10,9 +10,10 @@ import pytest
 import torch
 from _tiny import tiny_model_dir  # noqa: F401  (pytest fixture)
 
-from sparkrl.proto import Completion
+from sparkrl.proto import Completion, Prompt
 from sparkrl.services.common.settings import SamplingSettings, TorchEngineSettings
 from sparkrl.services.common.weight_sync import weights_checksum
+from sparkrl.services.rollout.batch import PromptBatch
 from sparkrl.services.rollout.engine import WeightsDoNotFit
 from sparkrl.services.rollout.torch_engine import TorchEngine
 
@@ -144,6 +145,29 @@ def test_seed_reproduces_and_varies(engine: TorchEngine) -> None:
     assert run(42) == run(42)
     assert run(42) != run(43)
     assert run(None) != run(None)
+
+
+def test_a_runs_seed_gives_each_batch_its_own_draws(engine: TorchEngine) -> None:
+    """`rollout.sampling.seed` reaches the engine through the batch (`PromptBatch.sampling`): the same
+    prompts fed again as other prompts (other ids) draw anew, the same batch draws the same. (The seed
+    as such for every call made every batch draw the same numbers: a rare token taken by the same
+    samples step after step.)"""
+    run_seed = SamplingSettings(n=4, max_new_tokens=8, seed=42)
+
+    def batch(first_id: int) -> PromptBatch:
+        prompts = [
+            Prompt(prompt_id=f"train-{first_id + i:06d}", task="countdown", text=t)
+            for i, t in enumerate(PROMPTS)
+        ]
+        return PromptBatch([], prompts, prompt_ids(engine))
+
+    def draws(b: PromptBatch) -> list[list[int]]:
+        return tokens_of(engine.generate(b.token_ids, b.sampling(run_seed)))
+
+    first, second = batch(0), batch(3)
+    assert first.sampling(run_seed).seed == batch(0).sampling(run_seed).seed != second.sampling(run_seed).seed
+    assert draws(first) == draws(batch(0)) != draws(second)
+    assert first.sampling(SamplingSettings(n=4)) == SamplingSettings(n=4)  # unseeded: as given
 
 
 def tokens_of(groups: list[list[Completion]]) -> list[list[int]]:

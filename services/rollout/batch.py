@@ -4,6 +4,7 @@ strings these together."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from sparkrl.services.common.bus import Entry, RedisBus
 from sparkrl.services.common.modeling import render_prompt
 from sparkrl.services.common.prompt_limits import PromptLimits
 from sparkrl.services.common.reward_client import RewardClient
-from sparkrl.services.common.settings import PromptFormat, RolloutSettings
+from sparkrl.services.common.settings import PromptFormat, RolloutSettings, SamplingSettings
 from sparkrl.services.rollout.engine import Engine
 from sparkrl.services.rollout.shaping import overlong_penalty
 
@@ -37,6 +38,18 @@ class PromptBatch:
         return PromptBatch(
             *([getattr(self, f)[i] for i in indices] for f in ("entries", "prompts", "token_ids"))
         )
+
+    def sampling(self, sampling: SamplingSettings) -> SamplingSettings:
+        """The sampling this batch is generated with. With `rollout.sampling.seed`, the engine's seed is
+        derived from it and the batch's prompt ids: a run is reproducible, yet no two batches draw the
+        same random numbers. (The seed itself for every call, as before, made every batch draw the same
+        numbers: at a fork the same samples took the rare token step after step, and a rare token rose
+        under GRPO where, sampled afresh, it fell.) Without a seed, as given."""
+        if sampling.seed is None:
+            return sampling
+        ids = "\n".join(p.prompt_id for p in self.prompts)
+        digest = hashlib.blake2b(f"{sampling.seed}\n{ids}".encode(), digest_size=7).digest()
+        return sampling.model_copy(update={"seed": int.from_bytes(digest, "big")})
 
 
 def pull_prompts(

@@ -274,7 +274,7 @@ class Worker:
         prompts that generate alone (the ones that fail alone while the engine works are dead-lettered), or
         None when the model or engine is at fault (the worker falls sick, the prompts stay unacknowledged,
         to be reclaimed)."""
-        sampling = self.cfg.sampling
+        sampling = batch.sampling(self.cfg.sampling)
         prefixes = taken.prefixes_for(batch)
         try:
             return batch, self.engine.generate(

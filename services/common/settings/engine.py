@@ -51,7 +51,11 @@ class SamplingSettings(Section):
     topk_logprobs: int = Field(
         20, ge=1, le=1024, description="Top-k (ids, log-probs) recorded per generated token over the vocab."
     )
-    seed: int | None = Field(None, description="Sampling seed; None draws one per worker.")
+    seed: int | None = Field(
+        None,
+        description="Sampling seed: each batch draws with a seed derived from it and the batch's prompt ids "
+        "(reproducible, and no two batches draw alike); None draws at random per worker.",
+    )
 
     @model_validator(mode="after")
     def _lengths_fit(self) -> SamplingSettings:
