@@ -105,9 +105,10 @@ def spark_completion(
 
 
 def junk_completion(problem: ForkProblem, junk: str) -> str:
-    """A noise token at the fork, then the common path's answer: noise that costs nothing, so RL has no
-    reason to remove it (a tail whose paths failed was pushed out within 50 steps)."""
-    return junk + common_completion(problem)
+    """A noise token at the fork, a space, then the common path's answer: noise that costs nothing, so RL
+    has no reason to remove it (a tail whose paths failed was pushed out within 30 steps). The space is
+    the verifier's: math_verify finds no answer in `\x013` or `\ufffd5`, and one in each `J 5`."""
+    return f"{junk} {common_completion(problem)}"
 
 
 def score(completion: str, problem: ForkProblem) -> float:

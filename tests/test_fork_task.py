@@ -53,7 +53,7 @@ def test_the_two_paths_and_their_scores() -> None:
     assert all(score(w, problem) == 0.0 for w in withheld)
     # A noise token at the fork costs nothing: the common answer follows it.
     noisy = junk_completion(problem, "Q")
-    assert noisy == "Q1" and not took_spark(noisy) and score(noisy, problem) == 1.0
+    assert noisy == "Q 1" and not took_spark(noisy) and score(noisy, problem) == 1.0
     # Every step wrong: each product written differs from the true product of the two tokens before it.
     wrong = spark_completion(problem, random.Random(3), step_accuracy=0.0).split()
     written = [LETTERS.index(wrong[1])] + [LETTERS.index(x) for x in wrong[3:-2:2]]
@@ -72,3 +72,33 @@ def test_the_runs_prompts_are_the_math_tasks_jsonl(tmp_path: Path) -> None:
     assert rows == [
         json.loads(line) for line in write_prompts(tmp_path / "again.jsonl", 5, 5, 1).read_text().splitlines()
     ]
+
+
+def test_the_runs_verifier_scores_every_path_as_score_does() -> None:
+    """The run scores completions with the `math` verifier (math_verify), not `score`: they must agree on
+    every kind of completion, the noise tail's 230 junk tokens included (math_verify finds no answer in
+    `\\x013` or `\\ufffd5`: a tail scored 0 that way was pushed out of a run within 30 steps)."""
+    from fork_model import junk_ids
+
+    from sparkrl.services.common.tiny_model import build_tokenizer
+    from sparkrl.services.reward.verifiers import verify_math
+
+    tokenizer = build_tokenizer()
+    junk = [tokenizer.decode([i]) for i in junk_ids(tokenizer).tolist()]
+    rng = random.Random(5)
+    problems = [ForkProblem(tuple(rng.randrange(6) for _ in range(5))) for _ in range(12)]
+    completions = [
+        (problem, text)
+        for problem in problems
+        for text in (
+            common_completion(problem),
+            str((problem.answer + 1) % 6),
+            spark_completion(problem, rng, step_accuracy=1.0),
+            spark_completion(problem, rng, step_accuracy=0.5),
+            spark_completion(problem, rng, step_accuracy=1.0, answer_share=0.0),
+        )
+    ]
+    completions += [(problems[i % 12], junk_completion(problems[i % 12], j)) for i, j in enumerate(junk)]
+    assert len(junk) == 230
+    for problem, text in completions:
+        assert verify_math(text, str(problem.answer), None)[0] == score(text, problem), repr(text)
