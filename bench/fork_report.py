@@ -5,7 +5,8 @@ Each record (bench/fork_experiment.py) holds the run's step rows, held-out evalu
 p(spark) and Z at the fork of every checkpoint, each path's success every 50 steps. The section tests the
 predictions pre-registered in the report (above the markers) with the thresholds below, fixed with them:
 a seed's spark is *extinguished* when its final p(spark) is below EXTINCT, *kept* when at least KEPT of its
-start, and its path has *taken over* when p(spark) ends above TAKEN_OVER.
+start, and its path has *taken over* when p(spark) ends above TAKEN_OVER. Paired hypotheses compare a
+seed's arms on the coarse outcome: lost (extinguished or declining), kept, or taken over.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from sparkrl.run_files import read_evals
 EXTINCT = 0.005  # final p(spark), against ≈ 0.026 at the start: below a fifth of it
 KEPT = 0.5  # final p(spark) at least half its start
 TAKEN_OVER = 0.5  # the spark is the model's first choice more often than not
+PRECONDITION_STEP = 30  # Z then: the pilots' tails were gone by it (the pull β(1/Z − 1) with them)
 ARM_NAMES = {
     "grpo": "GRPO",
     "lpreg-b0": "Lp-Reg β = 0 (clip control)",
@@ -71,7 +73,7 @@ def _mean(values: list[float]) -> float:
 
 def arm_line(condition: str, arm: str, runs: list[dict[str, Any]]) -> str:
     if not runs:
-        return f"| {condition} | {ARM_NAMES[arm]} | 0 | — | — | — | — | — |"
+        return f"| {condition} | {ARM_NAMES[arm]} | 0 | — | — | — | — | — | — | — |"
     fates = [fate(r) for r in runs]
     counts = ", ".join(f"{fates.count(f)} {f}" for f in ("extinguished", "declining", "kept", "taken over")
                        if f in fates)  # fmt: skip
@@ -80,31 +82,45 @@ def arm_line(condition: str, arm: str, runs: list[dict[str, Any]]) -> str:
     heldout = [r["heldout"] for r in runs if r["heldout"] is not None]
     reg = _mean([_mean(r["reg_tokens"]) for r in runs])
     spark = [r["final"].get("success_spark") for r in runs if r["final"].get("success_spark") is not None]
+    z30 = [p["z_kept_mass"] for r in runs for p in r["probe"] if p["step"] == PRECONDITION_STEP]
     return (
         f"| {condition} | {ARM_NAMES[arm]} | {len(runs)} | {counts} | {finals} | "
         f"{_mean(late):.3f} ({min(late):.3f}–{max(late):.3f}) | "
-        f"{_mean(heldout):.3f} | {_mean(spark):.3f} | {reg:.1f} |"
+        f"{_mean(heldout):.3f} | {_mean(spark):.3f} | {reg:.1f} | {_mean(z30):.2f} |"
     )
 
 
+def outcome(run: dict[str, Any]) -> str:
+    """The fate, coarse: lost (extinguished or declining), kept, or taken over."""
+    return {"extinguished": "lost", "declining": "lost"}.get(fate(run), fate(run))
+
+
 def verdicts(by: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
-    """The pre-registered predictions, each held, refuted or not yet testable (seeds missing)."""
+    """The pre-registered hypotheses, each held, refuted or not yet testable (seeds missing)."""
 
-    def share(condition: str, arm: str, wanted: tuple[str, ...]) -> tuple[int, int]:
+    def count(condition: str, arm: str, wanted: tuple[str, ...]) -> tuple[int, int]:
         runs = by.get((condition, arm), [])
-        return sum(fate(r) in wanted for r in runs), len(runs)
+        return sum(outcome(r) in wanted for r in runs), len(runs)
 
+    def paired(condition: str, arm: str, other: str) -> tuple[int, int]:
+        mine = {r["seed"]: outcome(r) for r in by.get((condition, arm), [])}
+        theirs = {r["seed"]: outcome(r) for r in by.get((condition, other), [])}
+        seeds = mine.keys() & theirs.keys()
+        return sum(mine[s] == theirs[s] for s in seeds), len(seeds)
+
+    checks = [
+        ("H1", "with the tail, GRPO loses the spark", count("tail", "grpo", ("lost",)), 3),
+        ("H1", "with the tail, Lp-Reg β = 0 loses it", count("tail", "lpreg-b0", ("lost",)), 3),
+        ("H2", "with the tail, Lp-Reg β = 1 keeps it", count("tail", "lpreg", ("kept", "taken over")), 3),
+        ("H2", "… and its path takes over", count("tail", "lpreg", ("taken over",)), 2),
+        ("H3", "without the tail, Lp-Reg β = 1 ends as β = 0", paired("plain", "lpreg", "lpreg-b0"), 3),
+        ("H4", "DPPO ends as GRPO, with the tail", paired("tail", "dppo", "grpo"), 3),
+        ("H4", "… and without", paired("plain", "dppo", "grpo"), 3),
+    ]  # fmt: skip
     lines = []
-    for number, condition, arm, wanted, need, what in (
-        (1, "tail", "grpo", ("extinguished", "declining"), 3, "GRPO loses the spark with the tail"),
-        (1, "tail", "lpreg-b0", ("extinguished", "declining"), 3, "so does Lp-Reg β = 0"),
-        (2, "tail", "lpreg", ("kept", "taken over"), 3, "Lp-Reg β = 1 keeps it with the tail"),
-        (2, "tail", "lpreg", ("taken over",), 2, "and its path takes over"),
-        (3, "plain", "lpreg", ("extinguished", "declining"), 3, "without the tail Lp-Reg loses it as β = 0"),
-    ):
-        hit, n = share(condition, arm, wanted)
+    for name, what, (hit, n), need in checks:
         state = "not yet testable" if n < 4 else ("held" if hit >= need else "refuted")
-        lines.append(f"- P{number}: {what} (≥ {need} of 4 seeds): {hit} of {n} — **{state}**")
+        lines.append(f"- {name}: {what} (≥ {need} of 4 seeds): {hit} of {n} — **{state}**")
     return lines
 
 
@@ -152,8 +168,8 @@ def write_report(records: Path, out: Path, names: list[str], steps: int) -> dict
     table = [
         "| condition | arm | seeds | fate of the spark | final p(spark) per seed "
         "| reward, last fifth (range) | held-out pass@1 | spark path success, final "
-        "| regularized tokens a step |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| regularized tokens a step | Z at step {PRECONDITION_STEP} |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *(arm_line(c, a, by.get((c, a), [])) for c in ("tail", "plain") for a in ARM_NAMES),
     ]
     out.mkdir(parents=True, exist_ok=True)

@@ -118,9 +118,11 @@ def test_each_seeds_fate_and_the_predictions_from_the_records(tmp_path: Path) ->
         in text
     )
     assert "| tail | Lp-Reg β = 1 | 4 | 4 taken over |" in text and "| plain | GRPO | 0 |" in text
-    lines = [line for line in text.splitlines() if line.startswith("- P")]
+    lines = [line for line in text.splitlines() if line.startswith("- H")]
     assert lines[0].endswith("4 of 4 — **held**") and lines[2].endswith("4 of 4 — **held**")
     assert lines[4].endswith("0 of 0 — **not yet testable**")  # the plain condition has no seed yet
+    # DPPO kept the spark where GRPO lost it, seed by seed: "ends as GRPO" is refuted.
+    assert lines[5].startswith("- H4: DPPO ends as GRPO") and lines[5].endswith("0 of 4 — **refuted**")
     assert (out / "fork_p_spark.png").is_file() and (out / "fork_reward.png").is_file()
 
 
@@ -130,7 +132,7 @@ def test_a_prediction_the_records_contradict_is_refuted() -> None:
 
     by = {("tail", "lpreg"): [run("lpreg", 0.001)] * 3 + [run("lpreg", 0.02)]}
     lines = verdicts(by)  # type: ignore[arg-type]
-    assert "1 of 4 — **refuted**" in lines[2]  # kept in one seed of four: P2 needs three
+    assert "1 of 4 — **refuted**" in lines[2]  # kept in one seed of four: H2 needs three
 
 
 @pytest.mark.slow
