@@ -152,6 +152,11 @@ def figure(by: dict[tuple[str, str], list[dict[str, Any]]], out: Path, key: str)
     return path
 
 
+def _span(values: list[float]) -> str:
+    low, high = min(values), max(values)
+    return f"{low:.4f}" if high - low < 5e-5 else f"{low:.4f}–{high:.4f}"
+
+
 def _smooth(values: list[float], width: int) -> list[float]:
     return [_mean(values[max(0, i - width + 1) : i + 1]) for i in range(len(values))]
 
@@ -172,6 +177,12 @@ def write_report(records: Path, out: Path, names: list[str], steps: int) -> dict
         "|---|---|---|---|---|---|---|---|---|---|",
         *(arm_line(c, a, by.get((c, a), [])) for c in ("tail", "plain") for a in ARM_NAMES),
     ]
+    starts = [
+        f"{c}: p(spark) {_span([r['start']['p_spark'] for r in runs if r['condition'] == c])}, "
+        f"Z {_span([r['start']['z_kept_mass'] for r in runs if r['condition'] == c])}"
+        for c in ("tail", "plain")
+        if any(r["condition"] == c for r in runs)
+    ]
     out.mkdir(parents=True, exist_ok=True)
     figures = [figure(by, out, "p_spark"), figure(by, out, "reward")] if runs else []
     section = [
@@ -179,6 +190,9 @@ def write_report(records: Path, out: Path, names: list[str], steps: int) -> dict
         "### Results (written by bench/fork_report.py from the records)",
         "",
         head + ".",
+        "",
+        "Start state at step 0, over the runs (one start model per condition: a spread means a rebuilt one "
+        "differs): " + "; ".join(starts) + ".",
         "",
         *table,
         "",
