@@ -35,12 +35,16 @@ def test_cpu_and_wall_limits_end_the_call() -> None:
 
 
 def test_memory_file_size_and_output_are_bounded(tmp_path: Path) -> None:
-    big = run_python("x = bytearray(1 << 30)", SandboxLimits(memory_mb=128))
+    big = run_python("x = bytearray(10 << 30)", SandboxLimits(memory_mb=128))  # 10 GB
     assert big.status == "error" and "MemoryError" in big.stderr
     wrote = run_python("open('big', 'wb').write(b'x' * (4 << 20))", SandboxLimits(file_mb=1))
     assert wrote.status == "error" and "File too large" in wrote.stderr
     loud = run_python("print('y' * 100_000)", SandboxLimits(output_bytes=1000))
     assert loud.status == "ok" and loud.truncated and len(loud.stdout) == 1000
+    # 100 MB of output: the stream is a file, cut at file_mb; the caller reads output_bytes of it.
+    flood = run_python("for _ in range(100):\n    print('z' * (1 << 20))", SandboxLimits(output_bytes=1000))
+    assert flood.status == "error" and flood.truncated and "File too large" in flood.stderr
+    assert flood.stdout == "z" * 1000 and flood.seconds < 5
 
 
 def test_the_callers_environment_is_not_there(monkeypatch: pytest.MonkeyPatch) -> None:

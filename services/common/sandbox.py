@@ -16,7 +16,8 @@ exec in the caller) that confines itself, then runs the code:
 
 The caller waits at most `wall_s`, then kills the process group, and, as root, every process of the
 call's uid (a child that left the group with setsid included). Output is read from files, at most
-`output_bytes` of each stream kept (the rest dropped, `truncated` says so). The result is a named status,
+`output_bytes` of each stream kept, stdout's head and stderr's tail (`truncated` says when any was
+dropped); a file a call writes, its output included, stops at `file_mb`. The result is a named status,
 never an exception: `ok`, `error` (a non-zero exit: the traceback is in `stderr`), `timeout` (the wall
 limit), `cpu_limit`, `killed` (another signal).
 """
@@ -34,7 +35,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import IO, Literal
 
 SandboxStatus = Literal["ok", "error", "timeout", "cpu_limit", "killed"]
 FIRST_UID, UID_SPAN = 200_000, 60_000  # a call's own uid as root: far above any real user's
@@ -42,7 +43,7 @@ FIRST_UID, UID_SPAN = 200_000, 60_000  # a call's own uid as root: far above any
 # Runs as `python -I -c LAUNCHER CONFIG`: confines this process, then runs the code in it (an exec of
 # another interpreter would need one the call's uid may run: the venv's may sit under /root).
 LAUNCHER = r"""
-import ctypes, json, os, resource, sys
+import ctypes, json, os, resource, sys, traceback
 cfg = json.loads(sys.argv[1])
 libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNET, CLONE_NEWUSER, CLONE_NEWNS = 0x40000000, 0x10000000, 0x00020000
@@ -87,7 +88,13 @@ os.close(cfg["net_fd"])
 with open("main.py", encoding="utf-8") as f:
     code = compile(prelude + f.read(), "main.py", "exec")
 del cfg, libc, cap, mount, fail, f
-exec(code, {"__name__": "__main__"})
+try:
+    exec(code, {"__name__": "__main__"})
+except SystemExit:
+    raise
+except BaseException as exc:  # the traceback from the code's own first frame, not this launcher's
+    traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
+    sys.exit(1)
 """
 
 SHARED_DIRS = ("/var/tmp", "/run/lock", "/dev/shm")  # writable by anyone: empty in the call's mounts
@@ -174,8 +181,8 @@ def _run(scratch: Path, limits: SandboxLimits, uid: int) -> SandboxResult:
         with os.fdopen(read_net, "rb") as pipe:
             said = pipe.read().decode()
         network = said if said in ("namespace", "refused") else "unknown"
-        stdout, cut_out = _head(out, limits.output_bytes)
-        stderr, cut_err = _head(err, limits.output_bytes)
+        stdout, cut_out = _kept(out, limits.output_bytes, head=True)
+        stderr, cut_err = _kept(err, limits.output_bytes, head=False)  # a traceback ends with its point
     code = proc.returncode
     status: SandboxStatus = (
         "timeout" if timed_out
@@ -193,12 +200,11 @@ def _cpu_spent(started: float, limits: SandboxLimits) -> bool:
     return time.monotonic() - started >= limits.cpu_s * 0.9
 
 
-def _head(file: object, limit: int) -> tuple[str, bool]:
-    file.seek(0, os.SEEK_END)  # type: ignore[attr-defined]
-    size = file.tell()  # type: ignore[attr-defined]
-    file.seek(0)  # type: ignore[attr-defined]
-    data = file.read(limit)  # type: ignore[attr-defined]
-    return data.decode("utf-8", errors="replace"), size > limit
+def _kept(file: IO[bytes], limit: int, head: bool) -> tuple[str, bool]:
+    """At most `limit` bytes of the stream: its head, or its tail; and whether any was dropped."""
+    size = file.seek(0, os.SEEK_END)
+    file.seek(0 if head else max(size - limit, 0))
+    return file.read(limit).decode("utf-8", errors="replace"), size > limit
 
 
 def _kill_group(pgid: int) -> None:
