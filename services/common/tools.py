@@ -4,7 +4,7 @@ how a call is read from the model's text, and the two that ship.
 - **An environment's tools** are its public methods with type hints and a Google-style docstring (TRL's
   `environment_factory` shape, so an OpenEnv/TRL environment ports with a few lines): `tool_schemas`
   gives their JSON schemas (transformers' `get_json_schema`, what `apply_chat_template(tools=…)` takes),
-  `reset` and `get_reward` are not tools.
+  `reset`, `respond` and `get_reward` are not tools.
 - **A call** is a `<tool_call>{"name": …, "arguments": {…}}</tool_call>` block in the model's turn (the
   Hermes / Qwen format): `parse_tool_calls` returns each call, or for a malformed one the reason.
 - **`call_tool` never raises**: an unknown tool, arguments that do not fit its signature, a malformed
@@ -31,7 +31,7 @@ from transformers.utils import get_json_schema
 
 from sparkrl.services.common.sandbox import SandboxLimits, run_python
 
-NOT_TOOLS = frozenset({"reset", "get_reward"})  # the environment's own methods, never the model's
+NOT_TOOLS = frozenset({"reset", "get_reward", "respond"})  # the environment's own methods, never tools
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 MAX_OBSERVATION = 4_000  # characters of a tool's answer the model sees
 
@@ -49,7 +49,7 @@ class Observation:
 
 
 def tools_of(environment: object) -> dict[str, Callable[..., Any]]:
-    """The environment's tools: public methods, `reset` and `get_reward` aside."""
+    """The environment's tools: public methods, `reset`, `respond` and `get_reward` aside."""
     return {
         name: member
         for name, member in inspect.getmembers(environment, inspect.ismethod)

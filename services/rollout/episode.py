@@ -32,13 +32,14 @@ def environment_turn(
     tokenizer: PreTrainedTokenizerBase,
     history: list[Message],
     turn: list[Message],
-    stop_token_id: int,
+    stop_token_id: int | None,
     template_kwargs: dict[str, Any] | None = None,
 ) -> list[int] | None:
-    """The tokens that follow a model turn which ended with `stop_token_id`: the rest of the template's
-    end of turn, `turn` (the environment's messages: tool results, a user message) and the next assistant
-    header. `history`: the messages so far, the model's last turn excluded (its content does not matter:
-    it is the sentinel here). None: no exact continuation (module docstring)."""
+    """The tokens that follow a model turn which ended with `stop_token_id` (None: it ran out of tokens,
+    so the template's whole end of turn is the environment's to write): the rest of the end of turn,
+    `turn` (the environment's messages: tool results, a user message) and the next assistant header.
+    `history`: the messages so far, the model's last turn excluded (its content does not matter: it is
+    the sentinel here). None: no exact continuation (module docstring)."""
     kwargs = template_kwargs or {}
     sentinel = {"role": "assistant", "content": SENTINEL}
     before = tokenizer.apply_chat_template(
@@ -50,7 +51,7 @@ def environment_turn(
     if SENTINEL not in before or not after.startswith(before):
         return None
     end_of_turn = before[before.index(SENTINEL) + len(SENTINEL) :]
-    stop = tokenizer.decode([stop_token_id], skip_special_tokens=False)
+    stop = "" if stop_token_id is None else tokenizer.decode([stop_token_id], skip_special_tokens=False)
     if not end_of_turn.startswith(stop):
         return None  # the template ends the turn otherwise than the model did
     between = end_of_turn[len(stop) :] + after[len(before) :]
