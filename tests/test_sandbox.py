@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,8 +68,13 @@ def test_no_network_even_to_this_machine() -> None:
 
 
 @ROOT_ONLY
-def test_it_writes_only_its_own_folder_which_goes_with_the_call(tmp_path: Path) -> None:
+def test_it_writes_only_its_own_folder_which_goes_with_the_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tmp_path.chmod(0o777)  # writable by anyone: only the call's own uid and mounts keep it out
+    scratches = tmp_path / "scratches"  # this test's calls make their scratch here (others run beside it)
+    scratches.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratches))
     marker = f"sparkrl-sandbox-test-{os.getpid()}"
     code = (
         "import os\n"
@@ -81,7 +87,7 @@ def test_it_writes_only_its_own_folder_which_goes_with_the_call(tmp_path: Path) 
     assert done.stdout == f"{sorted([marker, 'main.py', 'stdin'])} /tmp\n"
     assert done.status == "error" and "Permission denied: '/root/x'" in done.stderr
     assert not Path("/tmp", marker).exists() and not Path("/var/tmp/x").exists()
-    assert not list(Path("/tmp").glob("sparkrl-sandbox-*"))  # the scratch is gone
+    assert not list(scratches.iterdir())  # the scratch is gone
     outside = run_python(f"open('{tmp_path}/x', 'w').write('x')")
     assert outside.status == "error" and not (tmp_path / "x").exists()  # a bind mount hides the host /tmp
     # Another call sees none of the first one's files.
