@@ -72,13 +72,15 @@ def test_calls_are_read_from_the_models_turn_and_a_malformed_one_says_why() -> N
         "<tool_call>{name: add}</tool_call>"
         '<tool_call>["add"]</tool_call>'
         '<tool_call>{"name": "add", "arguments": [1]}</tool_call>'
+        '<tool_call>{"name": "add", "arguments": "{item"}</tool_call>'
     )
     calls = parse_tool_calls(turn)
     assert calls[:2] == [
         ToolCall("add", {"item": "pear", "count": 2}),
         ToolCall("calculator", {"expression": "2+2"}),
     ]
-    assert [c.status for c in calls[2:]] == ["malformed"] * 3  # type: ignore[union-attr]
+    assert [c.status for c in calls[2:]] == ["malformed"] * 4  # type: ignore[union-attr]
+    assert "a string that is not JSON" in calls[5].text  # type: ignore[union-attr]
     assert "not JSON" in calls[2].text and "not an object" in calls[4].text  # type: ignore[union-attr]
     assert parse_tool_calls("no call here") == []
 

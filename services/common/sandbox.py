@@ -24,6 +24,7 @@ limit), `cpu_limit`, `killed` (another signal).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -208,10 +209,8 @@ def _kept(file: IO[bytes], limit: int, head: bool) -> tuple[str, bool]:
 
 
 def _kill_group(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already gone
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _free_uid() -> int:
@@ -231,10 +230,8 @@ def _kill_uid(uid: int) -> None:
         if not left:
             return
         for pid in left:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # it ended between the listing and the kill
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         time.sleep(0.02)
 
 

@@ -89,8 +89,10 @@ def parse_tool_calls(text: str) -> list[ToolCall | Observation]:
         if isinstance(arguments, str):  # some templates write the arguments as a JSON string
             try:
                 arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                pass
+            except json.JSONDecodeError as exc:
+                calls.append(Observation("malformed", f"the arguments of {data['name']!r} are a string "
+                                         f"that is not JSON: {exc.msg} at {exc.pos}"))  # fmt: skip
+                continue
         if not isinstance(arguments, dict):
             calls.append(Observation("malformed", f"the arguments of {data['name']!r} are not an object"))
             continue
