@@ -95,9 +95,10 @@ class Stack:
     def __call__(self, *args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
         return run([*self.base, *args], **kwargs)
 
-    def up(self, preset: Path, workers: int, feed_when_ready: bool = False) -> None:
+    def up(self, preset: Path, workers: int, feed_when_ready: bool = False, before_feed: Any = None) -> None:
         """`up` with `preset` mounted; `feed_when_ready`: the feeder only once every worker has loaded
-        the model (a 3-step run could otherwise end before the slower worker is up)."""
+        the model (a 3-step run could otherwise end before the slower worker is up), and `before_feed()`
+        runs then, while the learner waits for its first group."""
         os.environ["CONFIG_FILE"] = str(preset)  # the mounted preset (docker-compose.yml's CONFIG_FILE)
         say(f"docker compose up: {workers} workers, preset {preset.name}, control at {self.control}")
         command = ["up", "--detach", "--no-build", "--pull", "never", "--scale", f"rollout={workers}"]
@@ -106,6 +107,8 @@ class Stack:
             raise SmokeFailed("`docker compose up` failed", "learner")
         if feed_when_ready:
             self.wait_for_workers(workers)
+            if before_feed is not None:
+                before_feed()
             feeder = ["up", "--detach", "--no-build", "--pull", "never", "--no-deps", "prompts"]
             if self(*feeder, check=False, timeout=600).returncode != 0:
                 raise SmokeFailed("`docker compose up prompts` failed", "prompts")
@@ -187,9 +190,22 @@ def learner_exit(listing: list[dict[str, Any]]) -> int | None:
     return code_of
 
 
-def wait_for_end(stack: Stack, workers: int, max_steps: int, timeout_s: float, during: Any = None) -> str:
-    """Until the learner exited 0 at `max_steps` with `workers` workers on its version; `during(status)` is
-    called on each poll while it trains."""
+def wait_for_state(stack: Stack, states: tuple[str, ...], timeout_s: float) -> dict[str, Any]:
+    """The learner's status once its state is one of `states` (a resumed learner is `starting` a while)."""
+    deadline, status = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        try:
+            _, status = stack.read("/api/v1/status")
+            if isinstance(status, dict) and status.get("state") in states:
+                return status
+        except (OSError, ValueError):
+            status = None
+        time.sleep(1)
+    raise SmokeFailed(f"the learner was not {'/'.join(states)} within {timeout_s:.0f}s: {status}", "learner")
+
+
+def wait_for_end(stack: Stack, workers: int, max_steps: int, timeout_s: float) -> str:
+    """Until the learner exited 0 at `max_steps` with `workers` workers on its version."""
     deadline, shown = time.monotonic() + timeout_s, None
     while time.monotonic() < deadline:
         code = learner_exit(stack.containers())
@@ -201,8 +217,6 @@ def wait_for_end(stack: Stack, workers: int, max_steps: int, timeout_s: float, d
             versions = {w["worker_id"]: w["policy_version"] for w in fleet["workers"]}
             held = " ".join(f"{k}:{v}" for k, v in sorted(versions.items())) or "none yet"
             line = f"learner {status['state']} step {status['step']}/{max_steps}; workers {held}"
-            if during is not None and status["state"] in ("training", "checkpointing", "paused"):
-                during(status)
             final = status["state"] == "stopped" and status["step"] == max_steps
             if code == 0 and final and len(versions) >= workers:
                 if all(v == status["policy_version"] for v in versions.values()):
@@ -246,14 +260,15 @@ def check_evals(stack: Stack) -> None:
 
 
 class TokenCheck:
-    """While the learner trains: a command without the token is refused, with it answered (once)."""
+    """While the learner waits for its first group (it takes commands then, and a resumed run's few steps
+    are over in seconds: checked while it trained, the command met a learner already stopping, CI
+    2026-12-07): a command without the token is refused, with it answered (once)."""
 
     def __init__(self, stack: Stack) -> None:
         self.stack, self.done = stack, False
 
-    def __call__(self, status: dict[str, Any]) -> None:
-        if self.done:
-            return
+    def __call__(self) -> None:
+        status = wait_for_state(self.stack, ("training",), timeout_s=120)
         url, token = f"{self.stack.control}/api/v1/checkpoint", self.stack.env["CONTROL_TOKEN"]
         without, _ = http(url, "POST")
         wrong, _ = http(url, "POST", token="not-" + token)
@@ -341,8 +356,8 @@ def smoke(stack: Stack, workers: int, timeout_s: float) -> None:
     # The feeder waits for every worker here too: the resumed learner trains its few steps in seconds, and a
     # worker restarted on a metrics-port clash (compose.hostnet.yml) would come up after the run's end,
     # unable to catch up (a fresh clone's CI failed so, 2026-12-07).
-    stack.up(resume_preset(last), workers, feed_when_ready=True)
-    say(f"PASS resumed run: {wait_for_end(stack, workers, last, timeout_s, during=tokens)}")
+    stack.up(resume_preset(last), workers, feed_when_ready=True, before_feed=tokens)
+    say(f"PASS resumed run: {wait_for_end(stack, workers, last, timeout_s)}")
     if not tokens.done:
         raise SmokeFailed("the learner never trained long enough to check the control token", "control")
     audit = check_audit(stack, last)
