@@ -175,11 +175,12 @@ class TrajectoryGroup(WireModel):
             raise FieldError(
                 f"completions[{i}].topk_ids", f"has K={K} columns, the group's topk is {self.topk}"
             )
-        T = completion.num_tokens
+        T = max(completion.model_turns(), default=0)  # a multi-turn episode's budget is per model turn
         if T > self.sampling.max_new_tokens:
+            what = "a model turn of" if completion.environment_spans else ""
             raise FieldError(
                 f"completions[{i}].token_ids",
-                f"T={T} exceeds sampling.max_new_tokens={self.sampling.max_new_tokens}",
+                f"{what} T={T} exceeds sampling.max_new_tokens={self.sampling.max_new_tokens}".lstrip(),
             )
         if not prechecked:
             # Lower bounds were checked by the completion's own validator; only vocab_size is new here.

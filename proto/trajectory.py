@@ -168,10 +168,41 @@ class Completion(WireModel):
         description="`stop`: EOS or a stop string; `length`: hit max_new_tokens; `abort`: cut short "
         "(pause/stop/weight reload). Writer: rollout worker. Reader: learner (masking, metrics)."
     )
+    environment_spans: list[tuple[int, int]] | None = Field(
+        default=None,
+        max_length=4096,
+        description="A multi-turn episode (docs/agents.md): the half-open ranges [start, end) of token "
+        "positions the environment wrote (tool results, user turns and the template's delimiters "
+        "around them), sorted, disjoint, within [0, T). They are context, never trained: their "
+        "`logprobs` and `topk_logprobs` are 0, their `topk_ids` the token itself. Writer: rollout "
+        "worker. Reader: learner (every loss and count takes the model's tokens only). None: every "
+        "token is the model's.",
+    )
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.shape[0])
+
+    @property
+    def model_tokens(self) -> int:
+        """The tokens the model sampled (all but the environment's)."""
+        return self.num_tokens - sum(end - start for start, end in self.environment_spans or ())
+
+    def model_turns(self) -> list[int]:
+        """The lengths of the model's runs of tokens between the environment's (one: T, if none)."""
+        runs, start = [], 0
+        for begin, end in [*(self.environment_spans or ()), (self.num_tokens, self.num_tokens)]:
+            if begin > start or not runs:
+                runs.append(begin - start)
+            start = end
+        return runs
+
+    def model_token_mask(self) -> np.ndarray:
+        """bool [T]: True where the model sampled the token."""
+        mask = np.ones(self.num_tokens, dtype=bool)
+        for start, end in self.environment_spans or ():
+            mask[start:end] = False
+        return mask
 
     @model_validator(mode="after")
     def _check(self, info: ValidationInfo) -> "Completion":
@@ -190,7 +221,20 @@ class Completion(WireModel):
             check_token_arrays(
                 self.token_ids, self.logprobs, self.policy_versions, self.topk_ids, self.topk_logprobs, None
             )
+        _check_spans(self.environment_spans, T)
         return self
+
+
+def _check_spans(spans: list[tuple[int, int]] | None, T: int) -> None:
+    """Sorted, disjoint, non-empty ranges within [0, T)."""
+    last = 0
+    for index, (start, end) in enumerate(spans or ()):
+        if not last <= start < end <= T:
+            raise FieldError(
+                f"environment_spans[{index}]",
+                f"[{start}, {end}) is not a non-empty range after the previous one ({last}) within T={T}",
+            )
+        last = end
 
 
 def completions_of_rows(

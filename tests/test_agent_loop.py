@@ -60,16 +60,16 @@ def test_every_model_token_has_the_log_prob_of_the_exact_stream(engine: TorchEng
         with torch.no_grad():
             logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
         start = len(episode.prompt_ids)
-        positions = [start + i for i, mine in enumerate(episode.is_model) if mine]
+        wire = episode.completion(tokenizer.decode(episode.token_ids))
+        model_mask = wire.model_token_mask()
+        positions = [start + i for i, mine in enumerate(model_mask) if mine]
         forced = logp[[p - 1 for p in positions], [episode.context[p] for p in positions]]
-        sampled = torch.tensor([lp for lp in episode.logprobs if lp is not None])
-        assert len(positions) == episode.model_tokens == len(sampled)
+        sampled = torch.from_numpy(wire.logprobs[model_mask])
+        assert len(positions) == episode.model_tokens == wire.model_tokens == len(sampled)
         assert float((forced - sampled).abs().max()) < TOLERANCE
         # The environment's turns: exactly what the template writes between the turns, tokenized alone.
-        env = [t for t, mine in zip(episode.token_ids, episode.is_model, strict=True) if not mine]
-        assert env and all(
-            lp is None for lp, mine in zip(episode.logprobs, episode.is_model, strict=True) if not mine
-        )
+        env = wire.token_ids[~model_mask].tolist()
+        assert env and not wire.logprobs[~model_mask].any() and len(wire.environment_spans) == 2
         assert "Say more (1)." in tokenizer.decode(env) and "Say more (2)." in tokenizer.decode(env)
 
 

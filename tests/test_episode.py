@@ -3,14 +3,30 @@ environment turn tokenized on its own (issue 48, item 3), on every family's chat
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from _families import FAMILIES, build_tokenizer
 
+from sparkrl.proto import Completion
 from sparkrl.services.rollout.episode import Episode, environment_turn
 
 QUESTION = [{"role": "user", "content": "What is (3 + 4) * 2?"}]
 CALL = 'Let me compute.<tool_call>{"name": "calculator", "arguments": {"expression": "(3+4)*2"}}</tool_call>'
 RESULT = [{"role": "tool", "content": "14"}]
+
+
+def turn(tokens: list[int], logprob: float = -0.5, version: int = 3, K: int = 2) -> Completion:
+    """A model turn as an engine hands it over."""
+    T = len(tokens)
+    return Completion(
+        token_ids=np.asarray(tokens, dtype=np.int32),
+        logprobs=np.full(T, logprob, dtype=np.float32),
+        topk_ids=np.repeat(np.asarray(tokens, dtype=np.int32)[:, None], K, axis=1),
+        topk_logprobs=np.full((T, K), logprob, dtype=np.float32),
+        policy_versions=np.full(T, version, dtype=np.int32),
+        text="",
+        finish_reason="stop",
+    )
 
 
 def _stop_token(tokenizer, family) -> int | None:  # type: ignore[no-untyped-def]
@@ -31,7 +47,7 @@ def test_the_stream_is_the_templates_rendering_without_ever_re_rendering(key: st
     episode = Episode(list(tokenizer(prompt, add_special_tokens=False)["input_ids"]))
     assert stop is not None, f"{key}'s template ends no assistant turn with one of its stop tokens"
     sampled = [*tokenizer(CALL, add_special_tokens=False)["input_ids"], stop]
-    episode.add_model_turn(sampled, [-0.5] * len(sampled))
+    episode.add_model_turn(turn(sampled))
     env = environment_turn(tokenizer, QUESTION, RESULT, stop)
     if key == "phi3":
         assert env is None  # its template writes EOS after the last turn unless a generation prompt follows
@@ -46,7 +62,11 @@ def test_the_stream_is_the_templates_rendering_without_ever_re_rendering(key: st
     assert episode.context == list(tokenizer(whole, add_special_tokens=False)["input_ids"])
     assert episode.token_ids[: len(sampled)] == sampled and episode.model_tokens == len(sampled)
     assert episode.is_model == [True] * len(sampled) + [False] * len(env)
-    assert episode.logprobs[len(sampled) :] == [None] * len(env)
+    wire = episode.completion("text")
+    assert wire.environment_spans == [(len(sampled), len(sampled) + len(env))]
+    assert wire.token_ids.tolist() == episode.token_ids and wire.model_tokens == len(sampled)
+    assert wire.logprobs[len(sampled) :].tolist() == [0.0] * len(env)
+    assert wire.policy_versions.tolist() == [3] * (len(sampled) + len(env))
 
 
 def test_tokens_a_re_rendering_would_change_are_kept_as_sampled() -> None:
@@ -57,7 +77,7 @@ def test_tokens_a_re_rendering_would_change_are_kept_as_sampled() -> None:
     bytes_of = [tokenizer.convert_tokens_to_ids(c) for c in "<|im_end|>"]
     sampled = [*tokenizer("a", add_special_tokens=False)["input_ids"], *bytes_of, im_end]
     episode = Episode([1, 2])
-    episode.add_model_turn(sampled, [0.0] * len(sampled))
+    episode.add_model_turn(turn(sampled))
     text = tokenizer.decode(sampled[:-1])
     assert (
         tokenizer(text, add_special_tokens=False)["input_ids"] != sampled[:-1]
@@ -105,6 +125,18 @@ def test_a_template_that_rewrites_history_still_extends_and_one_that_cannot_is_a
     assert environment_turn(tokenizer, QUESTION, RESULT, im_end) is None
 
 
-def test_a_model_turn_needs_a_log_prob_per_token() -> None:
-    with pytest.raises(ValueError, match="3 tokens but 2 log-probs"):
-        Episode([1]).add_model_turn([5, 6, 7], [0.0, 0.0])
+def test_the_wire_completion_keeps_each_turns_values_and_marks_the_environments_spans() -> None:
+    episode = Episode([1, 2])
+    episode.add_environment_turn([])  # an empty turn leaves no span
+    episode.add_model_turn(turn([5, 6], logprob=-1.0, version=4))
+    episode.add_environment_turn([7, 8, 9])
+    episode.add_model_turn(turn([10], logprob=-2.0, version=6))
+    episode.add_environment_turn([11])
+    wire = episode.completion("the episode")
+    assert wire.environment_spans == [(2, 5), (6, 7)] and wire.model_turns() == [2, 1]
+    assert wire.logprobs.tolist() == [-1.0, -1.0, 0.0, 0.0, 0.0, -2.0, 0.0]
+    assert wire.policy_versions.tolist() == [4, 4, 4, 4, 4, 6, 6]  # the version of the turn before
+    assert wire.topk_ids[2:5, 0].tolist() == [7, 8, 9] and wire.topk_logprobs[2:5].max() == 0.0
+    assert wire.text == "the episode" and wire.finish_reason == "stop"
+    with pytest.raises(ValueError, match="without a model turn"):
+        Episode([1]).completion("")

@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from sparkrl.proto import TrajectoryGroup
+from sparkrl.proto import Completion, TrajectoryGroup
 from sparkrl.services.learner.advantages import step_advantages
 
 
@@ -35,11 +35,21 @@ class Sample:
     advantage: float  # GRPO advantage, shared by every token of the completion
     temperature: float  # the sampling temperature; the learner's log-probs are taken at it
     truncated: bool = False  # it hit max_new_tokens (finish_reason `length`): mask_truncated_completions
+    # [T] bool, True where the model sampled the token; None: all of them. A multi-turn episode's
+    # environment tokens (docs/agents.md) are context: no loss, no count, no Lp-Reg percentile reaches them.
+    model_tokens: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        """Positions after the prompt: the model's tokens and the environment's."""
+        return len(self.rollout_logp)
 
     @property
     def num_tokens(self) -> int:
-        """Generated tokens: the loss's."""
-        return len(self.rollout_logp)
+        """The model's tokens: the loss's."""
+        if self.model_tokens is None:
+            return self.length
+        return int(self.model_tokens.sum())
 
     @property
     def trained(self) -> bool:
@@ -124,9 +134,16 @@ def samples_from_groups(
                     advantage=advantage,
                     temperature=group.sampling.temperature,
                     truncated=completion.finish_reason == "length",
+                    model_tokens=_model_tokens(completion),
                 )
             )
     return samples
+
+
+def _model_tokens(completion: Completion) -> Tensor | None:
+    if completion.environment_spans is None:
+        return None
+    return torch.from_numpy(completion.model_token_mask())
 
 
 def collate(samples: list[Sample], pad_id: int) -> MicroBatch:
@@ -192,13 +209,14 @@ def place(samples: list[Sample], row: Tensor, offset: Tensor, L: int, pad_id: in
     # Groups may carry different top-k widths (workers configured apart): pad to the widest, the padding
     # far below any real log-prob, so it is never in a kept set.
     K = max(s.topk_ids.shape[-1] for s in samples)
-    # Generated token i of a sample sits at position P+i and is predicted from position P+i-1.
-    counts = torch.tensor([s.num_tokens for s in samples])
+    # Generated token i of a sample sits at position P+i and is predicted from position P+i-1; the mask
+    # holds the model's tokens only (an environment's are context).
+    counts = torch.tensor([s.length for s in samples])
     rows = torch.repeat_interleave(row, counts)
     starts = offset + torch.tensor([s.prompt_len - 1 for s in samples])
     cols = torch.repeat_interleave(starts, counts) + _ranks_within(counts)
     mask = torch.zeros(B, L - 1, dtype=torch.bool)
-    mask[rows, cols] = True
+    mask[rows, cols] = torch.cat([_model_mask(s) for s in samples])
     rollout_logp = torch.zeros(B, L - 1)
     rollout_logp[rows, cols] = torch.cat([s.rollout_logp for s in samples])
     topk_ids = torch.zeros(B, L - 1, K, dtype=torch.long)
@@ -228,6 +246,12 @@ def place(samples: list[Sample], row: Tensor, offset: Tensor, L: int, pad_id: in
         temperature.view(B, 1, 1),
         position_ids,
     )
+
+
+def _model_mask(sample: Sample) -> Tensor:
+    if sample.model_tokens is None:
+        return torch.ones(sample.length, dtype=torch.bool)
+    return sample.model_tokens
 
 
 def _ranks_within(counts: torch.Tensor) -> torch.Tensor:

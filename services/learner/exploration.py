@@ -38,13 +38,14 @@ def exploration_stats(groups: list[TrajectoryGroup], kappa: float) -> dict[str, 
     for group in groups:
         answers = set()
         for index, completion in enumerate(group.completions):
-            if not completion.num_tokens:
+            if not completion.model_tokens:
                 continue
-            logp = completion.logprobs.astype(np.float64)
+            model = completion.model_token_mask()  # an environment's tokens are not the model's choices
+            logp = completion.logprobs[model].astype(np.float64)
             is_low = logp < log_low
             tokens += len(logp)
             low += int(is_low.sum())
-            below_cut += int((logp < log_kappa + completion.topk_logprobs[:, 0]).sum())
+            below_cut += int((logp < log_kappa + completion.topk_logprobs[model, 0]).sum())
             if _correct(group, index):
                 sparks += int(is_low.sum())
                 answers.add(completion.text.strip())
@@ -65,6 +66,6 @@ def spark_tokens(groups: list[TrajectoryGroup]) -> Counter[int]:
     for group in groups:
         for index, completion in enumerate(group.completions):
             if completion.num_tokens and _correct(group, index):
-                low = completion.logprobs.astype(np.float64) < log_low
+                low = (completion.logprobs.astype(np.float64) < log_low) & completion.model_token_mask()
                 counts.update(completion.token_ids[low].tolist())
     return counts

@@ -18,6 +18,7 @@ against the answers (n · P ≫ P + Σ T); the mask costs L² per row, so rows s
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -117,15 +118,7 @@ def _prefix_piece(prefix: torch.Tensor, like: Sample) -> Sample:
 def _segment_piece(sample: Sample) -> Sample:
     """The prompt's last token and the answer: the piece whose first position predicts the answer's first
     token (a prompt of one token: `prompt_len` 1 as well)."""
-    return Sample(
-        input_ids=sample.input_ids[sample.prompt_len - 1 :],
-        prompt_len=1,
-        rollout_logp=sample.rollout_logp,
-        topk_ids=sample.topk_ids,
-        topk_logp=sample.topk_logp,
-        advantage=sample.advantage,
-        temperature=sample.temperature,
-    )
+    return replace(sample, input_ids=sample.input_ids[sample.prompt_len - 1 :], prompt_len=1)
 
 
 def _first_fit(

@@ -87,7 +87,7 @@ def _turn(
     template_kwargs: dict[str, Any] | None,
 ) -> None:
     tokens = [int(t) for t in completion.token_ids]
-    run.episode.add_model_turn(tokens, [float(x) for x in completion.logprobs])
+    run.episode.add_model_turn(completion)
     text = tokenizer.decode(tokens, skip_special_tokens=True)
     reply = _reply(run, text)
     if reply is None:

@@ -21,7 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from transformers import PreTrainedTokenizerBase
+
+from sparkrl.proto import Completion
 
 SENTINEL = "\u2063sparkrl-turn\u2063"  # invisible separators: text no template writes or trims
 
@@ -60,28 +63,31 @@ def environment_turn(
 
 @dataclass
 class Episode:
-    """One episode's token stream after its prompt: who wrote each token (True: the model, trained; False:
-    the environment, context only), the model tokens' log-probs, and the splits made so far."""
+    """One episode's token stream after its prompt, as pieces: each model turn as the engine sampled it (a
+    `Completion`: tokens, log-probs, top-k, versions) and each environment turn as token ids (context,
+    never trained). `completion()` is the stream as one wire completion, the environment's positions
+    named in `environment_spans`."""
 
     prompt_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    is_model: list[bool] = field(default_factory=list)
-    logprobs: list[float | None] = field(default_factory=list)
-    turns: int = 0
+    pieces: list[Completion | list[int]] = field(default_factory=list)
+    turns: int = 0  # model turns
     splits: int = 0
 
-    def add_model_turn(self, token_ids: list[int], logprobs: list[float]) -> None:
-        if len(token_ids) != len(logprobs):
-            raise ValueError(f"{len(token_ids)} tokens but {len(logprobs)} log-probs in a model turn")
-        self.token_ids += token_ids
-        self.is_model += [True] * len(token_ids)
-        self.logprobs += logprobs
+    def add_model_turn(self, turn: Completion) -> None:
+        self.pieces.append(turn)
         self.turns += 1
 
     def add_environment_turn(self, token_ids: list[int]) -> None:
-        self.token_ids += token_ids
-        self.is_model += [False] * len(token_ids)
-        self.logprobs += [None] * len(token_ids)
+        self.pieces.append(list(token_ids))
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [int(t) for piece in self.pieces for t in _ids(piece)]
+
+    @property
+    def is_model(self) -> list[bool]:
+        """Who wrote each token of the stream: True the model (trained), False the environment."""
+        return [isinstance(piece, Completion) for piece in self.pieces for _ in _ids(piece)]
 
     @property
     def context(self) -> list[int]:
@@ -90,4 +96,42 @@ class Episode:
 
     @property
     def model_tokens(self) -> int:
-        return sum(self.is_model)
+        return sum(p.num_tokens for p in self.pieces if isinstance(p, Completion))
+
+    def completion(self, text: str) -> Completion:
+        """The stream as one completion: the model's tokens with what the engine recorded, the
+        environment's with log-prob 0, top-k the token itself at 0, the version of the model turn before
+        (the wire's rule, proto/trajectory.py); finish reason the last model turn's."""
+        model = [p for p in self.pieces if isinstance(p, Completion)]
+        if not model:
+            raise ValueError("an episode without a model turn has no completion")
+        K = model[0].topk_ids.shape[1]
+        arrays: dict[str, list[np.ndarray]] = {name: [] for name in _ARRAYS}
+        spans, at, version = [], 0, int(model[0].policy_versions[0]) if model[0].num_tokens else 0
+        for piece in self.pieces:
+            if isinstance(piece, Completion):
+                for name in _ARRAYS:
+                    arrays[name].append(getattr(piece, name))
+                version = int(piece.policy_versions[-1]) if piece.num_tokens else version
+                at += piece.num_tokens
+                continue
+            ids, m = np.asarray(piece, dtype=np.int32), len(piece)
+            arrays["token_ids"].append(ids)
+            arrays["logprobs"].append(np.zeros(m, dtype=np.float32))
+            arrays["policy_versions"].append(np.full(m, version, dtype=np.int32))
+            arrays["topk_ids"].append(np.repeat(ids[:, None], K, axis=1))
+            arrays["topk_logprobs"].append(np.zeros((m, K), dtype=np.float32))
+            if m:
+                spans.append((at, at + m))
+            at += m
+        return Completion.model_validate(
+            {name: np.concatenate(parts) for name, parts in arrays.items()}
+            | {"text": text, "finish_reason": model[-1].finish_reason, "environment_spans": spans or None}
+        )
+
+
+_ARRAYS = ("token_ids", "logprobs", "policy_versions", "topk_ids", "topk_logprobs")
+
+
+def _ids(piece: Completion | list[int]) -> list[int] | np.ndarray:
+    return piece.token_ids if isinstance(piece, Completion) else piece
