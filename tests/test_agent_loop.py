@@ -49,7 +49,7 @@ def test_every_model_token_has_the_log_prob_of_the_exact_stream(engine: TorchEng
     prompts = [[{"role": "user", "content": f"Tell me about {n}."}] for n in range(4)]
     talkers = [Talker() for _ in prompts]
     sampling = SamplingSettings(max_new_tokens=6, seed=3)
-    runs = run_episodes(engine, tokenizer, talkers, prompts, sampling, EpisodeLimits(max_turns=5))
+    runs = run_episodes(engine, talkers, prompts, sampling, EpisodeLimits(max_turns=5))
     model = load_model(ROOT / ".cache" / "families" / "qwen2").eval()
     for run, talker in zip(runs, talkers, strict=True):
         episode = run.episode
@@ -76,11 +76,9 @@ def test_every_model_token_has_the_log_prob_of_the_exact_stream(engine: TorchEng
 def test_limits_end_an_episode_with_a_named_status(engine: TorchEngine) -> None:
     prompts = [[{"role": "user", "content": "Hi."}]]
     sampling = SamplingSettings(max_new_tokens=6, seed=4)
-    turns = run_episodes(engine, engine.tokenizer, [Talker()], prompts, sampling, EpisodeLimits(max_turns=2))
+    turns = run_episodes(engine, [Talker()], prompts, sampling, EpisodeLimits(max_turns=2))
     assert turns[0].status == "max_turns" and turns[0].episode.turns == 2
-    tokens = run_episodes(
-        engine, engine.tokenizer, [Talker()], prompts, sampling, EpisodeLimits(max_tokens=30)
-    )
+    tokens = run_episodes(engine, [Talker()], prompts, sampling, EpisodeLimits(max_tokens=30))
     assert tokens[0].status == "max_tokens" and len(tokens[0].episode.context) < 30
 
 

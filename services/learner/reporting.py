@@ -177,10 +177,17 @@ def status_counts(groups: list[TrajectoryGroup]) -> dict[str, float]:
 def length_stats(groups: list[TrajectoryGroup]) -> dict[str, float]:
     """`rollout/truncated_share`: the step's completions that hit max_new_tokens; with over-long shaping,
     `rollout/overlong_penalty_mean` (over every completion) and `rollout/overlong_penalized` (how many got
-    a penalty below 0)."""
+    a penalty below 0); with episodes (rollout.agent), `rollout/environment_token_share` (of the
+    completions' tokens, those the environment wrote) and `rollout/model_turns_mean` (per episode)."""
     completions = [c for g in groups for c in g.completions]
     truncated = sum(c.finish_reason == "length" for c in completions)
     stats = {"rollout/truncated_share": truncated / max(len(completions), 1)}
+    if any(c.environment_spans for c in completions):
+        tokens = sum(c.num_tokens for c in completions)
+        stats["rollout/environment_token_share"] = 1 - sum(c.model_tokens for c in completions) / max(
+            tokens, 1
+        )
+        stats["rollout/model_turns_mean"] = sum(len(c.model_turns()) for c in completions) / len(completions)
     penalties = [p for g in groups for p in g.overlong_penalties or ()]
     if penalties:
         stats["rollout/overlong_penalty_mean"] = sum(penalties) / len(penalties)
@@ -211,6 +218,7 @@ def sample_rows(
                 ),
                 "completion": completion.text,
                 "tokens": completion.num_tokens,
+                "environment_tokens": completion.num_tokens - completion.model_tokens,
                 "finish_reason": completion.finish_reason,
                 "reward": group.rewards[0],
                 "score": detail.score if detail is not None else None,

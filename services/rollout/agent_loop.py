@@ -1,17 +1,17 @@
-"""Multi-turn episodes on an engine (issue 48, item 4 begun): many episodes at once, each turn of all of
-them decoded together, every episode kept as a token stream (episode.py), never re-rendered.
+"""Multi-turn episodes on an engine (issue 48, item 4): many episodes at once, each turn of all of them
+decoded together, every episode kept as a token stream (episode.py), never re-rendered.
 
 A turn: the engine samples one completion per live episode from its whole context; the model's tokens go
 into the stream as sampled; its text is read for tool calls (tools.py). With calls, the environment runs
 them and its observations are the next turn (`tool` messages); without, an environment that has
 `respond(text) -> str | None` answers as the user, or ends the episode with None; one without `respond`
-ends it (the model gave its answer). The environment's turn is tokenized on its own between the
-template's delimiters (`episode.environment_turn`).
+ends it (the model gave its answer). Through a chat template the environment's turn is tokenized on its
+own between the template's delimiters (`episode.environment_turn`); without one (a base model, plain
+text) it is the messages' contents, one a line, tokenized alone.
 
 An episode ends `done`, or at a limit: `max_turns` model turns, `max_tokens` of context. Where the
-template cannot extend the stream exactly it ends `no_exact_continuation` (to become a split into
-separate training samples when episodes reach the learner). The episode's reward is the environment's
-`get_reward()` when it has one.
+template cannot extend the stream exactly it ends `no_exact_continuation` (counted: the learner trains
+what was made up to there). The episode's reward is the environment's `get_reward()` when it has one.
 """
 
 from __future__ import annotations
@@ -22,13 +22,16 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from sparkrl.proto import Completion
-from sparkrl.services.common.settings import SamplingSettings
-from sparkrl.services.common.tools import call_tool, parse_tool_calls
+from sparkrl.proto import Completion, Prompt
+from sparkrl.services.common.environments import make_environment
+from sparkrl.services.common.modeling import prompt_messages, render_prompt, template_in_force
+from sparkrl.services.common.settings import PromptFormat, SamplingSettings
+from sparkrl.services.common.settings.rollout import AgentSettings
+from sparkrl.services.common.tools import call_tool, parse_tool_calls, tool_schemas
 from sparkrl.services.rollout.engine import Engine
 from sparkrl.services.rollout.episode import Episode, Message, environment_turn
 
-ENDINGS = ("done", "max_turns", "max_tokens", "no_exact_continuation")
+ENDINGS = ("done", "max_turns", "max_tokens", "no_exact_continuation", "environment_error")
 
 
 @dataclass(frozen=True)
@@ -40,7 +43,7 @@ class EpisodeLimits:
 @dataclass
 class EpisodeRun:
     """One episode in flight: its stream, the messages the template's delimiters are computed from,
-    its environment, how it ended and what its tools answered (by status)."""
+    its environment, how it ended, what its tools answered (by status) and the model's last turn."""
 
     episode: Episode
     messages: list[Message]
@@ -48,48 +51,128 @@ class EpisodeRun:
     status: str = "running"
     tool_calls: Counter[str] = field(default_factory=Counter)
     reward: float | None = None
+    answer: str = ""  # the model's last turn, as text: what a verifier reads
+    error: str | None = None  # status environment_error: what the environment's own method raised
+
+    def completion(self, tokenizer: PreTrainedTokenizerBase) -> Completion:
+        """The episode as one wire completion; its text the whole stream's."""
+        return self.episode.completion(tokenizer.decode(self.episode.token_ids, skip_special_tokens=True))
+
+
+@dataclass(frozen=True)
+class Turns:
+    """How a model's turns and an environment's are written: through the chat template (its variables
+    `kwargs`, the tools' schemas among them) or as plain text."""
+
+    tokenizer: PreTrainedTokenizerBase
+    template: bool
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase, fmt: PromptFormat, environment: Any) -> Turns:
+        template = template_in_force(tokenizer, fmt)
+        schemas = tool_schemas(environment)
+        if schemas and not template:
+            raise ValueError(
+                "an environment with tools needs a chat template to show them: the model has none"
+            )
+        return cls(
+            tokenizer, template, {**fmt.chat_template_kwargs, **({"tools": schemas} if schemas else {})}
+        )
+
+    def between(self, history: list[Message], reply: list[Message], stopped: int | None) -> list[int] | None:
+        if self.template:
+            return environment_turn(self.tokenizer, history, reply, stopped, self.kwargs)
+        text = "\n".join(str(m["content"]) for m in reply)
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def play(
+    engine: Engine,
+    prompts: list[Prompt],
+    sampling: SamplingSettings,
+    agent: AgentSettings,
+    fmt: PromptFormat,
+) -> tuple[list[list[EpisodeRun]], dict[int, str]]:
+    """`sampling.n` episodes of `agent.environment` for each prompt, played together to their ends, and
+    the prompts whose environment refused to start (`reset` raised: index → why; no episode of theirs)."""
+    if agent.environment is None:
+        raise ValueError("rollout.agent.environment is not set: there is no environment to play")
+    started: dict[int, list[tuple[Any, list[Message]]]] = {}
+    refused: dict[int, str] = {}
+    for index, prompt in enumerate(prompts):
+        try:
+            started[index] = [_start(agent.environment, prompt, fmt) for _ in range(sampling.n)]
+        except Exception as exc:  # the environment's code, on this prompt
+            refused[index] = f"reset: {type(exc).__name__}: {exc}"
+    pairs = [pair for index in sorted(started) for pair in started[index]]
+    if not pairs:
+        return [[] for _ in prompts], refused
+    turns = Turns.of(engine.tokenizer, fmt, pairs[0][0])
+    limits = EpisodeLimits(agent.max_turns, agent.max_tokens)
+    runs = iter(
+        run_episodes(engine, [e for e, _ in pairs], [m for _, m in pairs], sampling, limits, turns, fmt)
+    )
+    return [
+        [next(runs) for _ in range(sampling.n)] if i in started else [] for i in range(len(prompts))
+    ], refused
+
+
+def _start(name: str, prompt: Prompt, fmt: PromptFormat) -> tuple[Any, list[Message]]:
+    """A fresh environment for one episode of `prompt`, and the episode's first messages (what `reset`
+    says added to the last one)."""
+    environment = make_environment(name)
+    said = environment.reset(prompt) if callable(getattr(environment, "reset", None)) else None
+    messages = prompt_messages(prompt.messages or prompt.text or "", fmt.system_prompt)
+    if said:
+        messages[-1] = {**messages[-1], "content": f"{messages[-1]['content']}{said}"}
+    return environment, messages
 
 
 def run_episodes(
     engine: Engine,
-    tokenizer: PreTrainedTokenizerBase,
     environments: list[Any],
     prompts: list[list[Message]],
     sampling: SamplingSettings,
     limits: EpisodeLimits | None = None,
-    template_kwargs: dict[str, Any] | None = None,
+    turns: Turns | None = None,
+    fmt: PromptFormat | None = None,
 ) -> list[EpisodeRun]:
-    """Each environment's episode from its prompt messages, to its end."""
-    limits = limits or EpisodeLimits()
-    runs = []
-    for environment, messages in zip(environments, prompts, strict=True):
-        rendered = tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+    """Each environment's episode from its prompt messages, to its end (`turns`: through the tokenizer's
+    chat template by default)."""
+    limits, fmt = limits or EpisodeLimits(), fmt or PromptFormat()
+    turns = turns or Turns(engine.tokenizer, True)
+    with_tools = fmt.model_copy(update={"chat_template_kwargs": turns.kwargs})
+    runs = [
+        EpisodeRun(
+            Episode(render_prompt(engine.tokenizer, messages, with_tools)), list(messages), environment
         )
-        ids = list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
-        runs.append(EpisodeRun(Episode(ids), list(messages), environment))
+        for environment, messages in zip(environments, prompts, strict=True)
+    ]
     one = sampling.model_copy(update={"n": 1})
     while live := [run for run in runs if run.status == "running"]:
         groups = engine.generate([run.episode.context for run in live], one)
         for run, (completion,) in zip(live, groups, strict=True):
-            _turn(run, completion, tokenizer, limits, template_kwargs)
+            _turn(run, completion, turns, limits)
     for run in runs:
         get_reward = getattr(run.environment, "get_reward", None)
-        run.reward = None if get_reward is None else float(get_reward())
+        if get_reward is not None and run.error is None:
+            try:
+                run.reward = float(get_reward())
+            except Exception as exc:  # the environment's code: its failure is the episode's, named
+                run.status, run.error = "environment_error", f"get_reward: {type(exc).__name__}: {exc}"
     return runs
 
 
-def _turn(
-    run: EpisodeRun,
-    completion: Completion,
-    tokenizer: PreTrainedTokenizerBase,
-    limits: EpisodeLimits,
-    template_kwargs: dict[str, Any] | None,
-) -> None:
+def _turn(run: EpisodeRun, completion: Completion, turns: Turns, limits: EpisodeLimits) -> None:
     tokens = [int(t) for t in completion.token_ids]
     run.episode.add_model_turn(completion)
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
-    reply = _reply(run, text)
+    text = run.answer = turns.tokenizer.decode(tokens, skip_special_tokens=True)
+    try:
+        reply = _reply(run, text)
+    except Exception as exc:  # the environment's `respond` (tools never raise: call_tool)
+        run.status, run.error = "environment_error", f"respond: {type(exc).__name__}: {exc}"
+        return
     if reply is None:
         run.status = "done"
         return
@@ -97,7 +180,7 @@ def _turn(
         run.status = "max_turns"
         return
     stopped = tokens[-1] if tokens and completion.finish_reason == "stop" else None
-    between = environment_turn(tokenizer, run.messages, reply, stopped, template_kwargs)
+    between = turns.between(run.messages, reply, stopped)
     run.messages += [{"role": "assistant", "content": text}, *reply]
     if between is None:
         run.status = "no_exact_continuation"

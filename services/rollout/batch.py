@@ -12,6 +12,7 @@ from sparkrl.proto import (
     Completion,
     Prompt,
     RewardItem,
+    RewardResult,
     SamplingParams,
     TrajectoryGroup,
     decode_message,
@@ -22,6 +23,7 @@ from sparkrl.services.common.modeling import render_prompt
 from sparkrl.services.common.prompt_limits import PromptLimits
 from sparkrl.services.common.reward_client import RewardClient
 from sparkrl.services.common.settings import PromptFormat, RolloutSettings, SamplingSettings
+from sparkrl.services.rollout.agent_loop import EpisodeRun
 from sparkrl.services.rollout.engine import Engine
 from sparkrl.services.rollout.shaping import overlong_penalty
 
@@ -105,17 +107,23 @@ def score_groups(
     completions: list[list[Completion]],
     cfg: RolloutSettings,
     worker_id: str,
+    episodes: list[list[EpisodeRun]] | None = None,
 ) -> list[TrajectoryGroup]:
     """One scored group per prompt of `batch`, from its completions (one list per prompt, in order): every
     completion of every group scored in one batched HTTP call, retried inside the client; with
-    `rollout.overlong_buffer`, each reward is the score plus its over-long penalty (shaping.py)."""
+    `rollout.overlong_buffer`, each reward is the score plus its over-long penalty (shaping.py). Episodes
+    (`rollout.agent`, in the completions' order): the verifier reads the model's last turn, and
+    `rollout.agent.reward` says whether its score, the environment's reward or their sum trains."""
     created_at = time.time()
+    answers = [[c.text for c in group] for group in completions]
+    if episodes is not None:
+        answers = [[run.answer for run in runs] for runs in episodes]
     items = [
-        RewardItem(task=prompt.task, completion=c.text, answer=prompt.answer, task_data=prompt.task_data)
-        for prompt, group in zip(batch.prompts, completions, strict=True)
-        for c in group
+        RewardItem(task=prompt.task, completion=text, answer=prompt.answer, task_data=prompt.task_data)
+        for prompt, texts in zip(batch.prompts, answers, strict=True)
+        for text in texts
     ]
-    results = iter(reward.score(items))
+    results = iter(episode_results(reward.score(items), episodes, cfg.agent.reward))
     scored_at = time.time()
     sampling = SamplingParams(
         temperature=cfg.sampling.temperature,
@@ -147,3 +155,27 @@ def score_groups(
             )
         )
     return groups
+
+
+def episode_results(
+    verdicts: list[RewardResult], episodes: list[list[EpisodeRun]] | None, mode: str
+) -> list[RewardResult]:
+    """The verifier's verdicts, or for episodes what `rollout.agent.reward` trains: the verdict, the
+    environment's reward (its status `correct` at ≥ 1), or their sum (the verdict's status)."""
+    if episodes is None or mode == "verifier":
+        return verdicts
+    runs = [run for group in episodes for run in group]
+    results = []
+    for verdict, run in zip(verdicts, runs, strict=True):
+        got = float(run.reward or 0.0)
+        if run.error is not None:  # the environment failed: named, never a silent zero
+            detail = f"environment error: {run.error}"[:2000]
+            results.append(RewardResult(score=0.0, status="error", detail=detail, elapsed_s=0.0))
+        elif mode == "environment":
+            status = "correct" if got >= 1.0 else "incorrect"
+            detail = f"environment reward {got:g} (episode {run.status}); verifier: {verdict.status}"
+            results.append(RewardResult(score=got, status=status, detail=detail[:2000], elapsed_s=0.0))
+        else:
+            detail = f"{verdict.detail}; + environment reward {got:g}"[:2000]
+            results.append(verdict.model_copy(update={"score": verdict.score + got, "detail": detail}))
+    return results

@@ -98,6 +98,10 @@ class Episode:
     def model_tokens(self) -> int:
         return sum(p.num_tokens for p in self.pieces if isinstance(p, Completion))
 
+    @property
+    def environment_tokens(self) -> int:
+        return sum(len(p) for p in self.pieces if not isinstance(p, Completion))
+
     def completion(self, text: str) -> Completion:
         """The stream as one completion: the model's tokens with what the engine recorded, the
         environment's with log-prob 0, top-k the token itself at 0, the version of the model turn before

@@ -16,6 +16,7 @@ class WorkerMetrics:
     def __init__(self, worker_id: str) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         label = ["worker"]
+        self.worker_id = worker_id
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, label, registry=r).labels(worker_id)
@@ -52,6 +53,22 @@ class WorkerMetrics:
             "Samples with saved partial work made again from the prompt (too stale, or not fitting).",
         )
         self.sync_failures = counter("sparkrl_rollout_sync_failures", "Weight syncs that failed.")
+        self.episodes = Counter(
+            "sparkrl_rollout_episodes",
+            "Episodes played (rollout.agent), by how each ended.",
+            ["worker", "end"],
+            registry=r,
+        )
+        self.episode_turns = counter("sparkrl_rollout_episode_turns", "Model turns of the episodes played.")
+        self.tool_calls = Counter(
+            "sparkrl_rollout_tool_calls",
+            "Tool calls answered, by status (ok, malformed, timeout, ...).",
+            ["worker", "status"],
+            registry=r,
+        )
+        self.environment_tokens = counter(
+            "sparkrl_rollout_environment_tokens", "Tokens the environment wrote into episodes (context only)."
+        )
         self.policy_version = gauge("sparkrl_rollout_policy_version", "Policy version held (-1: initial).")
         self.in_flight = gauge("sparkrl_rollout_prompts_in_flight", "Prompts taken, not yet published.")
         self.paused = gauge("sparkrl_rollout_paused", "1 while paused by the control API.")
@@ -61,3 +78,14 @@ class WorkerMetrics:
         self.feed_held = gauge(
             "sparkrl_rollout_feed_held", "1 while the feed is held by a burst of dead letters (no prompts)."
         )
+
+    def observe_episode(
+        self, end: str, turns: int, tool_calls: dict[str, int], environment_tokens: int
+    ) -> None:
+        """One episode played: how it ended, its model turns, its tool calls by status, the tokens the
+        environment wrote."""
+        self.episodes.labels(self.worker_id, end).inc()
+        self.episode_turns.inc(turns)
+        for status, count in tool_calls.items():
+            self.tool_calls.labels(self.worker_id, status).inc(count)
+        self.environment_tokens.inc(environment_tokens)

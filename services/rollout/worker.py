@@ -41,6 +41,7 @@ from sparkrl.services.common.weight_sync import (
     SyncFailed,
     WeightReceiver,
 )
+from sparkrl.services.rollout.agent_loop import EpisodeRun, play
 from sparkrl.services.rollout.announcements import AnnouncementGate
 from sparkrl.services.rollout.batch import PromptBatch, pull_prompts, score_groups
 from sparkrl.services.rollout.catch_up import catch_up
@@ -55,6 +56,8 @@ from sparkrl.services.rollout.partials import Handover, Taken, fill_gaps
 from sparkrl.services.rollout.publish import publish_groups, too_stale
 
 log = logging.getLogger("sparkrl.rollout")
+
+Made = tuple[PromptBatch, list[list[Completion]]]  # a batch (what is left of it) and its completions
 
 LEARNER_STATUS_REUSE_S = 0.05  # a batch's groups share one read of the learner's status
 PAUSED_POLL_S = 0.2  # how often a paused worker looks at the control stream and the announcement
@@ -216,9 +219,13 @@ class Worker:
         state, metrics = self.state, self.metrics
         state.state = "generating"
         state.in_hand_version = taken.oldest(state.policy_version)
+        episodes = None
         with metrics.generation_seconds.time(), self._part("generate"):
             start = time.monotonic()
-            made = self._generate(batch, taken)
+            if self.cfg.agent.environment is None:
+                made = self._generate(batch, taken)
+            else:
+                made, episodes = self._play(batch)
         if made is None:
             state.in_hand_version = None
             return None
@@ -233,7 +240,7 @@ class Worker:
         try:
             with metrics.score_seconds.time(), self._part("score"):
                 groups = score_groups(
-                    self.reward, self.engine, batch, completions, self.cfg, self.state.worker_id
+                    self.reward, self.engine, batch, completions, self.cfg, self.state.worker_id, episodes
                 )
         except RewardServiceError as exc:
             # Not acked: the prompts come back (to us or another worker) after bus.claim_idle_ms.
@@ -296,6 +303,26 @@ class Worker:
         if not keep:
             return None
         return batch.subset(keep), [found.completions[i] for i in keep]
+
+    def _play(self, batch: PromptBatch) -> tuple[Made | None, list[list[EpisodeRun]] | None]:
+        """`rollout.agent`: the batch's groups as episodes with the environment, played to their ends (a
+        stop is honoured after the batch: episodes are not handed over unfinished yet). A prompt the
+        environment refuses at its start is dead-lettered with the reason; an engine that fails makes the
+        worker sick, as a failed generation does."""
+        sampling = batch.sampling(self.cfg.sampling)
+        runs, refused = play(self.engine, batch.prompts, sampling, self.cfg.agent, self.cfg.prompt_format)
+        for index, why in refused.items():
+            self.bus.dead_letter("prompts", batch.entries[index], f"the environment refused it: {why}")
+        keep = [i for i in range(len(batch.prompts)) if i not in refused]
+        if not keep:
+            return None, None
+        tokenizer = self.engine.tokenizer
+        episodes = [runs[i] for i in keep]
+        for run in (run for group in episodes for run in group):
+            env_tokens = run.episode.environment_tokens
+            self.metrics.observe_episode(run.status, run.episode.turns, dict(run.tool_calls), env_tokens)
+        completions = [[run.completion(tokenizer) for run in group] for group in episodes]
+        return (batch.subset(keep), completions), episodes
 
     def interrupts(self, in_hand: int) -> Interrupts | None:
         """What the engine does between two decoding steps: with `rollout.partial`, stop for a stop (a

@@ -90,6 +90,43 @@ class PartialSettings(Section):
     )
 
 
+# The environments that ship (services/common/environments.py registers them; a test holds the two equal),
+# and those of them that keep a reward of their own (`get_reward`).
+EnvironmentName = Literal["calculator", "python", "countdown_retry"]
+KEEPS_REWARD = frozenset({"countdown_retry"})
+
+
+class AgentSettings(Section):
+    """Multi-turn episodes with an environment (docs/agents.md): each sample of a group is an episode."""
+
+    environment: EnvironmentName | None = Field(
+        None,
+        description="The environment each episode plays, by name (services/common/environments.py: "
+        "calculator, python, countdown_retry). None: one completion per sample, no environment.",
+    )
+    max_turns: int = Field(4, ge=1, le=64, description="Model turns per episode at most (then `max_turns`).")
+    max_tokens: int = Field(
+        2048,
+        ge=16,
+        description="An episode's whole context at most, prompt and every turn, tokens (then `max_tokens`); "
+        "each model turn is also held to sampling.max_new_tokens.",
+    )
+    reward: Literal["verifier", "environment", "sum"] = Field(
+        "verifier",
+        description="What trains: the reward service's verdict on the model's last turn (verifier), the "
+        "environment's get_reward() (environment), or both added (sum).",
+    )
+
+    @model_validator(mode="after")
+    def _reward_the_environment_keeps(self) -> AgentSettings:
+        if self.reward != "verifier" and self.environment not in KEEPS_REWARD:
+            raise ValueError(
+                f"rollout.agent.reward {self.reward}: the {self.environment} environment keeps no reward "
+                f"(no get_reward; those that do: {', '.join(sorted(KEEPS_REWARD))}); use verifier"
+            )
+        return self
+
+
 class RolloutSettings(Section):
     """A rollout worker: engine, sampling, and its calls to the reward service."""
 
@@ -158,6 +195,9 @@ class RolloutSettings(Section):
     )
     partial: PartialSettings = Field(
         default_factory=PartialSettings, description="Partial rollouts: unfinished groups handed over."
+    )
+    agent: AgentSettings = Field(
+        default_factory=AgentSettings, description="Multi-turn episodes with an environment (agents)."
     )
     lockstep_groups: int | None = Field(
         None,

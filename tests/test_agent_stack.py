@@ -1,0 +1,119 @@
+"""Multi-turn episodes through the whole stack (issue 48): the tiny countdown model plays `countdown_retry`
+(a wrong answer is told so and asked again), in process on the torch engine, and in a real `sparkrl up`.
+
+In process: every model token of every episode has the log-prob the model gives it teacher-forced over
+the exact stream (the engine contract's tolerance), the environment's turns are its text tokenized alone,
+and the reward is the environment's. Through the stack: the worker publishes episodes (environment spans
+on the wire), the learner trains on them, and its step rows, samples and the worker's /metrics say so."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from conftest import clean_env
+
+from sparkrl.proto import Prompt, RewardResult
+from sparkrl.services.common.modeling import load_model
+from sparkrl.services.common.settings import PromptFormat, SamplingSettings, TorchEngineSettings
+from sparkrl.services.common.settings.rollout import AgentSettings
+from sparkrl.services.common.tasks.countdown import score_countdown
+from sparkrl.services.rollout.agent_loop import play
+from sparkrl.services.rollout.batch import episode_results
+from sparkrl.services.rollout.torch_engine import TorchEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = 1e-4  # the torch engine's in tests/test_engine_contract.py
+
+
+def _prompt(index: int, numbers: list[int], target: int) -> Prompt:
+    return Prompt(
+        prompt_id=f"retry/{index}@0",
+        task="countdown",
+        text=f"Use {' '.join(map(str, numbers))} to make {target}.\n",
+        task_data={"numbers": numbers, "target": target},
+    )
+
+
+def test_episodes_of_a_plain_text_model_are_token_exact_and_rewarded_by_the_environment(
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    engine = TorchEngine(tiny_model_dir, TorchEngineSettings(threads=1))
+    try:
+        prompts = [_prompt(i, [3 + i, 7, 8], 18 + i) for i in range(3)]
+        prompts.append(Prompt(prompt_id="retry/bad@0", task="countdown", text="no numbers\n"))
+        sampling = SamplingSettings(n=4, max_new_tokens=12, seed=5, topk_logprobs=4)
+        agent = AgentSettings(environment="countdown_retry", max_turns=3, reward="environment")
+        episodes, refused = play(engine, prompts, sampling, agent, PromptFormat())
+        model = load_model(tiny_model_dir).eval()
+    finally:
+        engine.close()
+    assert list(refused) == [3] and "needs task_data numbers and target" in refused[3]
+    assert episodes[3] == [] and all(len(runs) == 4 for runs in episodes[:3])
+    runs = [run for group in episodes[:3] for run in group]
+    assert any(run.episode.turns > 1 for run in runs), "no episode got a second turn"
+    for prompt, group in zip(prompts, episodes, strict=False):
+        for run in group:
+            wire = run.completion(engine.tokenizer)
+            data = prompt.task_data or {}
+            # An episode ends at the first correct answer, or wrong at its last try.
+            assert run.reward == score_countdown(run.answer, data["numbers"], data["target"])[0]
+            assert run.status in ("done", "max_turns") and run.episode.turns <= 3
+            ids = torch.tensor([run.episode.context])
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)
+            start, mine = len(run.episode.prompt_ids), wire.model_token_mask()
+            positions = [start + i for i, m in enumerate(mine) if m]
+            forced = logp[[p - 1 for p in positions], [run.episode.context[p] for p in positions]]
+            assert float((forced - torch.from_numpy(wire.logprobs[mine])).abs().max()) < TOLERANCE
+            if run.episode.turns > 1:  # the environment's turn: its text, tokenized alone
+                said = engine.tokenizer.decode(wire.token_ids[~mine].tolist())
+                assert said.startswith("Wrong (") and prompt.text in said
+    # What trains with rollout.agent.reward environment: the environment's reward, whatever the verifier said.
+    verdicts = [RewardResult(score=0.0, status="no_answer", elapsed_s=0.0) for _ in runs]
+    trained = episode_results(verdicts, [runs], "environment")
+    assert [r.score for r in trained] == [run.reward for run in runs]
+    assert [r.status for r in trained] == ["correct" if run.reward else "incorrect" for run in runs]
+
+
+@pytest.mark.slow
+def test_a_real_run_trains_on_episodes(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+    run_dir = tmp_path / "run"
+    overrides = [
+        f"model={tiny_model_dir}",
+        "rollout.agent.environment=countdown_retry",
+        "rollout.agent.reward=environment",
+        "rollout.agent.max_turns=3",
+        "learner.max_steps=3",
+    ]
+    command = [sys.executable, "-m", "sparkrl.cli", "up", "--preset", "smoke", "--run-dir", str(run_dir)]
+    done = subprocess.run(
+        [*command, *(a for o in overrides for a in ("--set", o))],
+        capture_output=True, text=True, timeout=500, cwd=ROOT, env=clean_env(),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["metrics"]["rollout/environment_token_share"] > 0 for r in rows)
+    assert all(r["metrics"]["rollout/model_turns_mean"] > 1 for r in rows)
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert any(s["environment_tokens"] > 0 and "Wrong (" in s["completion"] for s in samples)
+
+
+def test_the_settings_know_the_shipped_environments_and_which_keep_a_reward() -> None:
+    from typing import get_args
+
+    from sparkrl.services.common.environments import ENVIRONMENTS
+    from sparkrl.services.common.settings.rollout import KEEPS_REWARD, EnvironmentName
+
+    assert set(get_args(EnvironmentName)) == set(ENVIRONMENTS)
+    assert KEEPS_REWARD == {name for name, made in ENVIRONMENTS.items() if hasattr(made, "get_reward")}
+    with pytest.raises(ValueError, match="calculator environment keeps no reward"):
+        AgentSettings(environment="calculator", reward="environment")
+    with pytest.raises(ValueError, match="countdown_retry"):
+        AgentSettings(environment="shell")  # type: ignore[arg-type]
