@@ -11,10 +11,11 @@ import pytest
 import torch
 from _families import FAMILIES, build_family, build_tokenizer
 
+from sparkrl.services.common.environments import LocalSession
 from sparkrl.services.common.modeling import load_model
 from sparkrl.services.common.settings import SamplingSettings, TorchEngineSettings
 from sparkrl.services.common.tools import Calculator
-from sparkrl.services.rollout.agent_loop import EpisodeLimits, EpisodeRun, _reply, run_episodes
+from sparkrl.services.rollout.agent_loop import EpisodeLimits, run_episodes
 from sparkrl.services.rollout.episode import environment_turn
 from sparkrl.services.rollout.torch_engine import TorchEngine
 
@@ -36,6 +37,11 @@ class Talker:
         return float(len(self.heard))
 
 
+class Broken(Talker):
+    def respond(self, text: str) -> str | None:
+        raise KeyError("the environment's bug")
+
+
 @pytest.fixture(scope="module")
 def engine() -> TorchEngine:
     model_dir = build_family("qwen2", ROOT / ".cache" / "families")
@@ -49,7 +55,9 @@ def test_every_model_token_has_the_log_prob_of_the_exact_stream(engine: TorchEng
     prompts = [[{"role": "user", "content": f"Tell me about {n}."}] for n in range(4)]
     talkers = [Talker() for _ in prompts]
     sampling = SamplingSettings(max_new_tokens=6, seed=3)
-    runs = run_episodes(engine, talkers, prompts, sampling, EpisodeLimits(max_turns=5))
+    runs = run_episodes(
+        engine, [LocalSession(t) for t in talkers], prompts, sampling, EpisodeLimits(max_turns=5)
+    )
     model = load_model(ROOT / ".cache" / "families" / "qwen2").eval()
     for run, talker in zip(runs, talkers, strict=True):
         episode = run.episode
@@ -76,22 +84,33 @@ def test_every_model_token_has_the_log_prob_of_the_exact_stream(engine: TorchEng
 def test_limits_end_an_episode_with_a_named_status(engine: TorchEngine) -> None:
     prompts = [[{"role": "user", "content": "Hi."}]]
     sampling = SamplingSettings(max_new_tokens=6, seed=4)
-    turns = run_episodes(engine, [Talker()], prompts, sampling, EpisodeLimits(max_turns=2))
+    turns = run_episodes(engine, [LocalSession(Talker())], prompts, sampling, EpisodeLimits(max_turns=2))
     assert turns[0].status == "max_turns" and turns[0].episode.turns == 2
-    tokens = run_episodes(engine, [Talker()], prompts, sampling, EpisodeLimits(max_tokens=30))
+    tokens = run_episodes(engine, [LocalSession(Talker())], prompts, sampling, EpisodeLimits(max_tokens=30))
     assert tokens[0].status == "max_tokens" and len(tokens[0].episode.context) < 30
 
 
 def test_tool_calls_are_answered_and_counted_by_status() -> None:
     tokenizer = build_tokenizer(FAMILIES["qwen2"])
-    run = EpisodeRun(episode=None, messages=[], environment=Calculator())  # type: ignore[arg-type]
+    session = LocalSession(Calculator())
     text = (
         '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'
         '<tool_call>{"name": "search", "arguments": {}}</tool_call><tool_call>oops</tool_call>'
     )
-    reply = _reply(run, text)
-    assert reply is not None and [m["role"] for m in reply] == ["tool"] * 3 and reply[0]["content"] == "42"
-    assert run.tool_calls == {"ok": 1, "unknown_tool": 1, "malformed": 1}
-    assert _reply(run, "The answer is 42.") is None  # no call, no `respond`: the model has answered
+    answer = session.turn(text)
+    assert answer.messages is not None and answer.error is None
+    reply = [m.model_dump() for m in answer.messages]
+    assert [m["role"] for m in reply] == ["tool"] * 3 and reply[0]["content"] == "42"
+    assert answer.tool_calls == {"ok": 1, "unknown_tool": 1, "malformed": 1}
+    done = session.turn("The answer is 42.")  # no call, no `respond`: the model has answered
+    assert done.messages is None and done.error is None and session.end().reward is None
     stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert environment_turn(tokenizer, [{"role": "user", "content": "q"}], reply, stop) is not None
+
+
+def test_an_environment_that_raises_ends_its_episode_named(engine: TorchEngine) -> None:
+    prompts = [[{"role": "user", "content": "Hi."}]] * 2
+    sampling = SamplingSettings(max_new_tokens=4, seed=4)
+    runs = run_episodes(engine, [LocalSession(Broken()), LocalSession(Talker())], prompts, sampling)
+    assert runs[0].status == "environment_error" and "KeyError" in (runs[0].error or "")
+    assert runs[1].status == "done" and runs[1].error is None and runs[1].reward == 3.0

@@ -21,12 +21,20 @@ Shipped:
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
-from sparkrl.proto import Prompt
+from sparkrl.proto import ChatMessage, Prompt
+from sparkrl.proto.environment import EpisodeEnded, EpisodeReply, EpisodeStarted
 from sparkrl.services.common.tasks.countdown import score_countdown
-from sparkrl.services.common.tools import Calculator, PythonInterpreter
+from sparkrl.services.common.tools import (
+    Calculator,
+    PythonInterpreter,
+    call_tool,
+    parse_tool_calls,
+    tool_schemas,
+)
 
 
 class CountdownRetry:
@@ -74,3 +82,50 @@ def make_environment(name: str) -> Any:
             f"unknown environment {name!r}: rollout.agent.environment is one of {known}"
         ) from None
     return factory()
+
+
+class Session(Protocol):
+    """One episode's environment as the agent loop drives it: in this process (`LocalSession`) or in an
+    environment service over HTTP (the rollout worker's `RemoteSession`); the same answers either way."""
+
+    def start(self, prompt: Prompt) -> EpisodeStarted: ...
+
+    def turn(self, text: str) -> EpisodeReply: ...
+
+    def end(self) -> EpisodeEnded: ...
+
+
+class LocalSession:
+    """An environment object driven in this process. `start` raises what `reset` raises (the prompt is
+    refused); `turn` and `end` never raise: what the environment's own code raises is their `error`."""
+
+    def __init__(self, environment: Any) -> None:
+        self.environment = environment
+
+    def start(self, prompt: Prompt) -> EpisodeStarted:
+        reset = getattr(self.environment, "reset", None)
+        said = reset(prompt) if callable(reset) else None
+        return EpisodeStarted(episode_id="0" * 32, said=said or None, tools=tool_schemas(self.environment))
+
+    def turn(self, text: str) -> EpisodeReply:
+        """Tool calls in `text` answered (each an observation, never an exception), else `respond`."""
+        calls = parse_tool_calls(text)
+        if calls:
+            observations = [call_tool(self.environment, call) for call in calls]
+            messages = [ChatMessage(role="tool", content=o.text) for o in observations]
+            return EpisodeReply(messages=messages, tool_calls=dict(Counter(o.status for o in observations)))
+        respond = getattr(self.environment, "respond", None)
+        try:
+            said = None if respond is None else respond(text)
+        except Exception as exc:  # the environment's code
+            return EpisodeReply(messages=None, error=f"respond: {type(exc).__name__}: {exc}"[:2000])
+        return EpisodeReply(messages=None if said is None else [ChatMessage(role="user", content=said)])
+
+    def end(self) -> EpisodeEnded:
+        get_reward = getattr(self.environment, "get_reward", None)
+        if get_reward is None:
+            return EpisodeEnded(reward=None)
+        try:
+            return EpisodeEnded(reward=float(get_reward()))
+        except Exception as exc:  # the environment's code
+            return EpisodeEnded(reward=None, error=f"get_reward: {type(exc).__name__}: {exc}"[:2000])

@@ -2,32 +2,32 @@
 decoded together, every episode kept as a token stream (episode.py), never re-rendered.
 
 A turn: the engine samples one completion per live episode from its whole context; the model's tokens go
-into the stream as sampled; its text is read for tool calls (tools.py). With calls, the environment runs
-them and its observations are the next turn (`tool` messages); without, an environment that has
-`respond(text) -> str | None` answers as the user, or ends the episode with None; one without `respond`
-ends it (the model gave its answer). Through a chat template the environment's turn is tokenized on its
-own between the template's delimiters (`episode.environment_turn`); without one (a base model, plain
-text) it is the messages' contents, one a line, tokenized alone.
+into the stream as sampled; its text goes to the episode's environment session (environments.py: in this
+process, or an environment service over HTTP), which answers: tool calls with their observations (`tool`
+messages), else `respond`'s user message, or the end of the episode. Through a chat template the
+environment's turn is tokenized on its own between the template's delimiters (`episode.environment_turn`);
+without one (a base model, plain text) it is the messages' contents, one a line, tokenized alone.
 
 An episode ends `done`, or at a limit: `max_turns` model turns, `max_tokens` of context. Where the
 template cannot extend the stream exactly it ends `no_exact_continuation` (counted: the learner trains
-what was made up to there). The episode's reward is the environment's `get_reward()` when it has one.
+what was made up to there). The episode's reward is the environment's `get_reward()` when it has one; an
+environment whose own code raises ends it `environment_error`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from sparkrl.proto import Completion, Prompt
-from sparkrl.services.common.environments import make_environment
+from sparkrl.services.common.environments import LocalSession, Session, make_environment
 from sparkrl.services.common.modeling import prompt_messages, render_prompt, template_in_force
 from sparkrl.services.common.settings import PromptFormat, SamplingSettings
 from sparkrl.services.common.settings.rollout import AgentSettings
-from sparkrl.services.common.tools import call_tool, parse_tool_calls, tool_schemas
 from sparkrl.services.rollout.engine import Engine
 from sparkrl.services.rollout.episode import Episode, Message, environment_turn
 
@@ -43,11 +43,12 @@ class EpisodeLimits:
 @dataclass
 class EpisodeRun:
     """One episode in flight: its stream, the messages the template's delimiters are computed from,
-    its environment, how it ended, what its tools answered (by status) and the model's last turn."""
+    its environment's session, how it ended, what its tools answered (by status) and the model's last
+    turn."""
 
     episode: Episode
     messages: list[Message]
-    environment: Any
+    session: Session
     status: str = "running"
     tool_calls: Counter[str] = field(default_factory=Counter)
     reward: float | None = None
@@ -69,9 +70,10 @@ class Turns:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, tokenizer: PreTrainedTokenizerBase, fmt: PromptFormat, environment: Any) -> Turns:
+    def of(
+        cls, tokenizer: PreTrainedTokenizerBase, fmt: PromptFormat, schemas: list[dict[str, Any]]
+    ) -> Turns:
         template = template_in_force(tokenizer, fmt)
-        schemas = tool_schemas(environment)
         if schemas and not template:
             raise ValueError(
                 "an environment with tools needs a chat template to show them: the model has none"
@@ -93,61 +95,68 @@ def play(
     sampling: SamplingSettings,
     agent: AgentSettings,
     fmt: PromptFormat,
+    open_session: Callable[[], Session] | None = None,
 ) -> tuple[list[list[EpisodeRun]], dict[int, str]]:
-    """`sampling.n` episodes of `agent.environment` for each prompt, played together to their ends, and
-    the prompts whose environment refused to start (`reset` raised: index → why; no episode of theirs)."""
-    if agent.environment is None:
-        raise ValueError("rollout.agent.environment is not set: there is no environment to play")
-    started: dict[int, list[tuple[Any, list[Message]]]] = {}
+    """`sampling.n` episodes for each prompt, played together to their ends, and the prompts whose
+    environment refused to start (index → why; no episode of theirs). `open_session`: one episode's
+    environment (default: `agent.environment` in this process)."""
+    if open_session is None:
+        if agent.environment is None:
+            raise ValueError("rollout.agent.environment is not set: there is no environment to play")
+        name = agent.environment
+
+        def open_session() -> Session:
+            return LocalSession(make_environment(name))
+
+    started: dict[int, list[tuple[Session, list[Message], list[dict[str, Any]]]]] = {}
     refused: dict[int, str] = {}
     for index, prompt in enumerate(prompts):
         try:
-            started[index] = [_start(agent.environment, prompt, fmt) for _ in range(sampling.n)]
-        except Exception as exc:  # the environment's code, on this prompt
-            refused[index] = f"reset: {type(exc).__name__}: {exc}"
-    pairs = [pair for index in sorted(started) for pair in started[index]]
-    if not pairs:
+            started[index] = [_start(open_session(), prompt, fmt) for _ in range(sampling.n)]
+        except Exception as exc:  # the environment's code (or its service), on this prompt
+            refused[index] = f"{type(exc).__name__}: {exc}"
+    triples = [triple for index in sorted(started) for triple in started[index]]
+    if not triples:
         return [[] for _ in prompts], refused
-    turns = Turns.of(engine.tokenizer, fmt, pairs[0][0])
+    turns = Turns.of(engine.tokenizer, fmt, triples[0][2])
     limits = EpisodeLimits(agent.max_turns, agent.max_tokens)
     runs = iter(
-        run_episodes(engine, [e for e, _ in pairs], [m for _, m in pairs], sampling, limits, turns, fmt)
+        run_episodes(engine, [t[0] for t in triples], [t[1] for t in triples], sampling, limits, turns, fmt)
     )
     return [
         [next(runs) for _ in range(sampling.n)] if i in started else [] for i in range(len(prompts))
     ], refused
 
 
-def _start(name: str, prompt: Prompt, fmt: PromptFormat) -> tuple[Any, list[Message]]:
-    """A fresh environment for one episode of `prompt`, and the episode's first messages (what `reset`
-    says added to the last one)."""
-    environment = make_environment(name)
-    said = environment.reset(prompt) if callable(getattr(environment, "reset", None)) else None
+def _start(
+    session: Session, prompt: Prompt, fmt: PromptFormat
+) -> tuple[Session, list[Message], list[dict[str, Any]]]:
+    """The episode's session started on `prompt`, its first messages (what `reset` said added to the
+    last one) and the tools' schemas."""
+    started = session.start(prompt)
     messages = prompt_messages(prompt.messages or prompt.text or "", fmt.system_prompt)
-    if said:
-        messages[-1] = {**messages[-1], "content": f"{messages[-1]['content']}{said}"}
-    return environment, messages
+    if started.said:
+        messages[-1] = {**messages[-1], "content": f"{messages[-1]['content']}{started.said}"}
+    return session, messages, started.tools
 
 
 def run_episodes(
     engine: Engine,
-    environments: list[Any],
+    sessions: list[Session],
     prompts: list[list[Message]],
     sampling: SamplingSettings,
     limits: EpisodeLimits | None = None,
     turns: Turns | None = None,
     fmt: PromptFormat | None = None,
 ) -> list[EpisodeRun]:
-    """Each environment's episode from its prompt messages, to its end (`turns`: through the tokenizer's
+    """Each session's episode from its prompt messages, to its end (`turns`: through the tokenizer's
     chat template by default)."""
     limits, fmt = limits or EpisodeLimits(), fmt or PromptFormat()
     turns = turns or Turns(engine.tokenizer, True)
     with_tools = fmt.model_copy(update={"chat_template_kwargs": turns.kwargs})
     runs = [
-        EpisodeRun(
-            Episode(render_prompt(engine.tokenizer, messages, with_tools)), list(messages), environment
-        )
-        for environment, messages in zip(environments, prompts, strict=True)
+        EpisodeRun(Episode(render_prompt(engine.tokenizer, messages, with_tools)), list(messages), session)
+        for session, messages in zip(sessions, prompts, strict=True)
     ]
     one = sampling.model_copy(update={"n": 1})
     while live := [run for run in runs if run.status == "running"]:
@@ -155,12 +164,10 @@ def run_episodes(
         for run, (completion,) in zip(live, groups, strict=True):
             _turn(run, completion, turns, limits)
     for run in runs:
-        get_reward = getattr(run.environment, "get_reward", None)
-        if get_reward is not None and run.error is None:
-            try:
-                run.reward = float(get_reward())
-            except Exception as exc:  # the environment's code: its failure is the episode's, named
-                run.status, run.error = "environment_error", f"get_reward: {type(exc).__name__}: {exc}"
+        ended = run.session.end()  # also where a service forgets the episode: every episode is ended
+        run.reward = ended.reward
+        if ended.error is not None and run.error is None:
+            run.status, run.error = "environment_error", ended.error
     return runs
 
 
@@ -168,14 +175,15 @@ def _turn(run: EpisodeRun, completion: Completion, turns: Turns, limits: Episode
     tokens = [int(t) for t in completion.token_ids]
     run.episode.add_model_turn(completion)
     text = run.answer = turns.tokenizer.decode(tokens, skip_special_tokens=True)
-    try:
-        reply = _reply(run, text)
-    except Exception as exc:  # the environment's `respond` (tools never raise: call_tool)
-        run.status, run.error = "environment_error", f"respond: {type(exc).__name__}: {exc}"
+    answer = run.session.turn(text)
+    run.tool_calls.update(answer.tool_calls)
+    if answer.error is not None:
+        run.status, run.error = "environment_error", answer.error
         return
-    if reply is None:
+    if answer.messages is None:
         run.status = "done"
         return
+    reply = [message.model_dump() for message in answer.messages]
     if run.episode.turns >= limits.max_turns:
         run.status = "max_turns"
         return
@@ -188,15 +196,3 @@ def _turn(run: EpisodeRun, completion: Completion, turns: Turns, limits: Episode
         run.status = "max_tokens"
     else:
         run.episode.add_environment_turn(between)
-
-
-def _reply(run: EpisodeRun, text: str) -> list[Message] | None:
-    """The environment's turn after the model's `text`: tool results, a user message, or None (done)."""
-    calls = parse_tool_calls(text)
-    if calls:
-        observations = [call_tool(run.environment, call) for call in calls]
-        run.tool_calls.update(o.status for o in observations)
-        return [{"role": "tool", "content": o.text} for o in observations]
-    respond = getattr(run.environment, "respond", None)
-    said = None if respond is None else respond(text)
-    return None if said is None else [{"role": "user", "content": said}]
