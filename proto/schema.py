@@ -14,6 +14,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from sparkrl.proto.control import ControlCommand, ControlState
+from sparkrl.proto.environment import EpisodeEnded, EpisodeReply, EpisodeStart, EpisodeStarted, EpisodeTurn
 from sparkrl.proto.group import TrajectoryGroup
 from sparkrl.proto.partial import PartialGroup
 from sparkrl.proto.reward import RewardRequest, RewardResponse
@@ -34,6 +35,11 @@ MESSAGES: tuple[type[BaseModel], ...] = (
     PartialGroup,
     RewardRequest,
     RewardResponse,
+    EpisodeStart,
+    EpisodeStarted,
+    EpisodeTurn,
+    EpisodeReply,
+    EpisodeEnded,
     WeightAnnouncement,
     ControlCommand,
     ControlState,

@@ -30,6 +30,7 @@ from sparkrl.services.common.settings import PromptFormat, SamplingSettings
 from sparkrl.services.common.settings.rollout import AgentSettings
 from sparkrl.services.rollout.engine import Engine
 from sparkrl.services.rollout.episode import Episode, Message, environment_turn
+from sparkrl.services.rollout.remote_env import EnvironmentUnavailable
 
 ENDINGS = ("done", "max_turns", "max_tokens", "no_exact_continuation", "environment_error")
 
@@ -113,7 +114,9 @@ def play(
     for index, prompt in enumerate(prompts):
         try:
             started[index] = [_start(open_session(), prompt, fmt) for _ in range(sampling.n)]
-        except Exception as exc:  # the environment's code (or its service), on this prompt
+        except EnvironmentUnavailable:
+            raise  # the service, not the prompt: the batch waits to be reclaimed
+        except Exception as exc:  # the environment's reset (here, or in its service), on this prompt
             refused[index] = f"{type(exc).__name__}: {exc}"
     triples = [triple for index in sorted(started) for triple in started[index]]
     if not triples:

@@ -21,6 +21,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
+
+import httpx
 
 from sparkrl.proto import (
     Completion,
@@ -54,6 +57,7 @@ from sparkrl.services.rollout.lockstep import Lockstep
 from sparkrl.services.rollout.metrics import WorkerMetrics
 from sparkrl.services.rollout.partials import Handover, Taken, fill_gaps
 from sparkrl.services.rollout.publish import publish_groups, too_stale
+from sparkrl.services.rollout.remote_env import EnvironmentUnavailable, RemoteSession
 
 log = logging.getLogger("sparkrl.rollout")
 
@@ -307,10 +311,25 @@ class Worker:
     def _play(self, batch: PromptBatch) -> tuple[Made | None, list[list[EpisodeRun]] | None]:
         """`rollout.agent`: the batch's groups as episodes with the environment, played to their ends (a
         stop is honoured after the batch: episodes are not handed over unfinished yet). A prompt the
-        environment refuses at its start is dead-lettered with the reason; an engine that fails makes the
-        worker sick, as a failed generation does."""
-        sampling = batch.sampling(self.cfg.sampling)
-        runs, refused = play(self.engine, batch.prompts, sampling, self.cfg.agent, self.cfg.prompt_format)
+        environment refuses at its start is dead-lettered with the reason; an environment service that
+        fails leaves the batch unacknowledged, to be reclaimed; an engine that fails raises (the worker
+        stops, and its supervisor restarts it: episodes have no per-prompt diagnosis yet)."""
+        sampling, agent = batch.sampling(self.cfg.sampling), self.cfg.agent
+        try:
+            with httpx.Client() as http:
+                remote = (
+                    None if agent.url is None else partial(RemoteSession, http, agent.url, agent.environment)
+                )
+                runs, refused = play(
+                    self.engine, batch.prompts, sampling, agent, self.cfg.prompt_format, remote
+                )
+        except EnvironmentUnavailable as exc:  # not acked: the prompts come back after bus.claim_idle_ms
+            log.error(
+                "the environment service failed, leaving %d prompts to be reclaimed: %s",
+                len(batch.prompts),
+                exc,
+            )
+            return None, None
         for index, why in refused.items():
             self.bus.dead_letter("prompts", batch.entries[index], f"the environment refused it: {why}")
         keep = [i for i in range(len(batch.prompts)) if i not in refused]

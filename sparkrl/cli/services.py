@@ -1,8 +1,8 @@
-"""One command per service, what a container or `sparkrl up` runs: `reward`, `rollout`, `control`,
-`learner`, `evaluator`, and the prompt feeder `prompts`. Each takes a settings file or preset (its role's
-file that `sparkrl up` wrote, or a whole tree, as compose and Kubernetes mount) plus `--set`, and hands its
-service only its role's part (`services/common/settings/roles.py`). Service imports happen inside the
-commands so `sparkrl reward` never loads torch."""
+"""One command per service, what a container or `sparkrl up` runs: `reward`, `env`, `rollout`,
+`control`, `learner`, `evaluator`, and the prompt feeder `prompts`. Each takes a settings file or preset
+(its role's file that `sparkrl up` wrote, or a whole tree, as compose and Kubernetes mount) plus `--set`,
+and hands its service only its role's part (`services/common/settings/roles.py`). Service imports happen
+inside the commands so `sparkrl reward` never loads torch."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from sparkrl.cli.options import WHICH_REDIS, BusRunDir, Overrides, Preset, role_
 from sparkrl.services.common.logs import setup_logging
 from sparkrl.services.common.settings.roles import (
     ControlConfig,
+    EnvConfig,
     EvaluatorConfig,
     LearnerConfig,
     PromptsConfig,
@@ -42,6 +43,16 @@ def reward(preset: Preset = None, overrides: Overrides = None) -> None:
     from sparkrl.services.reward.app import main
 
     main(cfg.reward)
+
+
+@commands.command()
+def env(preset: Preset = None, overrides: Overrides = None) -> None:
+    """Run the environment service (FastAPI) on env.host:env.port: episodes' environments over HTTP."""
+    cfg = EnvConfig.of(role_settings("env", preset, overrides))
+    setup_logging("env")
+    from sparkrl.services.env.app import main
+
+    main(cfg.env)
 
 
 @commands.command()

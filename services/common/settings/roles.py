@@ -33,6 +33,7 @@ from sparkrl.services.common.settings import (
 )
 from sparkrl.services.common.settings.prompt_format import ChatTemplateMode, TemplateKwargs
 from sparkrl.services.common.settings.section import Section
+from sparkrl.services.common.settings.servers import EnvServiceSettings
 
 Role = Literal["control", "reward", "learner", "rollout", "evaluator", "prompts"]
 
@@ -152,6 +153,19 @@ class RewardConfig(BaseModel):
     def of(cls, tree: SparkSettings) -> RewardConfig:
         """The reward service's part of `tree`, copied."""
         return cls(reward=tree.reward.model_copy(deep=True))
+
+
+class EnvConfig(BaseModel):
+    """What `sparkrl env` reads: its own section."""
+
+    model_config = _ROLE_CONFIG
+
+    env: EnvServiceSettings
+
+    @classmethod
+    def of(cls, tree: SparkSettings) -> EnvConfig:
+        """The environment service's part of `tree`, copied."""
+        return cls(env=tree.env.model_copy(deep=True))
 
 
 class _FollowsWeights(BaseModel):

@@ -104,6 +104,11 @@ class AgentSettings(Section):
         description="The environment each episode plays, by name (services/common/environments.py: "
         "calculator, python, countdown_retry). None: one completion per sample, no environment.",
     )
+    url: str | None = Field(
+        None,
+        description="An environment service's base URL (`sparkrl env`, e.g. http://127.0.0.1:8200): the "
+        "episodes' environments run there, not in the worker. None: in the worker's process.",
+    )
     max_turns: int = Field(4, ge=1, le=64, description="Model turns per episode at most (then `max_turns`).")
     max_tokens: int = Field(
         2048,
@@ -119,6 +124,10 @@ class AgentSettings(Section):
 
     @model_validator(mode="after")
     def _reward_the_environment_keeps(self) -> AgentSettings:
+        if self.url is not None and self.environment is None:
+            raise ValueError(
+                "rollout.agent.url is set but rollout.agent.environment is not: name the environment"
+            )
         if self.reward != "verifier" and self.environment not in KEEPS_REWARD:
             raise ValueError(
                 f"rollout.agent.reward {self.reward}: the {self.environment} environment keeps no reward "

@@ -33,6 +33,27 @@ class RewardSettings(Section):
     )
 
 
+class EnvServiceSettings(Section):
+    """The environment service (`sparkrl env`, docs/agents.md): episodes' environments over HTTP."""
+
+    host: str = Field("127.0.0.1", description="Interface the service binds.")
+    port: int = Field(8200, ge=0, le=65535, description="Port the service binds (0: any free port).")
+    max_episodes: int = Field(
+        1024, ge=1, le=1_000_000, description="Episodes held at once; a start beyond it gets 429 (retried)."
+    )
+    episode_idle_s: float = Field(
+        600.0, gt=0, description="An episode not called for this long is forgotten (its worker is gone)."
+    )
+    call_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        le=3600,
+        description="The longest an environment's own method (reset, a turn's tools or respond, get_reward) "
+        "may run; past it the call answers an error and the episode is dropped.",
+    )
+    max_request_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get 413.")
+
+
 class MetricsEndpoint(Section):
     """A service's own HTTP endpoint for `GET /metrics` (Prometheus) and `GET /healthz`."""
 

@@ -41,7 +41,12 @@ from sparkrl.services.common.settings.prompt_format import PromptFormat
 from sparkrl.services.common.settings.prompts import CountdownSettings, PromptSettings
 from sparkrl.services.common.settings.ray import RaySettings
 from sparkrl.services.common.settings.rollout import RolloutSettings
-from sparkrl.services.common.settings.servers import ControlSettings, MetricsEndpoint, RewardSettings
+from sparkrl.services.common.settings.servers import (
+    ControlSettings,
+    EnvServiceSettings,
+    MetricsEndpoint,
+    RewardSettings,
+)
 from sparkrl.services.common.settings.supervision import SupervisionSettings, WorkerHealthSettings
 from sparkrl.services.common.settings.sync import WeightSyncSettings
 
@@ -110,6 +115,9 @@ class SparkSettings(BaseSettings):
     )
     bus: BusSettings = Field(default_factory=BusSettings)
     reward: RewardSettings = Field(default_factory=RewardSettings)
+    env: EnvServiceSettings = Field(
+        default_factory=EnvServiceSettings, description="The environment service (`sparkrl env`)."
+    )
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     prompts: PromptSettings = Field(default_factory=PromptSettings)
     learner: LearnerSettings = Field(default_factory=LearnerSettings)

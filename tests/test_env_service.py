@@ -1,0 +1,147 @@
+"""The environment service (`sparkrl env`, issue 48): a real process on a free port, over real HTTP.
+
+Served episodes are the same episodes as in the worker's process (the tiny model, a seed, countdown_retry:
+the same tokens, environment spans, rewards and endings); what is wrong gets a 4xx that says what, a
+refused prompt comes back to the worker as a refusal with the reason, a full service 429s until an
+episode ends, and a service that is gone is `EnvironmentUnavailable` (the batch reclaimed), never a
+refusal that would dead-letter good prompts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from _tiny import tiny_model_dir  # noqa: F401  (fixture)
+from conftest import clean_env, free_port
+
+from sparkrl.proto import Prompt
+from sparkrl.services.common.settings import PromptFormat, SamplingSettings, TorchEngineSettings
+from sparkrl.services.common.settings.rollout import AgentSettings
+from sparkrl.services.rollout.agent_loop import play
+from sparkrl.services.rollout.remote_env import EnvironmentUnavailable, RemoteSession
+from sparkrl.services.rollout.torch_engine import TorchEngine
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_EPISODES = 16
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[str]:
+    port = free_port()
+    command = [sys.executable, "-m", "sparkrl.cli", "env", "--set", f"env.port={port}"]
+    command += ["--set", f"env.max_episodes={MAX_EPISODES}"]
+    process = subprocess.Popen(
+        command, cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    try:
+        while True:
+            try:
+                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if process.poll() is not None or time.monotonic() > deadline:
+                out = process.stdout.read().decode(errors="replace") if process.stdout else ""
+                pytest.fail(f"sparkrl env did not come up (exit {process.poll()}):\n{out[-3000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        process.terminate()
+        assert process.wait(timeout=30) is not None
+
+
+def _prompts() -> list[Prompt]:
+    prompts = [
+        Prompt(
+            prompt_id=f"served/{i}@0",
+            task="countdown",
+            text=f"Use {3 + i} 7 8 to make {18 + i}.\n",
+            task_data={"numbers": [3 + i, 7, 8], "target": 18 + i},
+        )
+        for i in range(3)
+    ]
+    return [*prompts, Prompt(prompt_id="served/bad@0", task="countdown", text="no numbers\n")]
+
+
+def test_served_episodes_are_the_in_process_episodes(service: str, tiny_model_dir: Path) -> None:  # noqa: F811
+    engine = TorchEngine(tiny_model_dir, TorchEngineSettings(threads=1))
+    agent = AgentSettings(environment="countdown_retry", max_turns=3, reward="environment")
+    sampling = SamplingSettings(n=3, max_new_tokens=12, seed=11, topk_logprobs=4)
+    try:
+        here, refused_here = play(engine, _prompts(), sampling, agent, PromptFormat())
+        with httpx.Client() as http:
+
+            def remote() -> RemoteSession:
+                return RemoteSession(http, service, "countdown_retry")
+
+            there, refused_there = play(engine, _prompts(), sampling, agent, PromptFormat(), remote)
+        tokenizer = engine.tokenizer
+    finally:
+        engine.close()
+    assert list(refused_here) == list(refused_there) == [3]
+    assert "needs task_data numbers and target" in refused_there[3]  # the service's reason, passed on
+    runs_here = [run for group in here for run in group]
+    runs_there = [run for group in there for run in group]
+    assert len(runs_here) == len(runs_there) == 9 and any(run.episode.turns > 1 for run in runs_there)
+    for mine, served in zip(runs_here, runs_there, strict=True):
+        a, b = mine.completion(tokenizer), served.completion(tokenizer)
+        assert a.token_ids.tolist() == b.token_ids.tolist()
+        assert a.environment_spans == b.environment_spans
+        assert (mine.status, mine.reward, mine.episode.turns) == (
+            served.status,
+            served.reward,
+            served.episode.turns,
+        )
+    assert httpx.get(service + "/healthz").json()["episodes"] == 0  # every episode was ended
+
+
+def test_what_is_wrong_gets_a_4xx_that_says_what(service: str) -> None:
+    prompt = _prompts()[0].model_dump(mode="json")
+    unknown = httpx.post(service + "/episodes", json={"environment": "shell", "prompt": prompt})
+    assert unknown.status_code == 422 and "unknown environment 'shell'" in unknown.json()["detail"]
+    refused = httpx.post(service + "/episodes", json={"environment": "countdown_retry", "prompt": {"x": 1}})
+    assert refused.status_code == 422
+    missing = httpx.post(service + f"/episodes/{'0' * 32}/turns", json={"text": "1+2"})
+    assert missing.status_code == 404 and "no episode" in missing.json()["detail"]
+    not_an_id = httpx.post(service + "/episodes/..%2f..%2fetc/turns", json={"text": "1+2"})
+    assert not_an_id.status_code in (404, 422)
+    big = httpx.post(
+        service + "/episodes", content=b"x" * (2 << 20), headers={"content-type": "application/json"}
+    )
+    assert big.status_code == 413
+
+
+def test_a_full_service_says_so_until_an_episode_ends(service: str) -> None:
+    body = {"environment": "calculator", "prompt": _prompts()[0].model_dump(mode="json")}
+    ids = []
+    for _ in range(MAX_EPISODES):
+        started = httpx.post(service + "/episodes", json=body)
+        assert started.status_code == 200
+        ids.append(started.json()["episode_id"])
+    full = httpx.post(service + "/episodes", json=body)
+    assert full.status_code == 429 and f"env.max_episodes ({MAX_EPISODES})" in full.json()["detail"]
+    reply = httpx.post(
+        service + f"/episodes/{ids[0]}/turns",
+        json={"text": '<tool_call>{"name": "calculator", "arguments": {"expression": "6*7"}}</tool_call>'},
+    ).json()
+    assert reply["messages"] == [{"role": "tool", "content": "42"}] and reply["tool_calls"] == {"ok": 1}
+    ended = httpx.delete(service + f"/episodes/{ids[0]}").json()
+    assert (ended["reward"], ended["error"]) == (None, None)  # a calculator keeps no reward
+    again = httpx.post(service + "/episodes", json=body)
+    assert again.status_code == 200
+    for episode_id in [*ids[1:], again.json()["episode_id"]]:
+        httpx.delete(service + f"/episodes/{episode_id}")
+
+
+def test_a_service_that_is_gone_is_unavailable_not_a_refusal() -> None:
+    with httpx.Client() as http:
+        session = RemoteSession(http, f"http://127.0.0.1:{free_port()}", "countdown_retry")
+        with pytest.raises(EnvironmentUnavailable, match="ConnectError"):
+            session.start(_prompts()[0])
