@@ -260,9 +260,10 @@ def check_evals(stack: Stack) -> None:
 
 
 class TokenCheck:
-    """While the learner waits for its first group (it takes commands then, and a resumed run's few steps
-    are over in seconds: checked while it trained, the command met a learner already stopping, CI
-    2026-12-07): a command without the token is refused, with it answered (once)."""
+    """While the fresh run's learner waits for its first group (it takes commands then): a command without
+    the token is refused, with it answered (once). Not in the resumed run: the first run's prompts are
+    still queued, and it trains its 17 steps in a second or two (checked while it trained, the command met
+    a learner already stopping: CI 2026-12-07)."""
 
     def __init__(self, stack: Stack) -> None:
         self.stack, self.done = stack, False
@@ -344,22 +345,22 @@ def resume_preset(steps: int) -> Path:
 
 def smoke(stack: Stack, workers: int, timeout_s: float) -> None:
     first = max_steps_of(PRESET)
-    stack.up(PRESET, workers, feed_when_ready=True)
+    tokens = TokenCheck(stack)
+    stack.up(PRESET, workers, feed_when_ready=True, before_feed=tokens)
     say(f"PASS run: {wait_for_end(stack, workers, first, timeout_s)}")
+    if not tokens.done:
+        raise SmokeFailed("the control token was never checked", "control")
     check_audit(stack, first)
     check_evals(stack)
 
     say("docker compose down (the volumes stay), then up again with a later last step")
     stack("down", "--timeout", "60", capture_output=True)
     last, resumed_at = first + RESUME_EXTRA_STEPS, time.time()
-    tokens = TokenCheck(stack)
     # The feeder waits for every worker here too: the resumed learner trains its few steps in seconds, and a
     # worker restarted on a metrics-port clash (compose.hostnet.yml) would come up after the run's end,
     # unable to catch up (a fresh clone's CI failed so, 2026-12-07).
-    stack.up(resume_preset(last), workers, feed_when_ready=True, before_feed=tokens)
+    stack.up(resume_preset(last), workers, feed_when_ready=True)
     say(f"PASS resumed run: {wait_for_end(stack, workers, last, timeout_s)}")
-    if not tokens.done:
-        raise SmokeFailed("the learner never trained long enough to check the control token", "control")
     audit = check_audit(stack, last)
     if audit["records"] < last:
         raise SmokeFailed(f"the audit trail has {audit['records']} records for {last} steps", "learner")

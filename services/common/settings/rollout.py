@@ -106,7 +106,7 @@ class AgentSettings(Section):
     )
     url: str | None = Field(
         None,
-        description="An environment service's base URL (`sparkrl env`, e.g. http://127.0.0.1:8200): the "
+        description="An environment service's base URL (`sparkrl env`, e.g. http://127.0.0.1:8300): the "
         "episodes' environments run there, not in the worker. None: in the worker's process.",
     )
     max_turns: int = Field(4, ge=1, le=64, description="Model turns per episode at most (then `max_turns`).")

@@ -37,7 +37,7 @@ class EnvServiceSettings(Section):
     """The environment service (`sparkrl env`, docs/agents.md): episodes' environments over HTTP."""
 
     host: str = Field("127.0.0.1", description="Interface the service binds.")
-    port: int = Field(8200, ge=0, le=65535, description="Port the service binds (0: any free port).")
+    port: int = Field(8300, ge=0, le=65535, description="Port the service binds (0: any free port).")
     max_episodes: int = Field(
         1024, ge=1, le=1_000_000, description="Episodes held at once; a start beyond it gets 429 (retried)."
     )
