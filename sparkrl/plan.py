@@ -24,6 +24,7 @@ from sparkrl.services.common.ownership import RUN_ID_FILE
 from sparkrl.services.common.settings import BusSettings, SparkSettings, write_resolved
 from sparkrl.services.common.settings.roles import (
     ControlConfig,
+    EnvConfig,
     EvaluatorConfig,
     LearnerConfig,
     PromptsConfig,
@@ -33,15 +34,16 @@ from sparkrl.services.common.settings.roles import (
 )
 from sparkrl.torchrun import torchrun_command
 
-Role = Literal["redis", "control", "reward", "learner", "rollout", "prompts", "evaluator"]
+Role = Literal["redis", "control", "reward", "env", "learner", "rollout", "prompts", "evaluator"]
 # Shutdown, tier by tier: producers stop before what they feed (the feeder and workers before the learner,
-# workers before the reward service they call); the control service, which only reads and writes Redis,
-# goes with the reward service, before Redis, which everyone talks to and goes last. The evaluator stops
-# with the learner: it evaluates the last version the learner wrote, then scores through the reward service.
+# workers before the reward and environment services they call); the control service, which only reads
+# and writes Redis, goes with those, before Redis, which everyone talks to and goes last. The evaluator
+# stops with the learner: it evaluates the last version the learner wrote, then scores through the reward
+# service.
 STOP_TIERS: tuple[tuple[Role, ...], ...] = (
     ("prompts", "rollout"),
     ("learner", "evaluator"),
-    ("reward", "control"),
+    ("reward", "control", "env"),
     ("redis",),
 )
 TOKEN_FILE = "control-token"
@@ -153,6 +155,10 @@ def _resolve_root(
     root.reward.url = f"http://{_client_host(root.reward.host)}:{root.reward.port}"
     if "port" not in cfg.control.model_fields_set or cfg.control.port == 0:
         root.control.port = control_port
+    if root.env.enabled:  # the workers call the service the launcher starts
+        if "port" not in cfg.env.model_fields_set or cfg.env.port == 0:
+            root.env.port = free_ports(1)[0]
+        root.rollout.agent.url = f"http://{_client_host(root.env.host)}:{root.env.port}"
     root.control.url = f"http://{_client_host(root.control.host)}:{root.control.port}"
     if "port" not in cfg.sync.model_fields_set:
         root.sync.port = sync_port
@@ -248,6 +254,8 @@ def _probe(config: RoleConfig | str) -> tuple[Literal["ping", "healthz"], str] |
         return ("healthz", config.reward.url)
     if isinstance(config, ControlConfig):
         return ("healthz", config.control.url)
+    if isinstance(config, EnvConfig):
+        return ("healthz", f"http://{_client_host(config.env.host)}:{config.env.port}")
     return None
 
 
@@ -261,6 +269,11 @@ def plan_stack(
     """
     if workers < 1:
         raise ValueError(f"workers must be at least 1, not {workers}: the learner trains on their groups")
+    if cfg.env.enabled and cfg.rollout.agent.environment is None:
+        raise ValueError(
+            "env.enabled starts an environment service, but rollout.agent.environment names no environment "
+            "for the workers to play: set it, or env.enabled false"
+        )
     if private_redis is None:
         private_redis = "url" not in cfg.bus.model_fields_set
     run_dir = Path(cfg.run_dir).resolve()
@@ -274,6 +287,8 @@ def plan_stack(
         services.append(dataclasses.replace(redis_spec, ready=("ping", root.bus.url)))
     services.append(_service(run_dir, "control", "control", ControlConfig.of(root)))
     services.append(_service(run_dir, "reward", "reward", RewardConfig.of(root)))
+    if root.env.enabled:
+        services.append(_service(run_dir, "env", "env", EnvConfig.of(root)))
     resume_flag = ["--resume"] if resume else []
     learner = LearnerConfig.of(root)
     services.append(_service(run_dir, "learner", "learner", learner, *resume_flag, gpus=root.learner.gpus))

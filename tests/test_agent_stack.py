@@ -15,12 +15,19 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
 from conftest import clean_env
 
+from sparkrl.plan import plan_stack
 from sparkrl.proto import Prompt, RewardResult
 from sparkrl.services.common.modeling import load_model
-from sparkrl.services.common.settings import PromptFormat, SamplingSettings, TorchEngineSettings
+from sparkrl.services.common.settings import (
+    PromptFormat,
+    SamplingSettings,
+    TorchEngineSettings,
+    load_settings,
+)
 from sparkrl.services.common.settings.rollout import AgentSettings
 from sparkrl.services.common.tasks.countdown import score_countdown
 from sparkrl.services.rollout.agent_loop import play
@@ -82,7 +89,8 @@ def test_episodes_of_a_plain_text_model_are_token_exact_and_rewarded_by_the_envi
 
 
 @pytest.mark.slow
-def test_a_real_run_trains_on_episodes(tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
+@pytest.mark.parametrize("served", [False, True], ids=["in the workers", "served by sparkrl env"])
+def test_a_real_run_trains_on_episodes(served: bool, tiny_model_dir: Path, tmp_path: Path) -> None:  # noqa: F811
     run_dir = tmp_path / "run"
     overrides = [
         f"model={tiny_model_dir}",
@@ -90,6 +98,7 @@ def test_a_real_run_trains_on_episodes(tiny_model_dir: Path, tmp_path: Path) -> 
         "rollout.agent.reward=environment",
         "rollout.agent.max_turns=3",
         "learner.max_steps=3",
+        f"env.enabled={str(served).lower()}",
     ]
     command = [sys.executable, "-m", "sparkrl.cli", "up", "--preset", "smoke", "--run-dir", str(run_dir)]
     done = subprocess.run(
@@ -103,6 +112,9 @@ def test_a_real_run_trains_on_episodes(tiny_model_dir: Path, tmp_path: Path) -> 
     assert all(r["metrics"]["rollout/model_turns_mean"] > 1 for r in rows)
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert any(s["environment_tokens"] > 0 and "Wrong (" in s["completion"] for s in samples)
+    worker = yaml.safe_load((run_dir / "config" / "worker-0.yaml").read_text())
+    assert (worker["rollout"]["agent"]["url"] is not None) == served  # they call the service `up` started
+    assert (run_dir / "logs" / "env.log").exists() == served
 
 
 def test_the_settings_know_the_shipped_environments_and_which_keep_a_reward() -> None:
@@ -117,3 +129,5 @@ def test_the_settings_know_the_shipped_environments_and_which_keep_a_reward() ->
         AgentSettings(environment="calculator", reward="environment")
     with pytest.raises(ValueError, match="countdown_retry"):
         AgentSettings(environment="shell")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="names no environment for the workers to play"):
+        plan_stack(load_settings("smoke", ["env.enabled=true"]), workers=1)

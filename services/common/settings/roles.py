@@ -35,7 +35,7 @@ from sparkrl.services.common.settings.prompt_format import ChatTemplateMode, Tem
 from sparkrl.services.common.settings.section import Section
 from sparkrl.services.common.settings.servers import EnvServiceSettings
 
-Role = Literal["control", "reward", "learner", "rollout", "evaluator", "prompts"]
+Role = Literal["control", "reward", "env", "learner", "rollout", "evaluator", "prompts"]
 
 # As the tree's sections: an unknown key is an error, an assignment (`--worker-id`) is validated.
 _ROLE_CONFIG = ConfigDict(extra="forbid", validate_assignment=True)
@@ -252,11 +252,14 @@ class PromptsConfig(BaseModel):
         return cls(model=t.model, bus=t.bus, prompts=t.prompts, rollout=PromptBudget.of(t.rollout))
 
 
-RoleConfig = ControlConfig | RewardConfig | LearnerConfig | RolloutConfig | EvaluatorConfig | PromptsConfig
+RoleConfig = (
+    ControlConfig | RewardConfig | EnvConfig | LearnerConfig | RolloutConfig | EvaluatorConfig | PromptsConfig
+)
 
 ROLE_CONFIGS: dict[Role, type[RoleConfig]] = {
     "control": ControlConfig,
     "reward": RewardConfig,
+    "env": EnvConfig,
     "learner": LearnerConfig,
     "rollout": RolloutConfig,
     "evaluator": EvaluatorConfig,

@@ -36,6 +36,12 @@ class RewardSettings(Section):
 class EnvServiceSettings(Section):
     """The environment service (`sparkrl env`, docs/agents.md): episodes' environments over HTTP."""
 
+    enabled: bool = Field(
+        False,
+        description="`sparkrl up` starts the environment service and points its workers at it "
+        "(rollout.agent.url); false: environments run in each worker's process, or in a service started "
+        "elsewhere that rollout.agent.url names.",
+    )
     host: str = Field("127.0.0.1", description="Interface the service binds.")
     port: int = Field(8300, ge=0, le=65535, description="Port the service binds (0: any free port).")
     max_episodes: int = Field(
