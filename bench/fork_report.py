@@ -54,6 +54,11 @@ def read(record: Path) -> dict[str, Any]:
         "probe": probe,
         "reward": series("rollout/reward_mean"),
         "reg_tokens": series("loss/reg_tokens"),
+        "tokens": series("rollout/tokens"),
+        "masked": [
+            a + b
+            for a, b in zip(series("loss/masked_pos_tokens"), series("loss/masked_neg_tokens"), strict=True)
+        ],
         "heldout": evals[-1].pass_at["1"] if evals else None,
     }
 
@@ -120,7 +125,9 @@ def verdicts(by: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
     lines = []
     for name, what, (hit, n), need in checks:
         state = "not yet testable" if n < 4 else ("held" if hit >= need else "refuted")
-        lines.append(f"- {name}: {what} (≥ {need} of 4 seeds): {hit} of {n} — **{state}**")
+        lines.append(
+            f"- {name}: {what} (≥ {need} of 4 seeds): {hit} of {n} — **{state}** (forecast: {FORECAST[name]})"
+        )
     return lines
 
 
@@ -161,6 +168,52 @@ def _smooth(values: list[float], width: int) -> list[float]:
     return [_mean(values[max(0, i - width + 1) : i + 1]) for i in range(len(values))]
 
 
+# What we forecast for each hypothesis, written in the pre-registration before the first registered run.
+FORECAST = {
+    "H1": "holds at most marginally",
+    "H2": "refuted",
+    "H3": "holds",
+    "H4": "holds",
+}
+
+
+def divergence(by: dict[tuple[str, str], list[dict[str, Any]]]) -> list[str]:
+    """Per condition and arm, per seed: the first step whose reward differs from the same seed's GRPO run
+    (paired runs share prompts, sampling seeds and learner seed, so they are one run until a sampled token
+    differs); and DPPO's masked tokens over each run."""
+    lines = []
+    for condition in ("tail", "plain"):
+        grpo = {r["seed"]: r["reward"] for r in by.get((condition, "grpo"), [])}
+        for arm in [a for a in ARM_NAMES if a != "grpo"]:
+            firsts = []
+            for run in sorted(by.get((condition, arm), []), key=lambda r: r["seed"]):
+                theirs = grpo.get(run["seed"])
+                if theirs is None:
+                    continue
+                step = next(
+                    (i + 1 for i, (a, b) in enumerate(zip(run["reward"], theirs, strict=False)) if a != b),
+                    None,
+                )
+                firsts.append(f"s{run['seed']} {step if step is not None else 'never'}")
+            if firsts:
+                lines.append(f"{condition}, {ARM_NAMES[arm]}: " + ", ".join(firsts))
+    masked = [
+        f"{r['condition']} s{r['seed']} {sum(r['masked']):.0f} of {sum(r['tokens']):,.0f}"
+        for r in sorted(
+            by.get(("tail", "dppo"), []) + by.get(("plain", "dppo"), []),
+            key=lambda r: (r["condition"], r["seed"]),
+        )
+    ]
+    return [
+        "Paired runs leave GRPO's trajectory (the first step whose reward differs from the same seed's "
+        "GRPO run): " + "; ".join(lines) + ".",
+        "",
+        "Tokens DPPO's mask acted on, over each whole run, of the tokens it trained: "
+        + ", ".join(masked)
+        + ".",
+    ]
+
+
 def write_report(records: Path, out: Path, names: list[str], steps: int) -> dict[str, Any]:
     """The section between the markers of out/report.md (the rest kept) and the figures."""
     runs = [read(records / n) for n in names if recorded_steps(records / n) is not None]
@@ -197,6 +250,8 @@ def write_report(records: Path, out: Path, names: list[str], steps: int) -> dict
         *table,
         "",
         *verdicts(by),
+        "",
+        *divergence(by),
         "",
         *(f"![{f.stem}]({f.name})" for f in figures),
         END,
