@@ -97,7 +97,8 @@ def _record(records: Path, spec: Spec, p_spark: list[float], reward: float, held
 
 def test_each_seeds_fate_and_the_predictions_from_the_records(tmp_path: Path) -> None:
     records, out = tmp_path / "fork", tmp_path
-    (out / "report.md").write_text(f"# Report\n\nPre-registered.\n\n{BEGIN}\nold\n{END}\n\nAfter.\n")
+    previous = f"# Report\n\nPre-registered.\n\n{BEGIN}\nthe previous section\n{END}\n\nAfter.\n"
+    (out / "report.md").write_text(previous)
     fates = {"grpo": [0.02, 0.001], "lpreg-b0": [0.02, 0.004], "lpreg": [0.02, 0.6], "dppo": [0.02, 0.015]}
     specs = [Spec("tail", arm, seed) for seed in (1, 2, 3, 4) for arm in ARMS]
     for spec in specs:
@@ -112,17 +113,22 @@ def test_each_seeds_fate_and_the_predictions_from_the_records(tmp_path: Path) ->
     text = (out / "report.md").read_text()
     assert stats["recorded"] == 16 and stats["planned"] == 17
     assert text.startswith("# Report\n\nPre-registered.\n\n") and text.endswith("\n\nAfter.\n")
-    assert "old" not in text and "16 of 17 runs recorded (10 steps each): the verdict is preliminary" in text
+    assert "the previous section" not in text
+    assert "16 of 17 runs recorded (10 steps each): the verdict is preliminary" in text
     assert (
         "| tail | GRPO | 4 | 4 extinguished | 0.001 / 0.001 / 0.001 / 0.001 | 0.200 (0.200–0.200) | 0.300"
         in text
     )
     assert "| tail | Lp-Reg β = 1 | 4 | 4 taken over |" in text and "| plain | GRPO | 0 |" in text
     lines = [line for line in text.splitlines() if line.startswith("- H")]
-    assert lines[0].endswith("4 of 4 — **held**") and lines[2].endswith("4 of 4 — **held**")
-    assert lines[4].endswith("0 of 0 — **not yet testable**")  # the plain condition has no seed yet
+    assert "4 of 4 — **held** (forecast: holds at most marginally)" in lines[0]
+    assert "4 of 4 — **held** (forecast: refuted)" in lines[2]
+    assert "0 of 0 — **not yet testable**" in lines[4]  # the plain condition has no seed yet
     # DPPO kept the spark where GRPO lost it, seed by seed: "ends as GRPO" is refuted.
-    assert lines[5].startswith("- H4: DPPO ends as GRPO") and lines[5].endswith("0 of 4 — **refuted**")
+    assert lines[5].startswith("- H4: DPPO ends as GRPO") and "0 of 4 — **refuted**" in lines[5]
+    # Every arm's reward equals GRPO's at every step here: the paired runs never leave its trajectory.
+    assert "tail, DPPO: s1 never, s2 never, s3 never, s4 never" in text
+    assert "Tokens DPPO's mask acted on, over each whole run" in text and "tail s1 0 of " in text
     assert (out / "fork_p_spark.png").is_file() and (out / "fork_reward.png").is_file()
 
 
