@@ -49,6 +49,8 @@ def _model(cfg: SparkSettings) -> tuple[list[Problem], dict | None, object | Non
         fix = "point model at a Hugging Face model directory"
         if path.name == "tiny-countdown":
             fix = "build it first: sparkrl build-tiny-model --out " + str(path.parent)
+        if path.name == "tiny-agent":
+            fix = "build it first: sparkrl build-tiny-model --agent --out " + str(path.parent)
         what = (
             "has no config.json (not a Hugging Face model directory)" if path.is_dir() else "does not exist"
         )

@@ -14,6 +14,7 @@ Shipped:
 
 - `calculator`: the arithmetic tool (no `eval`: the expression's syntax tree is walked).
 - `python`: the sandboxed interpreter (sandbox.py: its own uid, network and mount namespaces, limits).
+- `lookup`: a box's secret that only its tool knows (the agent preset: tiny_agent.py).
 - `countdown_retry`: no tools; a wrong countdown answer is told so and asked again, up to `tries` turns in
   all; the reward is 1 for a correct answer at any turn. Multi-turn episodes a model that calls no tool
   already plays (the demo's tiny model), so the whole stack's multi-turn path runs in tests.
@@ -21,6 +22,7 @@ Shipped:
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -65,10 +67,39 @@ class CountdownRetry:
         return 1.0 if self.solved else 0.0
 
 
+class Lookup:
+    """A box's secret, which only this tool knows: the prompt names the box (`{"box": N}`), its answer is
+    the secret; a model answers right only by looking it up (the agent preset, tiny_agent.py)."""
+
+    def __init__(self) -> None:
+        self.box: int | None = None
+        self.secret = ""
+
+    def reset(self, prompt: Prompt) -> str | None:
+        found = BOX.search(prompt.text or "".join(m.content for m in prompt.messages or ()))
+        if found is None or not prompt.answer:
+            raise ValueError(
+                f'lookup needs a prompt naming {{"box": N}} and its secret as the answer ({prompt.prompt_id})'
+            )
+        self.box, self.secret = int(found.group(1)), prompt.answer
+        return None
+
+    def lookup(self, box: int) -> str:
+        """The secret in a box.
+
+        Args:
+            box: The box's number.
+        """
+        return self.secret if box == self.box else "empty"
+
+
+BOX = re.compile(r'\{"box": (\d{1,9})\}')
+
 ENVIRONMENTS: dict[str, Callable[[], Any]] = {
     "calculator": Calculator,
     "python": PythonInterpreter,
     "countdown_retry": CountdownRetry,
+    "lookup": Lookup,
 }
 
 

@@ -18,7 +18,7 @@ import random
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -318,15 +318,24 @@ def _is_current(model_dir: Path, seed: int, recipe: dict[str, Any]) -> bool:
 
 def ensure_tiny_model(cache_dir: str | Path, seed: int = 0, recipe_name: str = "tiny") -> Path:
     """`cache_dir/tiny-countdown` (seed 0; `explore-countdown` for the "explore" recipe) built once and
-    reused while the recipe is unchanged.
+    reused while the recipe is unchanged."""
+    dirname, recipe = RECIPES[recipe_name]
+    cache = Path(cache_dir)
+    return ensure_built(
+        cache / (dirname if seed == 0 else f"{dirname}-s{seed}"), seed, recipe, build_tiny_model
+    )
+
+
+def ensure_built(
+    model_dir: Path, seed: int, recipe: dict[str, Any], build: Callable[[Path, int, dict[str, Any]], Path]
+) -> Path:
+    """`model_dir`, built by `build(dir, seed, recipe)` unless it holds this recipe's build already.
 
     Safe across processes: builders serialize on a file lock, build into a temporary directory and move
     it into place with a rename, so a reader never sees a half-written model.
     """
-    cache = Path(cache_dir)
+    cache = model_dir.parent
     cache.mkdir(parents=True, exist_ok=True)
-    dirname, recipe = RECIPES[recipe_name]
-    model_dir = cache / (dirname if seed == 0 else f"{dirname}-s{seed}")
     if _is_current(model_dir, seed, recipe):
         return model_dir
     with FileLock(str(model_dir) + ".lock"):
@@ -334,7 +343,7 @@ def ensure_tiny_model(cache_dir: str | Path, seed: int = 0, recipe_name: str = "
             return model_dir
         staging = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}-", dir=cache))
         try:
-            build_tiny_model(staging, seed=seed, recipe=recipe)
+            build(staging, seed, recipe)
             if model_dir.exists():
                 stale = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}-stale-", dir=cache))
                 model_dir.rename(stale / "old")

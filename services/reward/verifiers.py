@@ -225,5 +225,18 @@ def verify_countdown(completion: str, answer: str | None, task_data: dict[str, A
     return score_countdown(completion, numbers, target)
 
 
+def verify_exact(completion: str, answer: str | None, task_data: dict[str, Any] | None) -> VerifyResult:
+    """1 iff the completion, stripped, is the answer, stripped (a lookup's secret, a label)."""
+    if answer is None:
+        return 0.0, "error", "the exact task needs an answer"
+    got = completion.strip()
+    if not got:
+        return 0.0, "no_answer", "empty answer"
+    if got == answer.strip():
+        return 1.0, "correct", got[:200]
+    return 0.0, "incorrect", f"{got[:100]!r}, expected {answer.strip()[:100]!r}"
+
+
 register_verifier("math", verify_math)
+register_verifier("exact", verify_exact, bounded=True)
 register_verifier("countdown", verify_countdown, bounded=True)

@@ -92,7 +92,7 @@ class PartialSettings(Section):
 
 # The environments that ship (services/common/environments.py registers them; a test holds the two equal),
 # and those of them that keep a reward of their own (`get_reward`).
-EnvironmentName = Literal["calculator", "python", "countdown_retry"]
+EnvironmentName = Literal["calculator", "python", "countdown_retry", "lookup"]
 KEEPS_REWARD = frozenset({"countdown_retry"})
 
 
@@ -102,7 +102,7 @@ class AgentSettings(Section):
     environment: EnvironmentName | None = Field(
         None,
         description="The environment each episode plays, by name (services/common/environments.py: "
-        "calculator, python, countdown_retry). None: one completion per sample, no environment.",
+        "calculator, python, countdown_retry, lookup). None: one completion per sample, no environment.",
     )
     url: str | None = Field(
         None,
