@@ -341,7 +341,11 @@ class Worker:
             env_tokens = run.episode.environment_tokens
             self.metrics.observe_episode(run.status, run.episode.turns, dict(run.tool_calls), env_tokens)
         completions = [[run.completion(tokenizer) for run in group] for group in episodes]
-        return (batch.subset(keep), completions), episodes
+        # The prompt as the episodes saw it (with the tools' schemas), not as it was pulled: the learner
+        # must score every token in the context it was sampled in.
+        played = batch.subset(keep)
+        played.token_ids = [group[0].episode.prompt_ids for group in episodes]
+        return (played, completions), episodes
 
     def interrupts(self, in_hand: int) -> Interrupts | None:
         """What the engine does between two decoding steps: with `rollout.partial`, stop for a stop (a
