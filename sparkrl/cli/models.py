@@ -85,11 +85,27 @@ def build_tiny_model(
             help="Cache folder (default: sparkrl's cache, where presets look); the model goes in a subfolder."
         ),
     ] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the weights and the warm-up data.")] = 0,
+    seed: Annotated[
+        int | None, typer.Option(help="Seed of the weights and the warm-up data (default: the recipe's).")
+    ] = None,
+    agent: Annotated[
+        bool,
+        typer.Option(help="The agent preset's model instead (tiny-agent: it answers by calling a tool)."),
+    ] = False,
 ) -> None:
     """Build (once) the tiny countdown model: char tokenizer, Qwen2 config, a short supervised warm-up."""
     setup_logging("build-tiny-model")
     from sparkrl.services.common.paths import cache_dir
+
+    if agent:
+        from sparkrl.services.common.tiny_agent import ensure_tiny_agent
+
+        typer.echo(
+            ensure_tiny_agent(out or cache_dir())
+            if seed is None
+            else ensure_tiny_agent(out or cache_dir(), seed=seed)
+        )
+        return
     from sparkrl.services.common.tiny_model import ensure_tiny_model
 
-    typer.echo(ensure_tiny_model(out or cache_dir(), seed=seed))
+    typer.echo(ensure_tiny_model(out or cache_dir(), seed=seed or 0))

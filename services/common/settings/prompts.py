@@ -27,8 +27,9 @@ class CountdownSettings(Section):
 class PromptSettings(Section):
     """What `sparkrl prompts` feeds into the prompt stream."""
 
-    task: Literal["countdown", "math"] = Field(
-        "countdown", description="Task; chooses generator and verifier."
+    task: Literal["countdown", "math", "exact"] = Field(
+        "countdown",
+        description="Task; chooses generator and verifier (exact: the answer verbatim, from a file).",
     )
     path: str | None = Field(
         None, description="jsonl/parquet file of prompts (math); None: generate (countdown)."
