@@ -158,3 +158,12 @@ def test_countdown_scores_the_costliest_input_its_limits_let_through() -> None:
     assert len(worst) <= 256
     score, status, detail = run_verifier(verify_countdown, worst, None, task_data)
     assert status == "incorrect" and score == 0.0, detail
+
+
+def test_exact_is_the_answer_verbatim_and_bounded() -> None:
+    verify = registry()["exact"]
+    assert run_verifier(verify, "  imh\n", "imh", None) == (1.0, "correct", "imh")
+    assert run_verifier(verify, "imx", "imh", None)[:2] == (0.0, "incorrect")
+    assert run_verifier(verify, "  ", "imh", None)[:2] == (0.0, "no_answer")
+    assert run_verifier(verify, "imh", None, None)[:2] == (0.0, "error")
+    assert "exact" in bounded_tasks()
