@@ -139,8 +139,9 @@ def test_countdown_is_scored_in_the_service_while_every_verifier_process_is_busy
     service: httpx.Client,
 ) -> None:
     """Countdown's verifier is bounded (verifiers.py, as exact's is): it runs in the service's process,
-    without the round trip to a verifier process. With both of the pool's processes held by stuck items, countdown
-    items of the same request still come back scored at once, in request order, around the pool's."""
+    without the round trip to a verifier process. With both of the pool's processes held by stuck items,
+    countdown items of the same request still come back scored at once, in request order, around the
+    pool's."""
     assert service.get("/healthz").json()["inline"] == ["countdown", "exact"]
     task_data = {"numbers": [3, 5, 3], "target": 24}
     items = [
