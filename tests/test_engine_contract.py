@@ -311,3 +311,40 @@ def test_vllm_initial_checksum_is_the_learners(tiny_model_dir: Path, reference: 
 def test_make_engine_rejects_unknown_settings(tiny_model_dir: Path) -> None:  # noqa: F811
     with pytest.raises(TypeError, match="no engine"):
         make_engine(tiny_model_dir, SamplingSettings())  # type: ignore[arg-type]
+
+
+@torch.no_grad()
+def test_multi_turn_episodes_are_the_exact_token_stream(engine: Engine, reference: PreTrainedModel) -> None:
+    """Issue 48: episodes of `countdown_retry` (a wrong answer is told so and asked again) on the engine:
+    every model token has the log-prob the reference model gives it over the episode's whole stream, the
+    environment's turns between them (tokenized alone, never re-rendered); those are context at 0."""
+    from sparkrl.proto import Prompt
+    from sparkrl.services.common.settings import PromptFormat
+    from sparkrl.services.common.settings.rollout import AgentSettings
+    from sparkrl.services.rollout.agent_loop import play
+
+    prompts = [
+        Prompt(prompt_id=f"contract/{i}@0", task="countdown", text=text, task_data=data)
+        for i, (text, data) in enumerate(
+            [
+                (PROMPTS[0], {"numbers": [3, 7], "target": 21}),
+                (PROMPTS[1], {"numbers": [8, 2, 6], "target": 40}),
+            ]
+        )
+    ]
+    agent = AgentSettings(environment="countdown_retry", max_turns=3, reward="environment")
+    sampling = SamplingSettings(n=4, max_new_tokens=10, topk_logprobs=4, seed=2)
+    episodes, refused = play(engine, prompts, sampling, agent, PromptFormat())
+    assert not refused
+    runs = [run for group in episodes for run in group]
+    assert any(run.episode.turns > 1 for run in runs), "no episode took a second turn"
+    for run in runs:
+        wire = run.completion(engine.tokenizer)
+        mine = wire.model_token_mask()
+        logp = torch.log_softmax(
+            reference(input_ids=torch.tensor([run.episode.context])).logits[0].float(), -1
+        )
+        at = len(run.episode.prompt_ids) + np.flatnonzero(mine)
+        forced = logp[at - 1, torch.tensor(run.episode.context)[at]]
+        np.testing.assert_allclose(wire.logprobs[mine], forced.numpy(), atol=TOLERANCE[kind(engine)])
+        assert not wire.logprobs[~mine].any()
