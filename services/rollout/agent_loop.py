@@ -18,12 +18,14 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from sparkrl.proto import Completion, Prompt
+from sparkrl.proto.environment import EpisodeReply
 from sparkrl.services.common.environments import LocalSession, Session, make_environment
 from sparkrl.services.common.modeling import prompt_messages, render_prompt, template_in_force
 from sparkrl.services.common.settings import PromptFormat, SamplingSettings
@@ -32,6 +34,7 @@ from sparkrl.services.rollout.engine import Engine
 from sparkrl.services.rollout.episode import Episode, Message, environment_turn
 from sparkrl.services.rollout.remote_env import EnvironmentUnavailable
 
+CONCURRENT_CALLS = 32  # environment calls of one turn in flight at once
 ENDINGS = ("done", "max_turns", "max_tokens", "no_exact_continuation", "environment_error")
 
 
@@ -162,23 +165,36 @@ def run_episodes(
         for session, messages in zip(sessions, prompts, strict=True)
     ]
     one = sampling.model_copy(update={"n": 1})
-    while live := [run for run in runs if run.status == "running"]:
-        groups = engine.generate([run.episode.context for run in live], one)
-        for run, (completion,) in zip(live, groups, strict=True):
-            _turn(run, completion, turns, limits)
-    for run in runs:
-        ended = run.session.end()  # also where a service forgets the episode: every episode is ended
-        run.reward = ended.reward
-        if ended.error is not None and run.error is None:
-            run.status, run.error = "environment_error", ended.error
+    # The environments answer a turn's episodes at once (a service's round trips, a sandbox's processes
+    # overlap); everything else of a turn runs here, in order.
+    with ThreadPoolExecutor(max_workers=CONCURRENT_CALLS, thread_name_prefix="env") as calls:
+        while live := [run for run in runs if run.status == "running"]:
+            groups = engine.generate([run.episode.context for run in live], one)
+            completions = [completion for (completion,) in groups]
+            texts = [_model_turn(run, c, turns) for run, c in zip(live, completions, strict=True)]
+            answers = calls.map(lambda run, text: run.session.turn(text), live, texts)
+            for run, completion, answer in zip(live, completions, answers, strict=True):
+                _environment_turn(run, completion, answer, turns, limits)
+        endings = calls.map(lambda run: run.session.end(), runs)  # a service forgets each episode here
+        for run, ended in zip(runs, endings, strict=True):
+            run.reward = ended.reward
+            if ended.error is not None and run.error is None:
+                run.status, run.error = "environment_error", ended.error
     return runs
 
 
-def _turn(run: EpisodeRun, completion: Completion, turns: Turns, limits: EpisodeLimits) -> None:
-    tokens = [int(t) for t in completion.token_ids]
+def _model_turn(run: EpisodeRun, completion: Completion, turns: Turns) -> str:
+    """The model's turn into the stream; its text, for the environment."""
     run.episode.add_model_turn(completion)
-    text = run.answer = turns.tokenizer.decode(tokens, skip_special_tokens=True)
-    answer = run.session.turn(text)
+    run.answer = turns.tokenizer.decode([int(t) for t in completion.token_ids], skip_special_tokens=True)
+    return run.answer
+
+
+def _environment_turn(
+    run: EpisodeRun, completion: Completion, answer: EpisodeReply, turns: Turns, limits: EpisodeLimits
+) -> None:
+    """The environment's answer to the model's turn: the episode ends, or its turn goes into the stream."""
+    tokens, text = [int(t) for t in completion.token_ids], run.answer
     run.tool_calls.update(answer.tool_calls)
     if answer.error is not None:
         run.status, run.error = "environment_error", answer.error
