@@ -33,6 +33,7 @@ from pathlib import Path
 import httpx
 
 from sparkrl.ports import free_ports
+from sparkrl.processes import answers_healthz
 from sparkrl.proto import Prompt
 from sparkrl.services.common.settings import PromptFormat, SamplingSettings, TorchEngineSettings
 from sparkrl.services.common.settings.rollout import AgentSettings
@@ -53,12 +54,11 @@ def env_service() -> Iterator[str]:
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+        deadline = time.monotonic() + 60
+        while not answers_healthz(url):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"sparkrl env did not come up on {url} (exit {process.poll()})")
+            time.sleep(0.2)
         yield url
     finally:
         process.terminate()

@@ -73,6 +73,14 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
+def answers_healthz(url: str, timeout_s: float = 1.0) -> bool:
+    """Whether the service at `url` answers GET /healthz with 200 (not answering at all: False)."""
+    try:
+        return httpx.get(f"{url}/healthz", timeout=timeout_s).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def is_ready(spec: ServiceSpec) -> bool:
     """The spec's readiness probe (plan.py decides it): Redis answers PING, a /healthz answers 200, or
     none (started is ready)."""
@@ -80,10 +88,7 @@ def is_ready(spec: ServiceSpec) -> bool:
         return True
     kind, url = spec.ready
     if kind == "healthz":
-        try:
-            return httpx.get(f"{url}/healthz", timeout=1.0).status_code == 200
-        except httpx.HTTPError:
-            return False
+        return answers_healthz(url)
     client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
     try:
         return bool(client.ping())

@@ -196,3 +196,23 @@ def test_the_agent_preset_learns_to_call_its_tool(tiny_agent_dir: Path, tmp_path
     # rendered with the tools' schemas), so its log-probs are the worker's. A learner that scored the
     # episodes behind the prompt as pulled (without the tools) trained away from the tool.
     assert abs(rows[0]["loss/ratio_mean"] - 1) < 0.01 and abs(rows[0]["loss/ratio_kl"]) < 0.01
+
+
+def test_the_worker_counts_episodes_by_ending_and_tool_calls_by_status() -> None:
+    from prometheus_client import generate_latest
+
+    from sparkrl.services.rollout.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics("w0")
+    metrics.observe_episode("done", 2, {"ok": 1}, 5)
+    metrics.observe_episode("max_turns", 3, {"ok": 1, "timeout": 2}, 7)
+    text = generate_latest(metrics.registry).decode()
+    for line in [
+        'sparkrl_rollout_episodes_total{end="done",worker="w0"} 1.0',
+        'sparkrl_rollout_episodes_total{end="max_turns",worker="w0"} 1.0',
+        'sparkrl_rollout_tool_calls_total{status="ok",worker="w0"} 2.0',
+        'sparkrl_rollout_tool_calls_total{status="timeout",worker="w0"} 2.0',
+        'sparkrl_rollout_episode_turns_total{worker="w0"} 5.0',
+        'sparkrl_rollout_environment_tokens_total{worker="w0"} 12.0',
+    ]:
+        assert line in text

@@ -19,6 +19,7 @@ import pytest
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
 from conftest import clean_env, free_port
 
+from sparkrl.processes import answers_healthz
 from sparkrl.proto import Prompt
 from sparkrl.services.common.settings import PromptFormat, SamplingSettings, TorchEngineSettings
 from sparkrl.services.common.settings.rollout import AgentSettings
@@ -41,12 +42,7 @@ def service() -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     try:
-        while True:
-            try:
-                if httpx.get(url + "/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+        while not answers_healthz(url, timeout_s=2):
             if process.poll() is not None or time.monotonic() > deadline:
                 out = process.stdout.read().decode(errors="replace") if process.stdout else ""
                 pytest.fail(f"sparkrl env did not come up (exit {process.poll()}):\n{out[-3000:]}")

@@ -3,6 +3,8 @@ scrapes aggregate (`sum by (worker)`) without relabelling."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _GENERATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
@@ -16,10 +18,14 @@ class WorkerMetrics:
     def __init__(self, worker_id: str) -> None:
         r = self.registry = CollectorRegistry(auto_describe=True)
         label = ["worker"]
-        self.worker_id = worker_id
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, label, registry=r).labels(worker_id)
+
+        def counter_by(name: str, doc: str, label: str) -> Callable[[str], Counter]:
+            """A counter with a second label: this worker's series for each of its values."""
+            by = Counter(name, doc, ["worker", label], registry=r)
+            return lambda value: by.labels(worker_id, value)
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, label, registry=r).labels(worker_id)
@@ -53,18 +59,14 @@ class WorkerMetrics:
             "Samples with saved partial work made again from the prompt (too stale, or not fitting).",
         )
         self.sync_failures = counter("sparkrl_rollout_sync_failures", "Weight syncs that failed.")
-        self.episodes = Counter(
-            "sparkrl_rollout_episodes",
-            "Episodes played (rollout.agent), by how each ended.",
-            ["worker", "end"],
-            registry=r,
+        self.episodes = counter_by(
+            "sparkrl_rollout_episodes", "Episodes played (rollout.agent), by how each ended.", "end"
         )
         self.episode_turns = counter("sparkrl_rollout_episode_turns", "Model turns of the episodes played.")
-        self.tool_calls = Counter(
+        self.tool_calls = counter_by(
             "sparkrl_rollout_tool_calls",
             "Tool calls answered, by status (ok, malformed, timeout, ...).",
-            ["worker", "status"],
-            registry=r,
+            "status",
         )
         self.environment_tokens = counter(
             "sparkrl_rollout_environment_tokens", "Tokens the environment wrote into episodes (context only)."
@@ -84,8 +86,8 @@ class WorkerMetrics:
     ) -> None:
         """One episode played: how it ended, its model turns, its tool calls by status, the tokens the
         environment wrote."""
-        self.episodes.labels(self.worker_id, end).inc()
+        self.episodes(end).inc()
         self.episode_turns.inc(turns)
         for status, count in tool_calls.items():
-            self.tool_calls.labels(self.worker_id, status).inc(count)
+            self.tool_calls(status).inc(count)
         self.environment_tokens.inc(environment_tokens)
