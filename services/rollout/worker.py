@@ -278,9 +278,7 @@ class Worker:
             self.state.in_flight = [e for e in self.state.in_flight if e not in handed]
         self.handover.save(batch, completions, self.cfg.sampling)
 
-    def _generate(
-        self, batch: PromptBatch, taken: Taken
-    ) -> tuple[PromptBatch, list[list[Completion]]] | None:
+    def _generate(self, batch: PromptBatch, taken: Taken) -> Made | None:
         """The batch's completions (continuing the samples `taken` holds); after a failure, those of the
         prompts that generate alone (the ones that fail alone while the engine works are dead-lettered), or
         None when the model or engine is at fault (the worker falls sick, the prompts stay unacknowledged,
