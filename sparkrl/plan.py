@@ -32,6 +32,7 @@ from sparkrl.services.common.settings.roles import (
     RoleConfig,
     RolloutConfig,
 )
+from sparkrl.services.common.settings.servers import SHIPPED_ENVIRONMENTS
 from sparkrl.torchrun import torchrun_command
 
 Role = Literal["redis", "control", "reward", "env", "learner", "rollout", "prompts", "evaluator"]
@@ -159,6 +160,9 @@ def _resolve_root(
         if "port" not in cfg.env.model_fields_set or cfg.env.port == 0:
             root.env.port = free_ports(1)[0]
         root.rollout.agent.url = f"http://{_client_host(root.env.host)}:{root.env.port}"
+        played = root.rollout.agent.environment
+        if played not in SHIPPED_ENVIRONMENTS and played not in root.env.custom_environments:
+            root.env.custom_environments = [*root.env.custom_environments, played]  # yours, served
     root.control.url = f"http://{_client_host(root.control.host)}:{root.control.port}"
     if "port" not in cfg.sync.model_fields_set:
         root.sync.port = sync_port

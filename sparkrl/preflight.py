@@ -393,4 +393,19 @@ def check(cfg: SparkSettings) -> list[Problem]:
                 Problem("rollout.sampling.topk_logprobs", f"exceeds the vocabulary ({vocab}): lower it")
             )
     engine_problems, vllm_on_cpu = _engine(cfg, config)
-    return problems + engine_problems + _devices(cfg, vllm_on_cpu) + _sync(cfg)
+    return problems + engine_problems + _devices(cfg, vllm_on_cpu) + _sync(cfg) + _environment(cfg)
+
+
+def _environment(cfg: SparkSettings) -> list[Problem]:
+    """The episodes' environment loads here, has its tools' schemas and the reward asked of it (where
+    `sparkrl up` runs it: in the workers, or in the environment service it starts)."""
+    from sparkrl.services.common.environments import check_environment
+
+    agent = cfg.rollout.agent
+    if agent.environment is None or (agent.url is not None and not cfg.env.enabled):
+        return []  # none, or played by a service started elsewhere
+    try:
+        check_environment(agent.environment, agent.reward)
+    except ValueError as exc:
+        return [Problem("rollout.agent.environment", str(exc))]
+    return []

@@ -29,9 +29,10 @@ from sparkrl.services.common.settings import (
     TorchEngineSettings,
     load_settings,
 )
+from sparkrl.services.common.settings.roles import EnvConfig
 from sparkrl.services.common.settings.rollout import AgentSettings
 from sparkrl.services.common.tasks.countdown import score_countdown
-from sparkrl.services.rollout.agent_loop import play
+from sparkrl.services.rollout.agent_loop import EpisodeRun, play
 from sparkrl.services.rollout.batch import episode_results
 from sparkrl.services.rollout.torch_engine import TorchEngine
 
@@ -123,19 +124,51 @@ def test_a_real_run_trains_on_episodes_served_by_the_environment_service(
 
 
 def test_the_settings_know_the_shipped_environments_and_which_keep_a_reward() -> None:
-    from typing import get_args
-
     from sparkrl.services.common.environments import ENVIRONMENTS
-    from sparkrl.services.common.settings.rollout import KEEPS_REWARD, EnvironmentName
+    from sparkrl.services.common.settings.servers import KEEPS_REWARD, SHIPPED_ENVIRONMENTS
 
-    assert set(get_args(EnvironmentName)) == set(ENVIRONMENTS)
+    assert set(SHIPPED_ENVIRONMENTS) == set(ENVIRONMENTS)
     assert KEEPS_REWARD == {name for name, made in ENVIRONMENTS.items() if hasattr(made, "get_reward")}
     with pytest.raises(ValueError, match="calculator environment keeps no reward"):
         AgentSettings(environment="calculator", reward="environment")
-    with pytest.raises(ValueError, match="countdown_retry"):
-        AgentSettings(environment="shell")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"package.module:Class"):
+        AgentSettings(environment="shell")
+    with pytest.raises(ValueError, match=r"package.module:Class"):
+        AgentSettings(environment="../evil:Env")
     with pytest.raises(ValueError, match="names no environment for the workers to play"):
         plan_stack(load_settings("smoke", ["env.enabled=true"]), workers=1)
+
+
+def test_your_own_environment_loads_by_its_import_path_and_what_is_wrong_is_named(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """`rollout.agent.environment: package.module:Class`, as TRL's environment_factory takes a class: the
+    worker and `sparkrl up`'s preflight load it, its tools' schemas and the reward asked of it are checked
+    before anything runs, and the environment service `up` starts serves it (env.custom_environments)."""
+    from sparkrl.preflight import check
+    from sparkrl.services.common.environments import check_environment, make_environment
+
+    assert type(make_environment("_code_envs:ModelCode")).__name__ == "ModelCode"
+    check_environment("_code_envs:ModelCode", "environment")
+    for name, why in [
+        ("no_such_module:Env", "cannot import no_such_module"),
+        ("_code_envs:Nothing", "has no class Nothing"),
+        ("_code_envs:Attacks", "keeps no reward"),  # asked for with reward environment below
+    ]:
+        with pytest.raises(ValueError, match=why):
+            check_environment(name, "environment")
+    base = [f"model={tiny_model_dir}", f"run_dir={tmp_path}"]
+    wrong = load_settings(
+        "smoke", [*base, "rollout.agent.environment=_code_envs:Attacks", "rollout.agent.reward=environment"]
+    )
+    assert [p.setting for p in check(wrong)] == ["rollout.agent.environment"]
+    served = load_settings(
+        "smoke", [*base, "rollout.agent.environment=_code_envs:ModelCode", "env.enabled=true"]
+    )
+    plan = plan_stack(served, workers=1)
+    (env,) = [s.config for s in plan.services if s.role == "env"]
+    assert isinstance(env, EnvConfig) and env.env.custom_environments == ["_code_envs:ModelCode"]
 
 
 def test_the_lookup_environment_answers_only_the_named_box() -> None:
@@ -216,3 +249,39 @@ def test_the_worker_counts_episodes_by_ending_and_tool_calls_by_status() -> None
         'sparkrl_rollout_environment_tokens_total{worker="w0"} 12.0',
     ]:
         assert line in text
+
+
+def test_held_out_pass_at_k_is_over_episodes_played_as_the_workers_play_them(
+    tiny_model_dir: Path,  # noqa: F811
+) -> None:
+    """Issue 48 item 5: `evaluate_episodes` plays each held-out problem's n episodes with the run's
+    environment; pass@1 is the share of episodes whose trained reward has full marks — the same episodes,
+    counted independently here; a problem the environment refuses is unsolved in every sample."""
+    from sparkrl.services.common.settings import CountdownSettings
+    from sparkrl.services.common.tasks.evaluation import heldout_countdown
+    from sparkrl.services.rollout.episode_eval import evaluate_episodes
+
+    tasks = heldout_countdown(6, CountdownSettings())
+    tasks.append(Prompt(prompt_id="heldout/bad", task="countdown", text="no numbers\n"))
+    agent = AgentSettings(environment="countdown_retry", max_turns=3, reward="environment")
+    sampled = SamplingSettings(n=4, max_new_tokens=12, topk_logprobs=1, seed=3)
+    scored: list[list[bool]] = []
+
+    def score(problems: list[Prompt], episodes: list[list[EpisodeRun]]) -> list[bool]:
+        solved = [bool(run.reward and run.reward >= 1) for group in episodes for run in group]
+        scored.append(solved)
+        return solved
+
+    engine = TorchEngine(tiny_model_dir, TorchEngineSettings(threads=1))
+    try:
+        result = evaluate_episodes(engine, tasks, score, agent, PromptFormat(), sampled)
+        episodes, refused = play(engine, tasks, sampled, agent, PromptFormat())
+    finally:
+        engine.close()
+    assert list(refused) == [6] and len(scored) == 2 and len(scored[0]) == 6 * 4 and len(scored[1]) == 6
+    again = [bool(run.reward and run.reward >= 1) for group in episodes for run in group]
+    assert scored[0] == again  # the seeded episodes, played again
+    assert result.problems == 7 and result.n == 4
+    assert result.pass_at[1] == pytest.approx(sum(again) / 4 / 7)
+    assert 0 < result.pass_at[1] < result.pass_at[4] <= 6 / 7
+    assert result.greedy == sum(scored[1]) / 7

@@ -314,10 +314,15 @@ def test_make_engine_rejects_unknown_settings(tiny_model_dir: Path) -> None:  # 
 
 
 @torch.no_grad()
-def test_multi_turn_episodes_are_the_exact_token_stream(engine: Engine, reference: PreTrainedModel) -> None:
-    """Issue 48: episodes of `countdown_retry` (a wrong answer is told so and asked again) on the engine:
-    every model token has the log-prob the reference model gives it over the episode's whole stream, the
-    environment's turns between them (tokenized alone, never re-rendered); those are context at 0."""
+@pytest.mark.parametrize("environment", ["countdown_retry", "_code_envs:ModelCode"])
+def test_multi_turn_episodes_are_the_exact_token_stream(
+    engine: Engine, reference: PreTrainedModel, environment: str
+) -> None:
+    """Issue 48: episodes on the engine — of `countdown_retry` (a wrong answer is told so and asked again)
+    and of the tests' `ModelCode` (each model turn run by the sandboxed Python tool, its output or error
+    the next turn): every model token has the log-prob the reference model gives it over the episode's
+    whole stream, the environment's turns between them (tokenized alone, never re-rendered); those are
+    context at 0."""
     from sparkrl.proto import Prompt
     from sparkrl.services.common.settings import PromptFormat
     from sparkrl.services.common.settings.rollout import AgentSettings
@@ -332,7 +337,7 @@ def test_multi_turn_episodes_are_the_exact_token_stream(engine: Engine, referenc
             ]
         )
     ]
-    agent = AgentSettings(environment="countdown_retry", max_turns=3, reward="environment")
+    agent = AgentSettings(environment=environment, max_turns=3, reward="environment")
     sampling = SamplingSettings(n=4, max_new_tokens=10, topk_logprobs=4, seed=2)
     episodes, refused = play(engine, prompts, sampling, agent, PromptFormat())
     assert not refused
@@ -348,3 +353,5 @@ def test_multi_turn_episodes_are_the_exact_token_stream(engine: Engine, referenc
         forced = logp[at - 1, torch.tensor(run.episode.context)[at]]
         np.testing.assert_allclose(wire.logprobs[mine], forced.numpy(), atol=TOLERANCE[kind(engine)])
         assert not wire.logprobs[~mine].any()
+        if environment != "countdown_retry" and run.episode.turns > 1:  # the sandbox's answer, seen
+            assert engine.tokenizer.decode(wire.token_ids[~mine].tolist()).startswith("[code: ")

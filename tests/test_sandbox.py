@@ -131,3 +131,15 @@ def _uid(pid: str) -> int | None:
         return os.stat(f"/proc/{pid}").st_uid
     except OSError:
         return None
+
+
+@ROOT_ONLY
+def test_it_runs_under_the_services_umask() -> None:
+    """`sparkrl up` and its services run with umask 077 (their files 0600): the call's own uid must still
+    read its program, or every call of a worker's Python tool fails before the code runs."""
+    before = os.umask(0o077)
+    try:
+        done = run_python("print(6 * 7)")
+    finally:
+        os.umask(before)
+    assert (done.status, done.stdout) == ("ok", "42\n"), done.stderr

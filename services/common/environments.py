@@ -22,6 +22,7 @@ Shipped:
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections import Counter
 from collections.abc import Callable
@@ -103,16 +104,51 @@ ENVIRONMENTS: dict[str, Callable[[], Any]] = {
 }
 
 
-def make_environment(name: str) -> Any:
-    """A fresh environment (one per episode) of the registered `name`."""
-    try:
-        factory = ENVIRONMENTS[name]
-    except KeyError:
+def environment_factory(name: str) -> Callable[[], Any]:
+    """What makes an episode's environment: a shipped one by `name`, or the class a `package.module:Class`
+    import path names (importable where the episodes run). Errors name the fix."""
+    if name in ENVIRONMENTS:
+        return ENVIRONMENTS[name]
+    if ":" not in name:
         known = ", ".join(sorted(ENVIRONMENTS))
         raise ValueError(
-            f"unknown environment {name!r}: rollout.agent.environment is one of {known}"
-        ) from None
-    return factory()
+            f"unknown environment {name!r}: rollout.agent.environment is one of {known}, "
+            "or your own class as package.module:Class"
+        )
+    module_name, _, attribute = name.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(
+            f"environment {name!r}: cannot import {module_name} ({exc}); install it where the episodes "
+            "run, or put its folder on PYTHONPATH"
+        ) from exc
+    factory = getattr(module, attribute, None)
+    if not callable(factory):
+        raise ValueError(f"environment {name!r}: {module_name} has no class {attribute}")
+    return factory
+
+
+def check_environment(name: str, reward: str = "verifier") -> None:
+    """Raise, naming the fix, what would fail every episode of `name`: it does not load or construct,
+    a tool has no hints or docstring (tools.tool_schemas), or `reward` (rollout.agent.reward) asks for
+    a `get_reward` it lacks. The worker and `sparkrl up`'s preflight call it before anything runs."""
+    factory = environment_factory(name)
+    try:
+        environment = factory()
+    except Exception as exc:  # the user's constructor
+        raise ValueError(f"environment {name!r} cannot be made: {type(exc).__name__}: {exc}") from exc
+    tool_schemas(environment)
+    if reward != "verifier" and not callable(getattr(environment, "get_reward", None)):
+        raise ValueError(
+            f"rollout.agent.reward {reward}: environment {name!r} keeps no reward (no get_reward); "
+            "use verifier, or give it a get_reward() -> float"
+        )
+
+
+def make_environment(name: str) -> Any:
+    """A fresh environment (one per episode) of `name` (`environment_factory`)."""
+    return environment_factory(name)()
 
 
 class Session(Protocol):

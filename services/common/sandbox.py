@@ -144,8 +144,9 @@ def run_python(code: str, limits: SandboxLimits | None = None, stdin: str = "") 
     try:
         (scratch / "main.py").write_text(code, encoding="utf-8")
         (scratch / "stdin").write_text(stdin, encoding="utf-8")
-        if os.geteuid() == 0:
-            os.chown(scratch, uid, uid)
+        if os.geteuid() == 0:  # the call's own uid owns its folder and files (whatever the umask made them)
+            for path in (scratch, scratch / "main.py", scratch / "stdin"):
+                os.chown(path, uid, uid)
         scratch.chmod(0o700)
         return _run(scratch, limits, uid)
     finally:

@@ -41,6 +41,8 @@ MODEL_DIRNAME = "tiny-agent"
 # accuracy 0.03 → 0.98 between steps 650 and 1,075), seed 0's had not come by step 975.
 SEED = 1
 TRAIN_FILE = "lookup-train.jsonl"  # the preset's prompts, written beside the model
+EVAL_FILE = "lookup-eval.jsonl"  # its held-out problems (another stream of boxes and secrets)
+EVAL_PROBLEMS = 256
 TEMPLATE = (
     "{%- if tools %}tools: {{ tools | map(attribute='function.name') | join(', ') }}{{ '\\n' }}{% endif -%}"
     "{%- for m in messages -%}"
@@ -233,11 +235,8 @@ def build_tiny_agent(out_dir: str | Path, seed: int = 0, recipe: dict[str, Any] 
         mix = _train(model, tokenizer, rng, mix_recipe, recipe["mix_steps"], recipe["direct_share"], settled)
     tokenizer.save_pretrained(out)
     model.save_pretrained(out, safe_serialization=True)
-    prompts = random.Random(f"train-{seed}")
-    with (out / TRAIN_FILE).open("w") as file:
-        for _ in range(recipe["train_prompts"]):
-            box, secret = problem(prompts)
-            file.write(json.dumps({"prompt": question(box), "answer": secret}) + "\n")
+    write_problems(out / TRAIN_FILE, f"train-{seed}", recipe["train_prompts"])
+    write_problems(out / EVAL_FILE, f"heldout-{seed}", EVAL_PROBLEMS)
     info = {
         "recipe_hash": recipe_hash(seed, recipe),
         "recipe": recipe,
@@ -253,6 +252,19 @@ def build_tiny_agent(out_dir: str | Path, seed: int = 0, recipe: dict[str, Any] 
     return out
 
 
+def write_problems(path: Path, stream: str, count: int) -> None:
+    """`count` lookup problems of the random stream `stream`, one JSON line each (prompt, answer)."""
+    rng = random.Random(stream)
+    with path.open("w") as file:
+        for _ in range(count):
+            box, secret = problem(rng)
+            file.write(json.dumps({"prompt": question(box), "answer": secret}) + "\n")
+
+
 def ensure_tiny_agent(cache_dir: str | Path, seed: int = SEED) -> Path:
-    """`cache_dir/tiny-agent`, built once (a few minutes here) and reused while the recipe is unchanged."""
-    return ensure_built(Path(cache_dir) / MODEL_DIRNAME, seed, RECIPE, build_tiny_agent)
+    """`cache_dir/tiny-agent`, built once (a few minutes here) and reused while the recipe is unchanged
+    (a build from before the held-out file gets it)."""
+    out = ensure_built(Path(cache_dir) / MODEL_DIRNAME, seed, RECIPE, build_tiny_agent)
+    if not (out / EVAL_FILE).is_file():
+        write_problems(out / EVAL_FILE, f"heldout-{seed}", EVAL_PROBLEMS)
+    return out

@@ -33,7 +33,12 @@ from sparkrl.proto.environment import (
     EpisodeTurn,
 )
 from sparkrl.services.common import asgi_server
-from sparkrl.services.common.environments import ENVIRONMENTS, LocalSession, make_environment
+from sparkrl.services.common.environments import (
+    ENVIRONMENTS,
+    LocalSession,
+    check_environment,
+    make_environment,
+)
 from sparkrl.services.common.http import AsciiJSON, BodyLimit, install_validation_handler
 from sparkrl.services.common.settings.servers import EnvServiceSettings
 
@@ -93,16 +98,17 @@ class Episodes:
 
 def create_app(settings: EnvServiceSettings) -> FastAPI:
     episodes = Episodes(settings)
+    served = served_environments(settings)
     app = FastAPI(title="sparkrl environment service", default_response_class=AsciiJSON)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, setting="env.max_request_bytes")
     install_validation_handler(app)
-    app.state.episodes = episodes
+    app.state.episodes, app.state.served = episodes, served
 
     @app.post("/episodes", response_model=EpisodeStarted)
     def start(request: EpisodeStart) -> EpisodeStarted | JSONResponse:
         """A new episode of `environment` on `prompt`; 422 when the environment refuses the prompt."""
-        if request.environment not in ENVIRONMENTS:
-            known = ", ".join(sorted(ENVIRONMENTS))
+        if request.environment not in served:
+            known = ", ".join(served)
             return AsciiJSON({"detail": f"unknown environment {request.environment!r}: {known}"}, 422)
         session = LocalSession(make_environment(request.environment))
         try:
@@ -140,7 +146,7 @@ def create_app(settings: EnvServiceSettings) -> FastAPI:
 
     @app.get("/healthz")
     def healthz() -> dict[str, Any]:
-        return {"ok": True, "episodes": len(episodes.held), "environments": sorted(ENVIRONMENTS)}
+        return {"ok": True, "episodes": len(episodes.held), "environments": served}
 
     return app
 
@@ -161,12 +167,26 @@ def _unknown(episode_id: str) -> JSONResponse:
     )
 
 
+def served_environments(settings: EnvServiceSettings) -> list[str]:
+    """The shipped environments and `env.custom_environments`, each checked to load (a ValueError that
+    names the fix when one does not: the service does not start)."""
+    for name in settings.custom_environments:
+        check_environment(name)
+    return sorted(ENVIRONMENTS) + [n for n in settings.custom_environments if n not in ENVIRONMENTS]
+
+
 def main(settings: EnvServiceSettings) -> None:
     """Serve until SIGTERM/SIGINT."""
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     config = asgi_server.config(app, settings.host, settings.port, log_level="info", access_log=False)
     log.info(
-        "environment service on %s:%d: %s", settings.host, settings.port, ", ".join(sorted(ENVIRONMENTS))
+        "environment service on %s:%d: %s",
+        settings.host,
+        settings.port,
+        ", ".join(app.state.served),
     )
     try:
         uvicorn.Server(config).run()

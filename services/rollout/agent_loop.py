@@ -173,8 +173,9 @@ def run_episodes(
             completions = [completion for (completion,) in groups]
             texts = [_model_turn(run, c, turns) for run, c in zip(live, completions, strict=True)]
             answers = calls.map(lambda run, text: run.session.turn(text), live, texts)
+            room = limits.max_tokens - one.max_new_tokens  # the next model turn must fit after
             for run, completion, answer in zip(live, completions, answers, strict=True):
-                _environment_turn(run, completion, answer, turns, limits)
+                _environment_turn(run, completion, answer, turns, limits.max_turns, room)
         endings = calls.map(lambda run: run.session.end(), runs)  # a service forgets each episode here
         for run, ended in zip(runs, endings, strict=True):
             run.reward = ended.reward
@@ -191,9 +192,10 @@ def _model_turn(run: EpisodeRun, completion: Completion, turns: Turns) -> str:
 
 
 def _environment_turn(
-    run: EpisodeRun, completion: Completion, answer: EpisodeReply, turns: Turns, limits: EpisodeLimits
+    run: EpisodeRun, completion: Completion, answer: EpisodeReply, turns: Turns, max_turns: int, room: int
 ) -> None:
-    """The environment's answer to the model's turn: the episode ends, or its turn goes into the stream."""
+    """The environment's answer to the model's turn: the episode ends, or its turn goes into the stream
+    (when the context stays within `room`: max_tokens less the next turn's new tokens)."""
     tokens, text = [int(t) for t in completion.token_ids], run.answer
     run.tool_calls.update(answer.tool_calls)
     if answer.error is not None:
@@ -203,7 +205,7 @@ def _environment_turn(
         run.status = "done"
         return
     reply = [message.model_dump() for message in answer.messages]
-    if run.episode.turns >= limits.max_turns:
+    if run.episode.turns >= max_turns:
         run.status = "max_turns"
         return
     stopped = tokens[-1] if tokens and completion.finish_reason == "stop" else None
@@ -211,7 +213,7 @@ def _environment_turn(
     run.messages += [{"role": "assistant", "content": text}, *reply]
     if between is None:
         run.status = "no_exact_continuation"
-    elif len(run.episode.context) + len(between) >= limits.max_tokens:
+    elif len(run.episode.context) + len(between) > room:
         run.status = "max_tokens"
     else:
         run.episode.add_environment_turn(between)

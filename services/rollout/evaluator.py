@@ -16,22 +16,29 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
 from pathlib import Path
+
+import httpx
 
 from sparkrl.proto import EvalRecord, Prompt, WeightAnnouncement
 from sparkrl.proto.reward import RewardItem
 from sparkrl.services.common.bus import BusStopping, RedisBus
 from sparkrl.services.common.modeling import chat_format_at_start
 from sparkrl.services.common.reward_client import RewardClient
-from sparkrl.services.common.settings import PromptSettings, TorchEngineSettings
+from sparkrl.services.common.settings import PromptSettings, SamplingSettings, TorchEngineSettings
 from sparkrl.services.common.settings.roles import EvaluatorConfig
 from sparkrl.services.common.tasks.datasets import file_prompts
 from sparkrl.services.common.tasks.evaluation import EvalResult, evaluate_engine, heldout_countdown
 from sparkrl.services.common.telemetry import Telemetry
 from sparkrl.services.common.weight_sync.files import FetchFailed
+from sparkrl.services.rollout.agent_loop import EpisodeRun
 from sparkrl.services.rollout.announcements import AnnouncementGate
+from sparkrl.services.rollout.batch import episode_results
 from sparkrl.services.rollout.catch_up import catch_up, model_dir_for
+from sparkrl.services.rollout.episode_eval import evaluate_episodes
 from sparkrl.services.rollout.install import VersionInstaller
+from sparkrl.services.rollout.remote_env import EnvironmentUnavailable, RemoteSession
 from sparkrl.services.rollout.torch_engine import TorchEngine
 
 log = logging.getLogger("sparkrl.evaluator")
@@ -44,7 +51,7 @@ def eval_tasks(cfg: EvaluatorConfig) -> list[Prompt]:
     if cfg.eval.task == "countdown":
         return heldout_countdown(cfg.eval.problems, cfg.prompts.countdown)
     data = PromptSettings(
-        task="math", path=cfg.eval.path, count=cfg.eval.problems, template=cfg.prompts.template
+        task=cfg.eval.task, path=cfg.eval.path, count=cfg.eval.problems, template=cfg.prompts.template
     )
     data.prompt_field, data.answer_field = cfg.prompts.prompt_field, cfg.prompts.answer_field
     return list(file_prompts(data))
@@ -112,18 +119,19 @@ class Evaluator:
             return None
 
     def _evaluate(self) -> None:
-        s = self.settings
-        result = evaluate_engine(
-            self.engine,
-            self.tasks,
-            self._score,
-            s.n,
-            s.temperature,
-            s.max_new_tokens,
-            s.seed,
-            progress=False,
-            fmt=self.cfg.rollout.prompt_format,
-        )
+        s, agent = self.settings, self.cfg.rollout.agent
+        if agent.environment is None:
+            result = evaluate_engine(self.engine, self.tasks, self._score, s.n, s.temperature,
+                                     s.max_new_tokens, s.seed, progress=False,
+                                     fmt=self.cfg.rollout.prompt_format)  # fmt: skip
+        else:  # multi-turn: pass@k over episodes, played as the workers play them
+            try:
+                result = self._episodes()
+            except EnvironmentUnavailable as exc:
+                log.warning("version %d not evaluated: the environment service failed (%s)",
+                            self.engine.policy_version, exc)  # fmt: skip
+                self.evaluated = self.engine.policy_version
+                return
         version = self.engine.policy_version
         record = _record(result, version)
         self.telemetry.append(record)
@@ -132,6 +140,28 @@ class Evaluator:
         self.evaluated = version
         log.info("version %d: pass@1 %.3f, pass@%d %.3f, greedy %.3f (%.1fs)", version, result.pass_at[1],
                  s.n, result.pass_at[s.n], result.greedy, result.seconds)  # fmt: skip
+
+    def _episodes(self) -> EvalResult:
+        s, agent = self.settings, self.cfg.rollout.agent
+        sampled = SamplingSettings(n=s.n, temperature=s.temperature, max_new_tokens=s.max_new_tokens,
+                                   topk_logprobs=1, seed=s.seed)  # fmt: skip
+        with httpx.Client() as http:
+            remote = None if agent.url is None else partial(RemoteSession, http, agent.url, agent.environment)
+            return evaluate_episodes(
+                self.engine, self.tasks, self._score_episodes, agent, self.cfg.rollout.prompt_format,
+                sampled, remote,
+            )  # fmt: skip
+
+    def _score_episodes(self, tasks: list[Prompt], episodes: list[list[EpisodeRun]]) -> list[bool]:
+        """Whether each episode solved its problem: what would train on it has full marks."""
+        items = [
+            RewardItem(task=t.task, completion=run.answer, answer=t.answer, task_data=t.task_data)
+            for t, runs in zip(tasks, episodes, strict=True)
+            for run in runs
+        ]
+        verdicts = self.rewards.score(items) if items else []
+        results = episode_results(verdicts, episodes, self.cfg.rollout.agent.reward)
+        return [result.status == "correct" for result in results]
 
     def _score(self, tasks: list[Prompt], texts: list[str]) -> list[bool]:
         items = [

@@ -18,10 +18,16 @@ from pathlib import Path
 from sparkrl.proto.run_files import EXIT_UNFIT
 from sparkrl.services.common.bus import BusStopping, RedisBus
 from sparkrl.services.common.control_channel import ControlReader
+from sparkrl.services.common.environments import check_environment
 from sparkrl.services.common.metrics_server import MetricsServer
 from sparkrl.services.common.modeling import chat_format_at_start
 from sparkrl.services.common.ownership import refuse_foreign_owner
-from sparkrl.services.common.prompt_limits import PromptBudgetError, PromptLimits, resolve_limits
+from sparkrl.services.common.prompt_limits import (
+    PromptBudgetError,
+    PromptLimits,
+    model_context,
+    resolve_limits,
+)
 from sparkrl.services.common.recovery import warn_if_not_persistent
 from sparkrl.services.common.reward_client import RewardClient
 from sparkrl.services.common.settings.roles import RolloutConfig
@@ -62,6 +68,7 @@ def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
         log.info("%s", chat_format_at_start(model, cfg.rollout.prompt_format, cfg.rollout.eos_tokens))
     except ValueError as exc:
         raise SystemExit(str(exc)) from None
+    _check_agent(cfg, Path(model))
     native = cfg.sync.backend == "vllm_nccl"  # vLLM's own transfer engine receives the weights
     engine = make_engine(model, cfg.rollout.engine, native_transfer=native, eos_tokens=cfg.rollout.eos_tokens)
     clock.mark("engine")
@@ -125,6 +132,24 @@ def _prompt_limits(cfg: RolloutConfig, model: Path) -> PromptLimits:
     else:
         log.info("prompts limited to %s", limits.describe())
     return limits
+
+
+def _check_agent(cfg: RolloutConfig, model: Path) -> None:
+    """`rollout.agent`: the environment played here loads, before the engine (else the worker stops with
+    the fix), and an episode's context stays within the model's (`max_tokens` lowered to it, said)."""
+    agent = cfg.rollout.agent
+    if agent.environment is None:
+        return
+    if agent.url is None:
+        try:
+            check_environment(agent.environment, agent.reward)
+        except ValueError as exc:
+            raise SystemExit(str(exc)) from None
+    context = model_context(model, getattr(cfg.rollout.engine, "max_model_len", None))
+    if context is not None and agent.max_tokens > context:
+        log.info("episodes held to the model's context: %d tokens (rollout.agent.max_tokens %d)",
+                 context, agent.max_tokens)  # fmt: skip
+        agent.max_tokens = context
 
 
 def _receiver(worker_id: str, cfg: RolloutConfig, installer: VersionInstaller) -> WeightReceiver:

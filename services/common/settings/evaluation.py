@@ -19,11 +19,12 @@ class EvalSettings(Section):
         ge=1,
         description="Evaluate every N policy versions (and the initial model); None: no evaluator.",
     )
-    task: Literal["countdown", "math"] = Field(
+    task: Literal["countdown", "math", "exact"] = Field(
         "countdown",
-        description="countdown: the held-out split at prompts.countdown's difficulty; math: `path`.",
+        description="countdown: the held-out split at prompts.countdown's difficulty; math and exact (the "
+        "answer matched as written, e.g. the agent preset's lookup): the problems in `path`.",
     )
-    path: str | None = Field(None, description="math: the jsonl/parquet benchmark file.")
+    path: str | None = Field(None, description="math, exact: the jsonl/parquet file of held-out problems.")
     prompt_field: str = Field("problem", description="math: the question's field (OlympiadBench: question).")
     answer_field: str = Field("answer", description="math: the answer's field (OlympiadBench: final_answer).")
     problems: int = Field(256, ge=1, description="Problems per evaluation (math: at most the file's rows).")
@@ -39,6 +40,7 @@ class EvalSettings(Section):
 
     @model_validator(mode="after")
     def _math_has_a_file(self) -> EvalSettings:
-        if self.task == "math" and self.path is None:
-            raise ValueError("eval.task math needs eval.path (a benchmark file, e.g. math500.jsonl)")
+        if self.task != "countdown" and self.path is None:
+            raise ValueError(f"eval.task {self.task} needs eval.path (a file of held-out problems, e.g. "
+                             "math500.jsonl)")  # fmt: skip
         return self

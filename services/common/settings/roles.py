@@ -32,6 +32,7 @@ from sparkrl.services.common.settings import (
     WeightSyncSettings,
 )
 from sparkrl.services.common.settings.prompt_format import ChatTemplateMode, TemplateKwargs
+from sparkrl.services.common.settings.rollout import AgentSettings
 from sparkrl.services.common.settings.section import Section
 from sparkrl.services.common.settings.servers import EnvServiceSettings
 
@@ -61,6 +62,7 @@ class EvaluatorRollout(Section):
     chat_template_kwargs: TemplateKwargs = _same_field(RolloutSettings, "chat_template_kwargs")
     system_prompt: str | None = _same_field(RolloutSettings, "system_prompt")
     eos_tokens: list[str | int] | None = _same_field(RolloutSettings, "eos_tokens")
+    agent: AgentSettings = _same_field(RolloutSettings, "agent")  # multi-turn: held-out episodes alike
 
     @property
     def prompt_format(self) -> PromptFormat:

@@ -19,7 +19,12 @@ from sparkrl.services.common.settings.prompt_format import (
     same_format_field,
 )
 from sparkrl.services.common.settings.section import Section
-from sparkrl.services.common.settings.servers import MetricsEndpoint
+from sparkrl.services.common.settings.servers import (
+    KEEPS_REWARD,
+    SHIPPED_ENVIRONMENTS,
+    MetricsEndpoint,
+    environment_name,
+)
 from sparkrl.services.common.settings.supervision import WorkerHealthSettings
 
 
@@ -90,19 +95,14 @@ class PartialSettings(Section):
     )
 
 
-# The environments that ship (services/common/environments.py registers them; a test holds the two equal),
-# and those of them that keep a reward of their own (`get_reward`).
-EnvironmentName = Literal["calculator", "python", "countdown_retry", "lookup"]
-KEEPS_REWARD = frozenset({"countdown_retry"})
-
-
 class AgentSettings(Section):
     """Multi-turn episodes with an environment (docs/agents.md): each sample of a group is an episode."""
 
-    environment: EnvironmentName | None = Field(
+    environment: str | None = Field(
         None,
-        description="The environment each episode plays, by name (services/common/environments.py: "
-        "calculator, python, countdown_retry, lookup). None: one completion per sample, no environment.",
+        description="The environment each episode plays: a shipped one by name (calculator, python, "
+        "countdown_retry, lookup) or your own class as `package.module:Class` (importable where the "
+        "episodes run; docs/agents.md). None: one completion per sample, no environment.",
     )
     url: str | None = Field(
         None,
@@ -128,11 +128,14 @@ class AgentSettings(Section):
             raise ValueError(
                 "rollout.agent.url is set but rollout.agent.environment is not: name the environment"
             )
-        if self.reward != "verifier" and self.environment not in KEEPS_REWARD:
+        if self.environment is not None:
+            environment_name(self.environment)
+        shipped = self.environment in SHIPPED_ENVIRONMENTS
+        if self.reward != "verifier" and shipped and self.environment not in KEEPS_REWARD:
             raise ValueError(
                 f"rollout.agent.reward {self.reward}: the {self.environment} environment keeps no reward "
                 f"(no get_reward; those that do: {', '.join(sorted(KEEPS_REWARD))}); use verifier"
-            )
+            )  # your own environment's get_reward is looked for where it is loaded (environments.py)
         return self
 
 

@@ -3,7 +3,9 @@ endpoint; re-exported by `settings.py`."""
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+import re
+
+from pydantic import Field, SecretStr, field_validator
 
 from sparkrl.services.common.settings.section import Section
 
@@ -33,6 +35,23 @@ class RewardSettings(Section):
     )
 
 
+# The environments that ship (services/common/environments.py registers them; a test holds the two equal),
+# those of them that keep a reward of their own (`get_reward`), and the form of a user's own environment.
+SHIPPED_ENVIRONMENTS = ("calculator", "python", "countdown_retry", "lookup")
+KEEPS_REWARD = frozenset({"countdown_retry"})
+IMPORT_PATH = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*")
+
+
+def environment_name(name: str) -> str:
+    """`name` if it is a shipped environment or a `package.module:Class` import path; else what is."""
+    if name not in SHIPPED_ENVIRONMENTS and not IMPORT_PATH.fullmatch(name):
+        raise ValueError(
+            f"environment {name!r} is neither a shipped one ({', '.join(SHIPPED_ENVIRONMENTS)}) nor an "
+            "import path of your own class, `package.module:Class`"
+        )
+    return name
+
+
 class EnvServiceSettings(Section):
     """The environment service (`sparkrl env`, docs/agents.md): episodes' environments over HTTP."""
 
@@ -58,6 +77,17 @@ class EnvServiceSettings(Section):
         "may run; past it the call answers an error and the episode is dropped.",
     )
     max_request_bytes: int = Field(1 << 20, ge=1024, description="Larger request bodies get 413.")
+    custom_environments: list[str] = Field(
+        default_factory=list,
+        description="Your own environments the service also plays, as `package.module:Class` import paths "
+        "(a request names one of these or a shipped environment; nothing a request says is imported). "
+        "`sparkrl up` adds rollout.agent.environment when it is one.",
+    )
+
+    @field_validator("custom_environments")
+    @classmethod
+    def _import_paths(cls, names: list[str]) -> list[str]:
+        return [environment_name(name) for name in names]
 
 
 class MetricsEndpoint(Section):
