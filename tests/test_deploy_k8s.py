@@ -36,7 +36,7 @@ from sparkrl.services.common.settings import SparkSettings, load_settings
 K8S = Path(__file__).resolve().parents[1] / "deploy" / "k8s"
 KUBECTL = shutil.which("kubectl")
 K8S_VERSION = "1.32"
-OVERLAYS = ("cpu", "gpu")
+OVERLAYS = ("cpu", "gpu", "agents")
 WORKLOADS = ("Deployment", "StatefulSet", "Job")
 # Stand-ins for the user's own deploy/k8s/base/secrets.env, which the test never reads.
 SECRETS = {
@@ -46,7 +46,7 @@ SECRETS = {
     "SYNC_SECRET": "test-sync-secret-0123456789abcdef",
 }
 # The HTTP services and the container port their /healthz probes use.
-HTTP_ROLES = {"reward": "http", "control": "http", "learner": "metrics", "rollout": "metrics"}
+HTTP_ROLES = {"reward": "http", "control": "http", "env": "http", "learner": "metrics", "rollout": "metrics"}
 CLI: Any = typer.main.get_command(app)  # typer's group: `.commands` by name, each a click command
 Obj = dict[str, Any]
 
@@ -209,7 +209,8 @@ def test_objects_validate_against_kubernetes_schemas(built: dict[str, list[Obj]]
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_container_runs_a_real_sparkrl_command(built: dict[str, list[Obj]], overlay: str) -> None:
     roles = by_role(built[overlay])
-    assert set(roles) == {"reward", "control", "learner", "rollout", "evaluator", "prompts"}
+    agents = {"env"} if overlay == "agents" else set()
+    assert set(roles) == {"reward", "control", "learner", "rollout", "evaluator", "prompts"} | agents
     for _, _, container in roles.values():
         check_command(argv(container))
     # The first start on an empty PVC is a fresh run; a restart goes on from the checkpoint and journal.
@@ -342,6 +343,24 @@ def test_settings_load_and_ports_agree(built: dict[str, list[Obj]], overlay: str
     claims = {c["metadata"]["name"] for c in learner_set["spec"]["volumeClaimTemplates"]}
     run_mount = [m for m in container["volumeMounts"] if m["mountPath"] == cfg["learner"].run_dir]
     assert run_mount and run_mount[0]["name"] in claims  # checkpoints live on the learner's PVC
+
+
+def test_the_agents_overlay_plays_episodes_with_the_environment_service(
+    built: dict[str, list[Obj]], tmp_path: Path
+) -> None:
+    """overlays/agents: `sparkrl env` behind its Service, and the workers and the evaluator calling it."""
+    objs = built["agents"]
+    cfg, container = settings_by_role(objs, tmp_path), by_role(objs)["env"][2]
+    (service,) = [s for s in of_kind(objs, "Service") if s["metadata"]["name"] == "env"]
+    assert cfg["env"].env.host == "0.0.0.0" and port_number(container, "http") == cfg["env"].env.port
+    for role in ("rollout", "evaluator"):
+        agent = cfg[role].rollout.agent
+        url = urlsplit(agent.url)
+        assert agent.environment == "countdown_retry", role
+        assert (
+            url.hostname == "env" and url.port == service["spec"]["ports"][0]["port"] == cfg["env"].env.port
+        )
+    assert cfg["rollout"].rollout.agent.environment not in cfg["env"].env.custom_environments  # shipped
 
 
 def test_gpu_overlay_gives_gpus_and_gpu_settings(built: dict[str, list[Obj]]) -> None:
