@@ -30,7 +30,7 @@ from sparkrl.proto.reward import (
     RewardResponse,
     RewardResult,
 )
-from sparkrl.proto.status import STATUS_SCHEMA_VERSION, LearnerStatus, WorkerStatus
+from sparkrl.proto.status import STATUS_SCHEMA_VERSION, EpisodeTally, LearnerStatus, WorkerStatus
 from sparkrl.proto.telemetry import (
     METRIC_NAMESPACES,
     TELEMETRY_SCHEMA_VERSION,
@@ -98,6 +98,7 @@ __all__ = [
     "ControlBody",
     "ControlCommand",
     "ControlState",
+    "EpisodeTally",
     "EvalRecord",
     "EvalsPage",
     "FieldError",

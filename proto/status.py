@@ -15,6 +15,30 @@ from sparkrl.proto.control import HparamValue
 STATUS_SCHEMA_VERSION = 1
 
 
+class EpisodeTally(WireModel):
+    """A worker's multi-turn episodes (rollout.agent) since it started, for the live page (its Prometheus
+    counters say the same). Writer: rollout worker. Readers: control service, the page."""
+
+    episodes: dict[str, int] = Field(
+        default_factory=dict,
+        description="Episodes by how each ended: done, max_turns, max_tokens, no_exact_continuation, "
+        "environment_error.",
+    )
+    turns: int = Field(default=0, ge=0, description="Model turns of those episodes.")
+    tool_calls: dict[str, int] = Field(
+        default_factory=dict,
+        description="Tool calls by status: ok, malformed, unknown_tool, bad_arguments, tool_error, and the "
+        "sandbox's timeout, cpu_limit, killed.",
+    )
+    splits: int = Field(
+        default=0,
+        ge=0,
+        description="Episodes split into another sample (the template could not extend them).",
+    )
+    environment_calls: int = Field(default=0, ge=0, description="The environment's answers to model turns.")
+    environment_seconds: float = Field(default=0.0, ge=0, description="Their total wall time, seconds.")
+
+
 class WorkerStatus(WireModel):
     """One rollout worker's heartbeat. Writer: rollout worker. Readers: controller, dashboards."""
 
@@ -130,6 +154,11 @@ class WorkerStatus(WireModel):
         description="Unix time (s) the worker's loop last made progress (a batch, a sync, an idle poll); "
         "a live heartbeat with an old `progress_at` is a hung loop. Writer: rollout worker. Reader: "
         "learner (leaves it out of broadcasts). None when not reported.",
+    )
+    episodes: EpisodeTally | None = Field(
+        default=None,
+        description="Its multi-turn episodes so far (rollout.agent). Writer: rollout worker. Readers: "
+        "control service, the page. None: it plays no episodes.",
     )
     temperature: float | None = Field(
         default=None,

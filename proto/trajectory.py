@@ -189,13 +189,15 @@ class Completion(WireModel):
         return self.num_tokens - sum(end - start for start, end in self.environment_spans or ())
 
     def model_turns(self) -> list[int]:
-        """The lengths of the model's runs of tokens between the environment's (one: T, if none)."""
+        """The lengths of the model's runs of tokens between the environment's (one: T, if none; a
+        sample that starts with the environment's tokens, a split episode's next part, has none before
+        them)."""
         runs, start = [], 0
         for begin, end in [*(self.environment_spans or ()), (self.num_tokens, self.num_tokens)]:
-            if begin > start or not runs:
+            if begin > start:
                 runs.append(begin - start)
             start = end
-        return runs
+        return runs or [0]
 
     def model_token_mask(self) -> np.ndarray:
         """bool [T]: True where the model sampled the token."""

@@ -11,7 +11,7 @@ from pydantic import Field
 from sparkrl.proto.base import WireModel
 from sparkrl.proto.control import HparamValue
 from sparkrl.proto.names import CheckpointTag
-from sparkrl.proto.status import LearnerStatus
+from sparkrl.proto.status import EpisodeTally, LearnerStatus
 from sparkrl.proto.telemetry import CommandResult, EvalRecord, StepMetrics, SyncEvent
 
 LearnerState = Literal["starting", "training", "paused", "checkpointing", "stopping", "stopped", "unknown"]
@@ -90,6 +90,9 @@ class WorkerView(WireModel):
     in_broadcast_group: bool = Field(description="Whether the newest broadcast's members include it.")
     dropped_reason: str | None = Field(
         default=None, description="Why the newest broadcast dropped it; None when it was not dropped."
+    )
+    episodes: EpisodeTally | None = Field(
+        default=None, description="Its multi-turn episodes so far (rollout.agent); None: it plays none."
     )
 
 

@@ -81,9 +81,10 @@ def gradient_and_stats(trainer: Trainer, groups: list[TrajectoryGroup], **cfg: o
     return grads, stats
 
 
-def assert_same_gradient(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    """The gradients two ways of running one update handed the optimizer agree to 1e-6, and are not all 0."""
+def assert_same_gradient(got: list[torch.Tensor], want: list[torch.Tensor], atol: float = 1e-6) -> None:
+    """The gradients two ways of running one update handed the optimizer agree to `atol` (1e-6), and are
+    not all 0."""
     assert len(got) == len(want) > 0
     for mine, theirs in zip(got, want, strict=True):
-        torch.testing.assert_close(mine, theirs, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(mine, theirs, atol=atol, rtol=1e-5)
     assert any(float(g.abs().max()) > 1e-4 for g in want), "a gradient to compare"

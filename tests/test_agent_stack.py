@@ -12,6 +12,7 @@ import json
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from conftest import clean_env
 
 from sparkrl.plan import plan_stack
 from sparkrl.proto import Prompt, RewardResult
+from sparkrl.services.common.environments import LocalSession
 from sparkrl.services.common.modeling import load_model
 from sparkrl.services.common.settings import (
     PromptFormat,
@@ -234,11 +236,21 @@ def test_the_agent_preset_learns_to_call_its_tool(tiny_agent_dir: Path, tmp_path
 def test_the_worker_counts_episodes_by_ending_and_tool_calls_by_status() -> None:
     from prometheus_client import generate_latest
 
+    from sparkrl.services.rollout.episode import Episode
     from sparkrl.services.rollout.metrics import WorkerMetrics
 
+    def run(status: str, turns: int, calls: dict[str, int], env: list[list[int]], splits: int) -> EpisodeRun:
+        episode = Episode([1], pieces=list(env), turns=turns)
+        for _ in range(splits):
+            episode.split([])
+        seconds = [0.02] * turns
+        return EpisodeRun(
+            episode, [], LocalSession(None), status, Counter(calls), environment_seconds=seconds
+        )
+
     metrics = WorkerMetrics("w0")
-    metrics.observe_episode("done", 2, {"ok": 1}, 5)
-    metrics.observe_episode("max_turns", 3, {"ok": 1, "timeout": 2}, 7)
+    metrics.observe_episode(run("done", 2, {"ok": 1}, [[2] * 5], 0))
+    metrics.observe_episode(run("max_turns", 3, {"ok": 1, "timeout": 2}, [[3] * 4, [4] * 3], 1))
     text = generate_latest(metrics.registry).decode()
     for line in [
         'sparkrl_rollout_episodes_total{end="done",worker="w0"} 1.0',
@@ -247,6 +259,9 @@ def test_the_worker_counts_episodes_by_ending_and_tool_calls_by_status() -> None
         'sparkrl_rollout_tool_calls_total{status="timeout",worker="w0"} 2.0',
         'sparkrl_rollout_episode_turns_total{worker="w0"} 5.0',
         'sparkrl_rollout_environment_tokens_total{worker="w0"} 12.0',
+        'sparkrl_rollout_episode_splits_total{worker="w0"} 1.0',
+        'sparkrl_rollout_environment_seconds_count{worker="w0"} 5.0',
+        'sparkrl_rollout_environment_seconds_bucket{le="0.025",worker="w0"} 5.0',
     ]:
         assert line in text
 

@@ -90,3 +90,25 @@ def test_the_header_is_never_a_step_behind_the_charts(browser: Browser) -> None:
     finally:
         page.close()
     assert said == [["12", "12", "-0.5", "0.25"], "12"]
+
+
+def test_the_agents_panel_shows_each_workers_episodes(browser: Browser) -> None:  # noqa: F811
+    """Issue 48 item 6: with rollout.agent, each worker's episodes since it started — how they ended,
+    turns per episode, tool calls by status (any but `ok` flagged), the environment's mean latency,
+    splits; hidden while no worker plays episodes."""
+    page = _page(browser)
+    plain = {"worker_id": "w0", "episodes": None}
+    page.evaluate("(view) => renderAgents(view)", {"workers": [plain]})
+    assert page.locator("#agents").is_hidden()
+    tally = {
+        "episodes": {"done": 30, "max_turns": 2}, "turns": 64, "splits": 1,
+        "tool_calls": {"ok": 40, "timeout": 2, "malformed": 0},
+        "environment_calls": 50, "environment_seconds": 10.0,
+    }  # fmt: skip
+    page.evaluate(
+        "(view) => renderAgents(view)", {"workers": [plain, {"worker_id": "w1", "episodes": tally}]}
+    )
+    assert page.locator("#agents").is_visible()
+    cells = page.locator("#agent-workers tr td").all_inner_texts()
+    assert cells == ["w1", "32", "2", "done 30 · max_turns 2", "ok 40 · timeout 2", "0.20 s", "1"]
+    assert "warn" in (page.locator("#agent-workers tr td").nth(4).get_attribute("class") or "")

@@ -66,13 +66,15 @@ def test_each_role_file_holds_only_its_sections_and_loads_back(tmp_path: Path) -
     assert yaml.safe_load((tmp_path / "config" / "worker-1.yaml").read_text())["reward"] == {
         "url": plan.settings.reward.url
     }
-    # The evaluator's: how long it waits for the model, and how the workers render prompts and stop.
+    # The evaluator's: how long it waits for the model, how the workers render prompts and stop, and
+    # how they play episodes (held-out problems of a multi-turn task are episodes too).
     assert yaml.safe_load((tmp_path / "config" / "evaluator.yaml").read_text())["rollout"] == {
         "model_wait_s": plan.settings.rollout.model_wait_s,
         "chat_template": "auto",
         "chat_template_kwargs": {},
         "system_prompt": None,
         "eos_tokens": None,
+        "agent": plan.settings.rollout.agent.model_dump(),
     }
     # The services that run once (each named as its role) get exactly their part of the whole tree, as
     # compose and Kubernetes start them from one file.

@@ -90,6 +90,7 @@ def workers_view(telemetry: Telemetry) -> WorkersView:
                 top_p=s.top_p,
                 in_broadcast_group=last is not None and worker_id in last.members,
                 dropped_reason=last.dropped.get(worker_id) if last is not None else None,
+                episodes=s.episodes,
             )
         )
     return WorkersView(learner_version=version, workers=views)

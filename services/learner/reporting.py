@@ -178,7 +178,9 @@ def length_stats(groups: list[TrajectoryGroup]) -> dict[str, float]:
     """`rollout/truncated_share`: the step's completions that hit max_new_tokens; with over-long shaping,
     `rollout/overlong_penalty_mean` (over every completion) and `rollout/overlong_penalized` (how many got
     a penalty below 0); with episodes (rollout.agent), `rollout/environment_token_share` (of the
-    completions' tokens, those the environment wrote) and `rollout/model_turns_mean` (per episode)."""
+    completions' tokens, those the environment wrote), `rollout/model_turns_mean` (per sample: an episode,
+    or a part of one split where its template could not extend it) and `rollout/split_samples` (the samples
+    that continue a split episode: they start with the re-rendered history, environment tokens)."""
     completions = [c for g in groups for c in g.completions]
     truncated = sum(c.finish_reason == "length" for c in completions)
     stats = {"rollout/truncated_share": truncated / max(len(completions), 1)}
@@ -188,6 +190,9 @@ def length_stats(groups: list[TrajectoryGroup]) -> dict[str, float]:
             tokens, 1
         )
         stats["rollout/model_turns_mean"] = sum(len(c.model_turns()) for c in completions) / len(completions)
+        stats["rollout/split_samples"] = float(
+            sum(bool(c.environment_spans) and c.environment_spans[0][0] == 0 for c in completions)
+        )
     penalties = [p for g in groups for p in g.overlong_penalties or ()]
     if penalties:
         stats["rollout/overlong_penalty_mean"] = sum(penalties) / len(penalties)

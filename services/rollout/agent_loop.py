@@ -9,13 +9,16 @@ environment's turn is tokenized on its own between the template's delimiters (`e
 without one (a base model, plain text) it is the messages' contents, one a line, tokenized alone.
 
 An episode ends `done`, or at a limit: `max_turns` model turns, `max_tokens` of context. Where the
-template cannot extend the stream exactly it ends `no_exact_continuation` (counted: the learner trains
-what was made up to there). The episode's reward is the environment's `get_reward()` when it has one; an
+template cannot extend the stream exactly (it rewrites earlier turns), the episode is split: the next
+sample starts from the whole history re-rendered (episode.py); where even that does not start with the
+prompt's tokens it ends `no_exact_continuation` (counted: the learner trains what was made up to there).
+The episode's reward is the environment's `get_reward()` when it has one; an
 environment whose own code raises ends it `environment_error`.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -58,10 +61,24 @@ class EpisodeRun:
     reward: float | None = None
     answer: str = ""  # the model's last turn, as text: what a verifier reads
     error: str | None = None  # status environment_error: what the environment's own method raised
+    environment_seconds: list[float] = field(default_factory=list)  # each of its turns' answer took
+    opening: int = 0  # how many of `messages` the prompt is (set when it starts)
+
+    def answer_turn(self, text: str) -> EpisodeReply:
+        """The environment's answer to the model's turn `text`, timed."""
+        started = time.monotonic()
+        try:
+            return self.session.turn(text)
+        finally:
+            self.environment_seconds.append(time.monotonic() - started)
 
     def completion(self, tokenizer: PreTrainedTokenizerBase) -> Completion:
-        """The episode as one wire completion; its text the whole stream's."""
+        """The sample in the making (the whole episode, unless it was split) as one wire completion."""
         return self.episode.completion(tokenizer.decode(self.episode.token_ids, skip_special_tokens=True))
+
+    def completions(self, tokenizer: PreTrainedTokenizerBase) -> list[Completion]:
+        """Every training sample of the episode (one, or one more per split), each its stream's text."""
+        return self.episode.completions(lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
 @dataclass(frozen=True)
@@ -86,6 +103,18 @@ class Turns:
             tokenizer, template, {**fmt.chat_template_kwargs, **({"tools": schemas} if schemas else {})}
         )
 
+    def rerendered(self, opening: list[Message], messages: list[Message]) -> list[int] | None:
+        """The tokens after the prompt (`opening` rendered) of the whole history `messages` rendered with
+        the generation prompt, the rest tokenized on its own; None when the history's text does not start
+        with the prompt's."""
+        prompt, history = (
+            self.tokenizer.apply_chat_template(m, tokenize=False, add_generation_prompt=True, **self.kwargs)
+            for m in (opening, messages)
+        )
+        if not history.startswith(prompt) or len(history) == len(prompt):
+            return None
+        return list(self.tokenizer(history[len(prompt) :], add_special_tokens=False)["input_ids"])
+
     def between(self, history: list[Message], reply: list[Message], stopped: int | None) -> list[int] | None:
         if self.template:
             return environment_turn(self.tokenizer, history, reply, stopped, self.kwargs)
@@ -100,10 +129,12 @@ def play(
     agent: AgentSettings,
     fmt: PromptFormat,
     open_session: Callable[[], Session] | None = None,
+    between_turns: Callable[[], None] | None = None,
 ) -> tuple[list[list[EpisodeRun]], dict[int, str]]:
     """`sampling.n` episodes for each prompt, played together to their ends, and the prompts whose
     environment refused to start (index → why; no episode of theirs). `open_session`: one episode's
-    environment (default: `agent.environment` in this process)."""
+    environment (default: `agent.environment` in this process); `between_turns`: called after each turn
+    (the worker takes a newer policy version there, with `weight_updates: in_flight`)."""
     if open_session is None:
         if agent.environment is None:
             raise ValueError("rollout.agent.environment is not set: there is no environment to play")
@@ -127,7 +158,16 @@ def play(
     turns = Turns.of(engine.tokenizer, fmt, triples[0][2])
     limits = EpisodeLimits(agent.max_turns, agent.max_tokens)
     runs = iter(
-        run_episodes(engine, [t[0] for t in triples], [t[1] for t in triples], sampling, limits, turns, fmt)
+        run_episodes(
+            engine,
+            [t[0] for t in triples],
+            [t[1] for t in triples],
+            sampling,
+            limits,
+            turns,
+            fmt,
+            between_turns,
+        )
     )
     return [
         [next(runs) for _ in range(sampling.n)] if i in started else [] for i in range(len(prompts))
@@ -154,14 +194,21 @@ def run_episodes(
     limits: EpisodeLimits | None = None,
     turns: Turns | None = None,
     fmt: PromptFormat | None = None,
+    between_turns: Callable[[], None] | None = None,
 ) -> list[EpisodeRun]:
     """Each session's episode from its prompt messages, to its end (`turns`: through the tokenizer's
-    chat template by default)."""
+    chat template by default). `between_turns` runs after each turn while episodes go on: a new policy
+    version it loads into the engine samples the next turns, and their tokens' versions say so."""
     limits, fmt = limits or EpisodeLimits(), fmt or PromptFormat()
     turns = turns or Turns(engine.tokenizer, True)
     with_tools = fmt.model_copy(update={"chat_template_kwargs": turns.kwargs})
     runs = [
-        EpisodeRun(Episode(render_prompt(engine.tokenizer, messages, with_tools)), list(messages), session)
+        EpisodeRun(
+            Episode(render_prompt(engine.tokenizer, messages, with_tools)),
+            list(messages),
+            session,
+            opening=len(messages),
+        )
         for session, messages in zip(sessions, prompts, strict=True)
     ]
     one = sampling.model_copy(update={"n": 1})
@@ -172,10 +219,12 @@ def run_episodes(
             groups = engine.generate([run.episode.context for run in live], one)
             completions = [completion for (completion,) in groups]
             texts = [_model_turn(run, c, turns) for run, c in zip(live, completions, strict=True)]
-            answers = calls.map(lambda run, text: run.session.turn(text), live, texts)
+            answers = calls.map(EpisodeRun.answer_turn, live, texts)
             room = limits.max_tokens - one.max_new_tokens  # the next model turn must fit after
             for run, completion, answer in zip(live, completions, answers, strict=True):
                 _environment_turn(run, completion, answer, turns, limits.max_turns, room)
+            if between_turns is not None and any(run.status == "running" for run in runs):
+                between_turns()
         endings = calls.map(lambda run: run.session.end(), runs)  # a service forgets each episode here
         for run, ended in zip(runs, endings, strict=True):
             run.reward = ended.reward
@@ -211,9 +260,17 @@ def _environment_turn(
     stopped = tokens[-1] if tokens and completion.finish_reason == "stop" else None
     between = turns.between(run.messages, reply, stopped)
     run.messages += [{"role": "assistant", "content": text}, *reply]
-    if between is None:
+    if between is not None:
+        if len(run.episode.context) + len(between) > room:
+            run.status = "max_tokens"
+        else:
+            run.episode.add_environment_turn(between)
+        return
+    # No exact continuation: a new sample from the whole history re-rendered after the prompt.
+    history = turns.rerendered(run.messages[: run.opening], run.messages) if turns.template else None
+    if history is None:
         run.status = "no_exact_continuation"
-    elif len(run.episode.context) + len(between) > room:
+    elif len(run.episode.prompt_ids) + len(history) > room:
         run.status = "max_tokens"
     else:
-        run.episode.add_environment_turn(between)
+        run.episode.split(history)

@@ -123,7 +123,11 @@ def score_groups(
         for prompt, texts in zip(batch.prompts, answers, strict=True)
         for text in texts
     ]
-    results = iter(episode_results(reward.score(items), episodes, cfg.agent.reward))
+    scored = episode_results(reward.score(items), episodes, cfg.agent.reward)
+    if episodes is not None:  # an episode split into samples: each trains with the episode's reward
+        runs = [run for group in episodes for run in group]
+        scored = [r for r, run in zip(scored, runs, strict=True) for _ in run.episode.trained_samples]
+    results = iter(scored)
     scored_at = time.time()
     sampling = SamplingParams(
         temperature=cfg.sampling.temperature,

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sparkrl.proto import WorkerStatus
+from sparkrl.proto import EpisodeTally, WorkerStatus
 from sparkrl.services.common.bus import BusStopping
 from sparkrl.services.common.settings import SamplingSettings
 from sparkrl.services.common.telemetry import Telemetry
@@ -45,6 +45,7 @@ class WorkerState:
     progress_at: float = field(
         default_factory=time.time
     )  # the loop's last sign of life (not the heartbeat's)
+    episodes: EpisodeTally | None = None  # rollout.agent: its episodes so far (the worker adds to it)
 
 
 class Heartbeat(threading.Thread):
@@ -96,6 +97,7 @@ class Heartbeat(threading.Thread):
                 started_at=s.started_at,
                 startup_s=dict(s.startup_s),
                 progress_at=s.progress_at,
+                episodes=s.episodes,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 heartbeat_at=time.time(),

@@ -3,9 +3,17 @@ scrapes aggregate (`sum by (worker)`) without relabelling."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import Counter as PromCounter
+
+from sparkrl.proto import EpisodeTally
+
+if TYPE_CHECKING:
+    from sparkrl.services.rollout.agent_loop import EpisodeRun
 
 _GENERATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 _SHORT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 600)
@@ -19,12 +27,12 @@ class WorkerMetrics:
         r = self.registry = CollectorRegistry(auto_describe=True)
         label = ["worker"]
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(name, doc, label, registry=r).labels(worker_id)
+        def counter(name: str, doc: str) -> PromCounter:
+            return PromCounter(name, doc, label, registry=r).labels(worker_id)
 
-        def counter_by(name: str, doc: str, label: str) -> Callable[[str], Counter]:
+        def counter_by(name: str, doc: str, label: str) -> Callable[[str], PromCounter]:
             """A counter with a second label: this worker's series for each of its values."""
-            by = Counter(name, doc, ["worker", label], registry=r)
+            by = PromCounter(name, doc, ["worker", label], registry=r)
             return lambda value: by.labels(worker_id, value)
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -71,6 +79,15 @@ class WorkerMetrics:
         self.environment_tokens = counter(
             "sparkrl_rollout_environment_tokens", "Tokens the environment wrote into episodes (context only)."
         )
+        self.episode_splits = counter(
+            "sparkrl_rollout_episode_splits",
+            "Episodes split into another training sample: the template could not extend the stream.",
+        )
+        self.environment_seconds = histogram(
+            "sparkrl_rollout_environment_seconds",
+            "The environment's answer to one model turn (its tools, or its reply; in process or served).",
+            _SHORT_BUCKETS,
+        )
         self.policy_version = gauge("sparkrl_rollout_policy_version", "Policy version held (-1: initial).")
         self.in_flight = gauge("sparkrl_rollout_prompts_in_flight", "Prompts taken, not yet published.")
         self.paused = gauge("sparkrl_rollout_paused", "1 while paused by the control API.")
@@ -81,13 +98,33 @@ class WorkerMetrics:
             "sparkrl_rollout_feed_held", "1 while the feed is held by a burst of dead letters (no prompts)."
         )
 
-    def observe_episode(
-        self, end: str, turns: int, tool_calls: dict[str, int], environment_tokens: int
-    ) -> None:
+    def observe_episode(self, run: EpisodeRun) -> None:
         """One episode played: how it ended, its model turns, its tool calls by status, the tokens the
-        environment wrote."""
-        self.episodes(end).inc()
-        self.episode_turns.inc(turns)
-        for status, count in tool_calls.items():
+        environment wrote, the splits (samples its template could not extend), how long each of the
+        environment's answers took."""
+        episode = run.episode
+        self.episodes(run.status).inc()
+        self.episode_turns.inc(episode.turns)
+        for status, count in run.tool_calls.items():
             self.tool_calls(status).inc(count)
-        self.environment_tokens.inc(environment_tokens)
+        self.environment_tokens.inc(episode.environment_tokens)
+        self.episode_splits.inc(episode.splits)
+        for seconds in run.environment_seconds:
+            self.environment_seconds.observe(seconds)
+
+
+def tally(before: EpisodeTally | None, runs: list[EpisodeRun]) -> EpisodeTally:
+    """`before` (None: nothing yet) with `runs` added: what the worker's heartbeat shows the page."""
+    was = before or EpisodeTally()
+    ended, calls = Counter(was.episodes), Counter(was.tool_calls)
+    for run in runs:
+        ended[run.status] += 1
+        calls.update(run.tool_calls)
+    return EpisodeTally(
+        episodes=dict(ended),
+        turns=was.turns + sum(run.episode.turns for run in runs),
+        tool_calls=dict(calls),
+        splits=was.splits + sum(run.episode.splits for run in runs),
+        environment_calls=was.environment_calls + sum(len(run.environment_seconds) for run in runs),
+        environment_seconds=was.environment_seconds + sum(sum(run.environment_seconds) for run in runs),
+    )

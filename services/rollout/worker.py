@@ -54,7 +54,7 @@ from sparkrl.services.rollout.health import HealthGuard, diagnose
 from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
 from sparkrl.services.rollout.install import VersionInstaller
 from sparkrl.services.rollout.lockstep import Lockstep
-from sparkrl.services.rollout.metrics import WorkerMetrics
+from sparkrl.services.rollout.metrics import WorkerMetrics, tally
 from sparkrl.services.rollout.partials import Handover, Taken, fill_gaps
 from sparkrl.services.rollout.publish import publish_groups, too_stale
 from sparkrl.services.rollout.remote_env import EnvironmentUnavailable, RemoteSession
@@ -308,7 +308,8 @@ class Worker:
 
     def _play(self, batch: PromptBatch) -> tuple[Made | None, list[list[EpisodeRun]] | None]:
         """`rollout.agent`: the batch's groups as episodes with the environment, played to their ends (a
-        stop is honoured after the batch: episodes are not handed over unfinished yet). A prompt the
+        stop is honoured after the batch: episodes are not handed over unfinished yet; with
+        `weight_updates: in_flight` a newer version is taken between turns). A prompt the
         environment refuses at its start is dead-lettered with the reason; an environment service that
         fails leaves the batch unacknowledged, to be reclaimed; an engine that fails raises (the worker
         stops, and its supervisor restarts it: episodes have no per-prompt diagnosis yet)."""
@@ -318,8 +319,9 @@ class Worker:
                 remote = (
                     None if agent.url is None else partial(RemoteSession, http, agent.url, agent.environment)
                 )
+                follow = self.sync if self.cfg.weight_updates == "in_flight" else None  # between turns
                 runs, refused = play(
-                    self.engine, batch.prompts, sampling, agent, self.cfg.prompt_format, remote
+                    self.engine, batch.prompts, sampling, agent, self.cfg.prompt_format, remote, follow
                 )
         except EnvironmentUnavailable as exc:  # not acked: the prompts come back after bus.claim_idle_ms
             log.error(
@@ -335,10 +337,11 @@ class Worker:
             return None, None
         tokenizer = self.engine.tokenizer
         episodes = [runs[i] for i in keep]
-        for run in (run for group in episodes for run in group):
-            env_tokens = run.episode.environment_tokens
-            self.metrics.observe_episode(run.status, run.episode.turns, dict(run.tool_calls), env_tokens)
-        completions = [[run.completion(tokenizer) for run in group] for group in episodes]
+        played_runs = [run for group in episodes for run in group]
+        for run in played_runs:
+            self.metrics.observe_episode(run)
+        self.state.episodes = tally(self.state.episodes, played_runs)
+        completions = [[c for run in group for c in run.completions(tokenizer)] for group in episodes]
         # The prompt as the episodes saw it (with the tools' schemas), not as it was pulled: the learner
         # must score every token in the context it was sampled in.
         played = batch.subset(keep)

@@ -23,6 +23,11 @@ const CHARTS = [
   { id: "heldout", title: "held-out pass@1 (evaluator)", metric: "eval/pass@1", evals: true,
     empty: "no held-out evaluation yet (the evaluator runs when eval.every is set)" },
   { id: "tokens-per-s", title: "tokens/s trained", metric: "time/tokens_per_s" },
+  // Multi-turn episodes (rollout.agent): from the learner's step rows.
+  { id: "turns", title: "agents: model turns per sample", metric: "rollout/model_turns_mean",
+    empty: "no episodes (rollout.agent is not set)" },
+  { id: "env-share", title: "agents: environment token share", metric: "rollout/environment_token_share",
+    empty: "no episodes (rollout.agent is not set)" },
   { id: "versions", title: "policy versions", versions: true },
 ];
 
@@ -200,6 +205,29 @@ function renderWorkers(view) {
   $("workers").replaceChildren(...rows);
 }
 
+// "done 30 · max_turns 2": a tally's counts by kind, largest first.
+function byKind(counts) {
+  const kinds = Object.entries(counts || {}).filter(([, n]) => n > 0).sort((a, b) => b[1] - a[1]);
+  return kinds.length ? kinds.map(([kind, n]) => `${kind} ${n}`).join(" · ") : "–";
+}
+
+// The workers' episodes (rollout.agent), each worker's tally since it started; hidden without any.
+function renderAgents(view) {
+  const playing = view.workers.filter((w) => w.episodes);
+  $("agents").hidden = !playing.length;
+  const rows = playing.map((w) => {
+    const e = w.episodes;
+    const episodes = Object.values(e.episodes).reduce((a, b) => a + b, 0);
+    const failed = Object.entries(e.tool_calls).some(([kind, n]) => kind !== "ok" && n > 0);
+    const latency = e.environment_calls ? e.environment_seconds / e.environment_calls : null;
+    return tableRow("", [
+      [w.worker_id, "id"], [episodes], [episodes ? fmtNum(e.turns / episodes) : "–"], [byKind(e.episodes), "note"],
+      [byKind(e.tool_calls), failed ? "note warn" : "note"], [fmtSec(latency)], [e.splits, e.splits ? "warn" : ""],
+    ]);
+  });
+  $("agent-workers").replaceChildren(...rows);
+}
+
 function renderWeights(pageOfSyncs) {
   const rows = pageOfSyncs.items.map((e) => {
     const dropped = Object.entries(e.dropped).map(([id, why]) => `${id}: ${why}`);
@@ -277,6 +305,7 @@ async function tick() {
     page.status = status;
     renderStatus(status);
     renderWorkers(workers);
+    renderAgents(workers);
     renderWeights(weights);
     await pollMetrics(status);
     renderNewestRow(status);
