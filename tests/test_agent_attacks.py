@@ -61,6 +61,7 @@ def test_a_run_whose_tool_is_attacked_every_turn_goes_on(tiny_model_dir: Path, t
         "rollout.sampling.max_new_tokens=8",
         "learner.prompts_per_step=2",
         "learner.max_steps=2",
+        "learner.skip_zero_advantage=false",  # every episode scores 0: measured all the same
     ]
     command = [sys.executable, "-m", "sparkrl.cli", "up", "--preset", "smoke", "--run-dir", str(run_dir)]
     path = os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))
@@ -72,6 +73,12 @@ def test_a_run_whose_tool_is_attacked_every_turn_goes_on(tiny_model_dir: Path, t
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
+    # Token-exact through the stack: step 1 is on-policy, and the learner's log-probs of every model token,
+    # teacher-forced over the episodes' streams (the tool's observations between the turns), are the
+    # worker's; the observations are most of the stream, and none of it is trained.
+    first = rows[0]["metrics"]
+    assert abs(first["loss/ratio_mean"] - 1) < 1e-4 and abs(first["loss/ratio_kl"]) < 1e-6, first
+    assert first["rollout/environment_token_share"] > 0.5 and first["rollout/model_turns_mean"] > 5
     worker_log = (run_dir / "logs" / "worker-0.log").read_text()
     assert "restarted" not in worker_log
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]

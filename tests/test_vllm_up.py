@@ -211,3 +211,42 @@ def test_up_with_lora_sends_the_adapter_to_vllm_workers(
         logits = merged(torch.tensor([ids])).logits[0, :-1].float()
     expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
     np.testing.assert_allclose(held["logprobs"], expected.numpy(), atol=1e-4)
+
+
+def test_up_plays_python_tool_episodes_on_vllm_token_exact(
+    tiny_model_dir: Path,  # noqa: F811
+    tmp_path: Path,
+    stacks: list[Stack],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 48: vLLM workers play multi-turn episodes of the tests' `ModelCode` (each model turn run by
+    the sandboxed Python tool, its output or error the next turn). The learner recomputes every model
+    token's log-prob over the episode's exact stream: the mismatch against vLLM's is the engines' rounding
+    alone (the engine contract's 5e-4), the tool's tokens are context, and the episodes trained once."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).resolve().parent))  # the workers load _code_envs
+    steps = 2
+    episodes = [
+        "rollout.agent.environment=_code_envs:ModelCode",
+        "rollout.agent.reward=environment",
+        "rollout.agent.max_turns=3",
+        "rollout.sampling.max_new_tokens=8",
+    ]
+    settings = vllm_settings(tiny_model_dir, tmp_path / "run", steps, *episodes)
+    plan = plan_stack(settings, workers=1, private_redis=True)
+    write_configs(plan)
+    stack = start_stack(stacks, Stack(plan, ready_timeout_s=180))
+    wait("the learner to finish", lambda: stack.poll() is not None, plan.run_dir, timeout_s=420)
+    assert stack.procs["learner"].returncode == 0
+    assert_exactly_once(plan, steps)
+    rows = [json.loads(line)["metrics"] for line in (plan.run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert row["rollout/environment_token_share"] > 0 and row["rollout/model_turns_mean"] > 1, row
+    # Where every token was sampled by the weights the learner holds (step 1 at least; a later step's
+    # stale tokens add the policy's change to the mismatch), the engines' rounding alone.
+    on_policy = [row for row in rows if row["rollout/token_lag_max"] == 0]
+    assert on_policy and rows[0] in on_policy
+    for row in on_policy:
+        assert abs(row["loss/mismatch_kl"]) < 1e-5 and abs(row["loss/tis_weight_mean"] - 1) < 1e-3, row
+    samples = [json.loads(line) for line in (plan.run_dir / "samples.jsonl").read_text().splitlines()]
+    assert any("[code: " in s["completion"] and s["environment_tokens"] > 0 for s in samples)
+    assert "engine vllm" in (plan.run_dir / "logs" / "worker-0.log").read_text()
