@@ -8,14 +8,21 @@ The prompt delivery is the same (its entry is never acknowledged in between), so
 is made twice, nothing trained twice.
 """
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from sparkrl.proto.base import WireModel
 from sparkrl.proto.errors import FieldError
 from sparkrl.proto.tensors import Int32Array1D
-from sparkrl.proto.trajectory import MAX_VOCAB_SIZE, Completion, Prompt, SamplingParams, group_id_for
+from sparkrl.proto.trajectory import (
+    MAX_VOCAB_SIZE,
+    ChatMessage,
+    Completion,
+    Prompt,
+    SamplingParams,
+    group_id_for,
+)
 
 PARTIAL_SCHEMA_VERSION = 1
 
@@ -69,3 +76,61 @@ class PartialGroup(WireModel):
             if completion.num_tokens > self.sampling.max_new_tokens:
                 raise FieldError(f"completions[{i}].token_ids", "exceeds sampling.max_new_tokens")
         return self
+
+
+class EpisodePiece(WireModel):
+    """One piece of an episode's token stream: a model turn as sampled, or an environment turn's tokens."""
+
+    model: Completion | None = Field(default=None, description="A model turn: tokens, log-probs, versions.")
+    environment: list[int] | None = Field(
+        default=None, max_length=1_000_000, description="An environment turn's token ids (context)."
+    )
+
+    @model_validator(mode="after")
+    def _one(self) -> "EpisodePiece":
+        if (self.model is None) == (self.environment is None):
+            raise FieldError("model", "a piece is a model turn or an environment turn: exactly one")
+        return self
+
+
+class HeldEpisode(WireModel):
+    """One episode of a group handed over, as far as it got. Its environment lives on in the environment
+    service under `episode_id` (the only place an environment's state survives its worker)."""
+
+    episode_id: str = Field(pattern=r"^[0-9a-f]{32}$", description="The environment service's episode.")
+    samples: list[list[EpisodePiece]] = Field(
+        min_length=1, description="Its samples' pieces: those split off, then the one in the making."
+    )
+    turns: int = Field(ge=0, description="Model turns so far.")
+    messages: list[ChatMessage] = Field(description="The history as messages (the template's input).")
+    opening: int = Field(ge=1, description="How many of `messages` the prompt is.")
+    status: str = Field(max_length=64, description="`running`, or how it ended.")
+    answer: str = Field(default="", description="The model's last turn, as text.")
+    tool_calls: dict[str, int] = Field(default_factory=dict, description="Its tool calls by status.")
+    environment_seconds: list[float] = Field(default_factory=list, description="Each environment answer.")
+
+
+class PartialEpisodes(WireModel):
+    """A group of multi-turn episodes (rollout.agent with an environment service) not finished when its
+    worker stopped. Writer: the worker that stopped, under `{ns}:value:episodes:<group id>`, before it
+    releases the prompt. Reader: the worker that takes the prompt next, which plays the running episodes
+    on from where they were (their environments still held by the service) and publishes the group once
+    every episode has ended; the record is deleted then."""
+
+    schema_version: Literal[1] = Field(
+        default=PARTIAL_SCHEMA_VERSION, description="Wire version; readers reject others."
+    )
+    group_id: str = Field(description="`group_id_for(prompt_id)`: the group the episodes make.")
+    prompt_token_ids: Int32Array1D = Field(
+        description="The prompt as the worker tokenized it when it pulled it; the continuing worker goes on "
+        "only when its own tokenization is the same."
+    )
+    context_ids: Int32Array1D = Field(description="The prompt as the episodes saw it (with the tools).")
+    environment: str = Field(min_length=1, max_length=256, description="rollout.agent.environment.")
+    url: str = Field(min_length=1, max_length=2048, description="The environment service holding them.")
+    tools: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=256, description="The tools' schemas the episodes were shown."
+    )
+    episodes: list[HeldEpisode] = Field(min_length=1, description="The group's n episodes, in order.")
+    producer: str = Field(min_length=1, max_length=128, description="The worker that played them so far.")
+    saved_at: float = Field(ge=0, description="Unix time (s) they were saved.")

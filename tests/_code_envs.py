@@ -83,3 +83,23 @@ class Attacks:
         start = time.monotonic()
         seen = self._python.python(ATTACKS[name])
         return said(name, seen.status, time.monotonic() - start)
+
+
+class SlowTalker:
+    """A user who takes a second to answer each turn (a simulator's step, a remote service's latency), four
+    times, then is satisfied: episodes long enough for a worker to be stopped between their turns. The
+    reward is 1 for an episode that reached its end, which only a worker that played it on can give."""
+
+    def __init__(self) -> None:
+        self.heard = 0
+
+    def reset(self, prompt: Prompt) -> str | None:
+        return None
+
+    def respond(self, text: str) -> str | None:
+        self.heard += 1
+        time.sleep(1.0)
+        return None if self.heard >= 4 else f"More ({self.heard}).\n"
+
+    def get_reward(self) -> float:
+        return 1.0 if self.heard >= 4 else 0.0

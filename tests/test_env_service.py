@@ -15,13 +15,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
+import torch
 from _tiny import tiny_model_dir  # noqa: F401  (fixture)
 from conftest import clean_env, free_port
 
 from sparkrl.processes import answers_healthz
-from sparkrl.proto import Prompt
-from sparkrl.services.common.settings import PromptFormat, SamplingSettings, TorchEngineSettings
+from sparkrl.proto import Prompt, group_id_for
+from sparkrl.services.common.modeling import load_model
+from sparkrl.services.common.settings import BusSettings, PromptFormat, SamplingSettings, TorchEngineSettings
 from sparkrl.services.common.settings.rollout import AgentSettings
 from sparkrl.services.rollout.agent_loop import play
 from sparkrl.services.rollout.remote_env import EnvironmentUnavailable, RemoteSession
@@ -141,3 +144,84 @@ def test_a_service_that_is_gone_is_unavailable_not_a_refusal() -> None:
         session = RemoteSession(http, f"http://127.0.0.1:{free_port()}", "countdown_retry")
         with pytest.raises(EnvironmentUnavailable, match="ConnectError"):
             session.start(_prompts()[0])
+
+
+def test_a_stopped_workers_episodes_are_played_on_by_the_next_from_where_they_were(
+    service: str,
+    tiny_model_dir: Path,  # noqa: F811
+    bus_settings: BusSettings,
+) -> None:
+    """Issue 48 item 4, partial rollouts across turns: worker-0 stops after the first turn of its episodes
+    (served: their environments live on in the service); it saves them and releases the prompts; worker-1
+    takes the prompts, plays the same episodes on (the service's episodes, their tries counted on) to their
+    ends, token-exact over the whole stream, and the record is deleted once the groups are published."""
+    from sparkrl.proto import decode_message
+    from sparkrl.services.common.bus import RedisBus
+    from sparkrl.services.common.feeder import feed_prompts
+    from sparkrl.services.common.settings.rollout import PartialSettings
+    from sparkrl.services.rollout.batch import PromptBatch
+    from sparkrl.services.rollout.episode_handover import EpisodeHandover, episodes_key
+
+    agent = AgentSettings(environment="countdown_retry", url=service, max_turns=3, reward="environment")
+    sampling = SamplingSettings(n=3, max_new_tokens=10, topk_logprobs=4, seed=7)
+    prompts = _prompts()[:2]
+    with RedisBus(bus_settings.model_copy(update={"claim_idle_ms": 60_000})) as bus:
+        assert feed_prompts(bus, prompts).published == 2
+        entries = bus.read_decoded("prompts", "worker-0", 2, lambda raw: decode_message(raw, Prompt), 0)
+        engine = TorchEngine(tiny_model_dir, TorchEngineSettings(threads=1))
+        try:
+            ids = [engine.tokenizer(p.text)["input_ids"] for _, p in entries]
+            batch = PromptBatch([e for e, _ in entries], [p for _, p in entries], ids)
+            first = EpisodeHandover(bus, PartialSettings(enabled=True), agent, "worker-0")
+            with httpx.Client() as http:
+                remote = lambda: RemoteSession(http, service, "countdown_retry")  # noqa: E731
+                episodes, _ = play(
+                    engine, batch.prompts, sampling, agent, PromptFormat(), remote, lambda: True
+                )
+            assert all(run.episode.turns == 1 for group in episodes for run in group)
+            running = [run for group in episodes for run in group if run.status == "running"]
+            assert running, "every episode ended at its first turn: nothing to hand over"
+            first.hand_over(batch, episodes)
+            assert bus.get_values([episodes_key(group_id_for(p.prompt_id)) for p in prompts]) != [None, None]
+
+            again = bus.read("prompts", "worker-1", 10, block_ms=0)  # released: taken at once
+            assert sorted(e.entry_id for e in again) == sorted(e.entry_id for e in batch.entries)
+            later = PromptBatch(sorted(again, key=lambda e: [p.prompt_id for p in prompts].index(e.item_id)),
+                                batch.prompts, batch.token_ids)  # fmt: skip
+            second = EpisodeHandover(bus, PartialSettings(enabled=True), agent, "worker-1")
+            with httpx.Client() as http:
+                resumed, found = second.take(later, sampling.n, http)
+                assert sorted(resumed.runs) == [0, 1] and len(found) == 2
+                remote = lambda: RemoteSession(http, service, "countdown_retry")  # noqa: E731
+                done, refused = play(
+                    engine, later.prompts, sampling, agent, PromptFormat(), remote, None, resumed
+                )
+            model = load_model(tiny_model_dir).eval()
+        finally:
+            engine.close()
+        assert not refused
+        for group, before in zip(done, episodes, strict=True):
+            for run, was in zip(group, before, strict=True):
+                assert run.status in ("done", "max_turns") and run.reward is not None
+                assert run.episode.token_ids[: len(was.episode.token_ids)] == was.episode.token_ids
+                if was.status == "running":  # the service's episode went on: its tries counted on
+                    assert run.episode.turns > 1 and run.reward == score(run.answer, run.messages)
+                wire = run.completion(engine.tokenizer)
+                mine = wire.model_token_mask()
+                context = torch.tensor([run.episode.context])
+                with torch.no_grad():
+                    logp = torch.log_softmax(model(input_ids=context).logits[0], -1)
+                at = len(run.episode.prompt_ids) + np.flatnonzero(mine)
+                forced = logp[at - 1, context[0, at]]
+                assert float((forced - torch.from_numpy(wire.logprobs[mine])).abs().max()) < 1e-4
+        second.published({group_id_for(p.prompt_id) for p in prompts} & found)
+        assert bus.get_values([episodes_key(group_id_for(p.prompt_id)) for p in prompts]) == [None, None]
+
+
+def score(answer: str, messages: list[dict[str, object]]) -> float:
+    """countdown_retry's reward for an episode whose last answer is `answer`: 1 when it is right."""
+    from sparkrl.services.common.tasks.countdown import score_countdown
+
+    numbers = [int(n) for n in str(messages[0]["content"]).split(" to make ")[0].split()[1:]]
+    target = int(str(messages[0]["content"]).split(" to make ")[1].rstrip(".\n"))
+    return score_countdown(answer, numbers, target)[0]

@@ -63,6 +63,7 @@ class EpisodeRun:
     error: str | None = None  # status environment_error: what the environment's own method raised
     environment_seconds: list[float] = field(default_factory=list)  # each of its turns' answer took
     opening: int = 0  # how many of `messages` the prompt is (set when it starts)
+    tools: list[dict[str, Any]] = field(default_factory=list)  # the tools' schemas it was shown
 
     def answer_turn(self, text: str) -> EpisodeReply:
         """The environment's answer to the model's turn `text`, timed."""
@@ -129,12 +130,15 @@ def play(
     agent: AgentSettings,
     fmt: PromptFormat,
     open_session: Callable[[], Session] | None = None,
-    between_turns: Callable[[], None] | None = None,
+    between_turns: Callable[[], bool | None] | None = None,
+    resumed: Resumed | None = None,
 ) -> tuple[list[list[EpisodeRun]], dict[int, str]]:
     """`sampling.n` episodes for each prompt, played together to their ends, and the prompts whose
     environment refused to start (index → why; no episode of theirs). `open_session`: one episode's
     environment (default: `agent.environment` in this process); `between_turns`: called after each turn
-    (the worker takes a newer policy version there, with `weight_updates: in_flight`)."""
+    (the worker takes a newer policy version there, with `weight_updates: in_flight`), True to stop there
+    (the episodes come back as far as they got, `running`, none ended: handed over); `resumed`: prompts
+    whose episodes another worker began (episode_handover.py), played on from there."""
     if open_session is None:
         if agent.environment is None:
             raise ValueError("rollout.agent.environment is not set: there is no environment to play")
@@ -143,9 +147,12 @@ def play(
         def open_session() -> Session:
             return LocalSession(make_environment(name))
 
+    resumed = resumed or Resumed()
     started: dict[int, list[tuple[Session, list[Message], list[dict[str, Any]]]]] = {}
     refused: dict[int, str] = {}
     for index, prompt in enumerate(prompts):
+        if index in resumed.runs:
+            continue
         try:
             started[index] = [_start(open_session(), prompt, fmt) for _ in range(sampling.n)]
         except EnvironmentUnavailable:
@@ -153,25 +160,29 @@ def play(
         except Exception as exc:  # the environment's reset (here, or in its service), on this prompt
             refused[index] = f"{type(exc).__name__}: {exc}"
     triples = [triple for index in sorted(started) for triple in started[index]]
-    if not triples:
+    if not triples and not resumed.runs:
         return [[] for _ in prompts], refused
-    turns = Turns.of(engine.tokenizer, fmt, triples[0][2])
+    turns = Turns.of(engine.tokenizer, fmt, triples[0][2] if triples else resumed.tools)
+    opened = iter(open_episodes(engine, [t[0] for t in triples], [t[1] for t in triples], turns, fmt))
+    episodes = [
+        resumed.runs[i]
+        if i in resumed.runs
+        else [next(opened) for _ in range(sampling.n)]
+        if i in started
+        else []
+        for i in range(len(prompts))
+    ]
     limits = EpisodeLimits(agent.max_turns, agent.max_tokens)
-    runs = iter(
-        run_episodes(
-            engine,
-            [t[0] for t in triples],
-            [t[1] for t in triples],
-            sampling,
-            limits,
-            turns,
-            fmt,
-            between_turns,
-        )
-    )
-    return [
-        [next(runs) for _ in range(sampling.n)] if i in started else [] for i in range(len(prompts))
-    ], refused
+    play_on(engine, [run for group in episodes for run in group], sampling, limits, turns, between_turns)
+    return episodes, refused
+
+
+@dataclass
+class Resumed:
+    """Episodes another worker began, by prompt index, and the tools' schemas they were shown."""
+
+    runs: dict[int, list[EpisodeRun]] = field(default_factory=dict)
+    tools: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _start(
@@ -194,23 +205,44 @@ def run_episodes(
     limits: EpisodeLimits | None = None,
     turns: Turns | None = None,
     fmt: PromptFormat | None = None,
-    between_turns: Callable[[], None] | None = None,
+    between_turns: Callable[[], bool | None] | None = None,
 ) -> list[EpisodeRun]:
     """Each session's episode from its prompt messages, to its end (`turns`: through the tokenizer's
     chat template by default). `between_turns` runs after each turn while episodes go on: a new policy
     version it loads into the engine samples the next turns, and their tokens' versions say so."""
-    limits, fmt = limits or EpisodeLimits(), fmt or PromptFormat()
     turns = turns or Turns(engine.tokenizer, True)
+    runs = open_episodes(engine, sessions, prompts, turns, fmt or PromptFormat())
+    play_on(engine, runs, sampling, limits or EpisodeLimits(), turns, between_turns)
+    return runs
+
+
+def open_episodes(
+    engine: Engine, sessions: list[Session], prompts: list[list[Message]], turns: Turns, fmt: PromptFormat
+) -> list[EpisodeRun]:
+    """An episode for each session, its prompt rendered once (with the tools' schemas)."""
     with_tools = fmt.model_copy(update={"chat_template_kwargs": turns.kwargs})
-    runs = [
+    return [
         EpisodeRun(
             Episode(render_prompt(engine.tokenizer, messages, with_tools)),
             list(messages),
             session,
             opening=len(messages),
+            tools=list(turns.kwargs.get("tools", [])),
         )
         for session, messages in zip(sessions, prompts, strict=True)
     ]
+
+
+def play_on(
+    engine: Engine,
+    runs: list[EpisodeRun],
+    sampling: SamplingSettings,
+    limits: EpisodeLimits,
+    turns: Turns,
+    between_turns: Callable[[], bool | None] | None = None,
+) -> bool:
+    """The running episodes of `runs`, turn by turn, to their ends, then every one ended (its reward read,
+    its environment forgotten); False when `between_turns` said stop (nothing ended: handed over)."""
     one = sampling.model_copy(update={"n": 1})
     # The environments answer a turn's episodes at once (a service's round trips, a sandbox's processes
     # overlap); everything else of a turn runs here, in order.
@@ -224,13 +256,14 @@ def run_episodes(
             for run, completion, answer in zip(live, completions, answers, strict=True):
                 _environment_turn(run, completion, answer, turns, limits.max_turns, room)
             if between_turns is not None and any(run.status == "running" for run in runs):
-                between_turns()
+                if between_turns():
+                    return False
         endings = calls.map(lambda run: run.session.end(), runs)  # a service forgets each episode here
         for run, ended in zip(runs, endings, strict=True):
             run.reward = ended.reward
             if ended.error is not None and run.error is None:
                 run.status, run.error = "environment_error", ended.error
-    return runs
+    return True
 
 
 def _model_turn(run: EpisodeRun, completion: Completion, turns: Turns) -> str:

@@ -39,12 +39,14 @@ from sparkrl.services.rollout.catch_up import model_dir_for
 from sparkrl.services.rollout.control import WorkerControl
 from sparkrl.services.rollout.engine import WeightsDoNotFit
 from sparkrl.services.rollout.engines import make_engine
+from sparkrl.services.rollout.episode_handover import EpisodeHandover
 from sparkrl.services.rollout.health import HealthGuard
 from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
 from sparkrl.services.rollout.install import VersionInstaller
 from sparkrl.services.rollout.lockstep import Lockstep
 from sparkrl.services.rollout.metrics import WorkerMetrics
 from sparkrl.services.rollout.partials import Handover
+from sparkrl.services.rollout.play_batch import EpisodePlayer
 from sparkrl.services.rollout.worker import PAUSED_POLL_S, Worker
 
 log = logging.getLogger("sparkrl.rollout")
@@ -109,6 +111,15 @@ def build(cfg: RolloutConfig, stop: threading.Event) -> Worker:
             lambda: engine.policy_version,
             partial(_learner_bound, telemetry),
             metrics,
+        ),
+        player=EpisodePlayer(
+            engine,
+            bus,
+            metrics,
+            state,
+            heartbeat,
+            stop,
+            EpisodeHandover(bus, cfg.rollout.partial, cfg.rollout.agent, worker_id),
         ),
     )
     worker.server.start()

@@ -21,9 +21,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
-
-import httpx
 
 from sparkrl.proto import (
     Completion,
@@ -44,7 +41,6 @@ from sparkrl.services.common.weight_sync import (
     SyncFailed,
     WeightReceiver,
 )
-from sparkrl.services.rollout.agent_loop import EpisodeRun, play
 from sparkrl.services.rollout.announcements import AnnouncementGate
 from sparkrl.services.rollout.batch import PromptBatch, pull_prompts, score_groups
 from sparkrl.services.rollout.catch_up import catch_up
@@ -54,14 +50,13 @@ from sparkrl.services.rollout.health import HealthGuard, diagnose
 from sparkrl.services.rollout.heartbeat import Heartbeat, WorkerState
 from sparkrl.services.rollout.install import VersionInstaller
 from sparkrl.services.rollout.lockstep import Lockstep
-from sparkrl.services.rollout.metrics import WorkerMetrics, tally
+from sparkrl.services.rollout.metrics import WorkerMetrics
 from sparkrl.services.rollout.partials import Handover, Taken, fill_gaps
+from sparkrl.services.rollout.play_batch import EpisodePlayer, Made
 from sparkrl.services.rollout.publish import publish_groups, too_stale
-from sparkrl.services.rollout.remote_env import EnvironmentUnavailable, RemoteSession
 
 log = logging.getLogger("sparkrl.rollout")
 
-Made = tuple[PromptBatch, list[list[Completion]]]  # a batch (what is left of it) and its completions
 
 LEARNER_STATUS_REUSE_S = 0.05  # a batch's groups share one read of the learner's status
 PAUSED_POLL_S = 0.2  # how often a paused worker looks at the control stream and the announcement
@@ -176,6 +171,7 @@ class Worker:
     lockstep: Lockstep  # rollout.lockstep_groups: wait for each new version after this worker's share
     health: HealthGuard  # unhealthy (a sick model) and the feed hold (a burst of dead letters)
     handover: Handover  # rollout.partial: saved work taken, unfinished work handed over
+    player: EpisodePlayer  # rollout.agent: the batch as multi-turn episodes (and their handover)
     parts: dict[str, float] = field(default_factory=dict)  # seconds per part of the batch in hand
 
     def sync(self) -> None:
@@ -229,7 +225,7 @@ class Worker:
             if self.cfg.agent.environment is None:
                 made = self._generate(batch, taken)
             else:
-                made, episodes = self._play(batch)
+                made, episodes = self.player.play(batch, self.cfg, self.sync)
         if made is None:
             state.in_hand_version = None
             return None
@@ -264,6 +260,7 @@ class Worker:
             if moved_on:  # it followed newer weights while these waited: the learner may be waiting on them
                 self.heartbeat.beat()
         self.handover.published([groups[i].group_id for i in out.done], taken)
+        self.player.published([groups[i].group_id for i in out.done])
         left = [i for i in range(len(groups)) if i not in out.done and i not in out.redo]
         if left:  # the stream stayed full until a stop or the deadline: made, scored, handed over
             self._hand_over(batch.subset(left), [completions[i] for i in left])
@@ -305,48 +302,6 @@ class Worker:
         if not keep:
             return None
         return batch.subset(keep), [found.completions[i] for i in keep]
-
-    def _play(self, batch: PromptBatch) -> tuple[Made | None, list[list[EpisodeRun]] | None]:
-        """`rollout.agent`: the batch's groups as episodes with the environment, played to their ends (a
-        stop is honoured after the batch: episodes are not handed over unfinished yet; with
-        `weight_updates: in_flight` a newer version is taken between turns). A prompt the
-        environment refuses at its start is dead-lettered with the reason; an environment service that
-        fails leaves the batch unacknowledged, to be reclaimed; an engine that fails raises (the worker
-        stops, and its supervisor restarts it: episodes have no per-prompt diagnosis yet)."""
-        sampling, agent = batch.sampling(self.cfg.sampling), self.cfg.agent
-        try:
-            with httpx.Client() as http:
-                remote = (
-                    None if agent.url is None else partial(RemoteSession, http, agent.url, agent.environment)
-                )
-                follow = self.sync if self.cfg.weight_updates == "in_flight" else None  # between turns
-                runs, refused = play(
-                    self.engine, batch.prompts, sampling, agent, self.cfg.prompt_format, remote, follow
-                )
-        except EnvironmentUnavailable as exc:  # not acked: the prompts come back after bus.claim_idle_ms
-            log.error(
-                "the environment service failed, leaving %d prompts to be reclaimed: %s",
-                len(batch.prompts),
-                exc,
-            )
-            return None, None
-        for index, why in refused.items():
-            self.bus.dead_letter("prompts", batch.entries[index], f"the environment refused it: {why}")
-        keep = [i for i in range(len(batch.prompts)) if i not in refused]
-        if not keep:
-            return None, None
-        tokenizer = self.engine.tokenizer
-        episodes = [runs[i] for i in keep]
-        played_runs = [run for group in episodes for run in group]
-        for run in played_runs:
-            self.metrics.observe_episode(run)
-        self.state.episodes = tally(self.state.episodes, played_runs)
-        completions = [[c for run in group for c in run.completions(tokenizer)] for group in episodes]
-        # The prompt as the episodes saw it (with the tools' schemas), not as it was pulled: the learner
-        # must score every token in the context it was sampled in.
-        played = batch.subset(keep)
-        played.token_ids = [group[0].episode.prompt_ids for group in episodes]
-        return (played, completions), episodes
 
     def interrupts(self, in_hand: int) -> Interrupts | None:
         """What the engine does between two decoding steps: with `rollout.partial`, stop for a stop (a
