@@ -3,7 +3,7 @@
 Writer: a rollout worker (`POST /score`). Reader: the reward service, which answers with `RewardResponse`.
 """
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -60,6 +60,11 @@ class RewardRequest(BaseModel):
     )
 
 
+# Every status a result may have, in one place: the service, the learner's counts and the page read it.
+RewardStatus = Literal["correct", "incorrect", "no_answer", "timeout", "error", "unparseable"]
+REWARD_STATUSES: tuple[str, ...] = get_args(RewardStatus)
+
+
 class RewardResult(BaseModel):
     """The score of one item. Writer: reward service. Reader: rollout worker (into the trajectory group)."""
 
@@ -69,9 +74,10 @@ class RewardResult(BaseModel):
         description="The reward, usually 0 or 1; 0 for every status but `correct`, unless a custom "
         "verifier gives partial credit."
     )
-    status: Literal["correct", "incorrect", "no_answer", "timeout", "error"] = Field(
+    status: RewardStatus = Field(
         description="`no_answer`: nothing to check could be extracted; `timeout`: the item ran past its "
-        "limit; `error`: the verifier raised (see `detail`)."
+        "limit; `error`: the verifier raised (see `detail`); `unparseable`: a judge answered without a "
+        "score (its reply is the `detail`)."
     )
     detail: str = Field(
         default="", max_length=2000, description="Human-readable reason: the extracted answer, the error, …"

@@ -28,6 +28,7 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from sparkrl.proto import HparamValue, StepMetrics, SyncEvent, TrajectoryGroup, WorkerStatus
+from sparkrl.proto.reward import REWARD_STATUSES
 from sparkrl.proto.run_files import PromptCounts
 from sparkrl.services.common.bus import QueueDepth
 from sparkrl.services.common.settings import LearnerSettings
@@ -161,7 +162,7 @@ class RunLog:
 
 
 ENDED_FILE = "ended.json"
-STATUSES = ("correct", "incorrect", "no_answer", "timeout", "error")
+STATUSES = REWARD_STATUSES
 
 
 def status_counts(groups: list[TrajectoryGroup]) -> dict[str, float]:

@@ -32,6 +32,7 @@ from sparkrl.proto.reward import RewardRequest, RewardResponse, RewardResult
 from sparkrl.services.common import asgi_server
 from sparkrl.services.common.http import AsciiJSON, BodyLimit, install_validation_handler
 from sparkrl.services.common.settings import RewardSettings
+from sparkrl.services.reward.judge import JUDGE_TASK, Judge
 from sparkrl.services.reward.metrics import RewardMetrics
 from sparkrl.services.reward.pool import VerifierPool
 from sparkrl.services.reward.verifiers import (
@@ -67,7 +68,8 @@ def create_app(settings: RewardSettings) -> FastAPI:
     """The app and its pool (started and closed by the app's lifespan). Raises on a bad custom verifier."""
     load_custom_verifiers(settings.custom_verifiers)
     verifiers = registry()
-    known = sorted(verifiers)
+    judge = Judge(settings.judge) if settings.judge.url is not None else None  # task `judge`: over HTTP
+    known = sorted([*verifiers, *([JUDGE_TASK] if judge is not None else [])])
     inline = {task: fn for task, fn in verifiers.items() if task in bounded_tasks()}
     pool = VerifierPool(settings.verifier_processes, verifiers)
     metrics = RewardMetrics(pool.stats)
@@ -82,6 +84,8 @@ def create_app(settings: RewardSettings) -> FastAPI:
             yield
         finally:
             pool.close()
+            if judge is not None:
+                judge.close()
             log.info("reward service stopped: verifier pool closed")
 
     app = FastAPI(title="sparkrl reward service", lifespan=lifespan, default_response_class=AsciiJSON)
@@ -96,7 +100,7 @@ def create_app(settings: RewardSettings) -> FastAPI:
             return AsciiJSON({"detail": unknown}, status_code=422)
         started = time.monotonic()
         deadline = started + settings.max_request_seconds
-        results = await _verify_all(pool, inline, request, http, settings, deadline)
+        results = await _verify_all(pool, inline, judge, request, http, settings, deadline)
         if results is None:
             metrics.cancelled.inc()
             return Response(status_code=499)
@@ -117,6 +121,7 @@ def create_app(settings: RewardSettings) -> FastAPI:
 async def _verify_all(
     pool: VerifierPool,
     inline: dict[str, VerifyFn],
+    judge: Judge | None,
     request: RewardRequest,
     http: Request,
     settings: RewardSettings,
@@ -124,10 +129,12 @@ async def _verify_all(
 ) -> list[RewardResult] | None:
     """Every item's result, in request order; None when the client went away first (its work is then
     cancelled: nobody waits for the answer). Items of a bounded task (`inline`) are scored on a thread of
-    this process while the pool works on the rest."""
+    this process while the pool works on the rest, and `judge` items by the judge (its own threads and
+    deadline: judge.py)."""
     timeout_s = min(request.timeout_s or settings.item_timeout_s, settings.max_item_timeout_s)
     request_id = uuid.uuid4().hex
-    pooled = [i for i, item in enumerate(request.items) if item.task not in inline]
+    judged = [i for i, item in enumerate(request.items) if judge is not None and item.task == JUDGE_TASK]
+    pooled = [i for i, item in enumerate(request.items) if item.task not in inline and i not in judged]
     futures = [
         pool.submit(
             request.items[i].task,
@@ -141,7 +148,10 @@ async def _verify_all(
         for i in pooled
     ]
     results: dict[int, RewardResult] = {}
-    if len(pooled) < len(request.items):
+    if judged and judge is not None:
+        items = [request.items[i] for i in judged]
+        results.update(zip(judged, await asyncio.to_thread(judge.score, items), strict=True))
+    if any(item.task in inline for item in request.items):
         here = [i for i, item in enumerate(request.items) if item.task in inline]
         results.update(zip(here, await asyncio.to_thread(_verify_here, inline, request, here), strict=True))
     done = _all_done(futures)
@@ -204,7 +214,10 @@ def _all_done(futures: list[Future[RewardResult]]) -> asyncio.Future[None]:
 def main(settings: RewardSettings) -> None:
     """Serve until SIGTERM/SIGINT; uvicorn turns either into a graceful shutdown that closes the pool."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except ValueError as exc:  # a custom verifier that does not load, a judge key that cannot be read
+        raise SystemExit(f"reward service: {exc}") from None
     config = asgi_server.config(
         app,
         settings.host,

@@ -25,13 +25,14 @@ from typing import Any
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
+from sparkrl.proto.reward import REWARD_STATUSES
 from sparkrl.services.common.tasks.answers import BOX_COMMANDS, last_boxed
 from sparkrl.services.common.tasks.countdown import score_countdown
 
 VerifyResult = tuple[float, str, str]
 VerifyFn = Callable[[str, str | None, dict[str, Any] | None], VerifyResult]
 
-STATUSES = ("correct", "incorrect", "no_answer", "timeout", "error")
+STATUSES = REWARD_STATUSES
 MAX_DETAIL_CHARS = 2000
 # Checked before parsing, because sympy/antlr parse time grows steeply with size and nesting (a
 # 1,600-character polynomial takes ~3 s, ten nested braces ~2 s, thousands overflow the stack). Real answers
@@ -112,7 +113,7 @@ def run_verifier(
         return 0.0, "error", f"verifier returned an invalid result: {result!r}"[:MAX_DETAIL_CHARS]
     if not math.isfinite(score):
         return 0.0, "error", f"verifier returned a non-finite score {score!r}"
-    if status in ("timeout", "error"):
+    if status in ("timeout", "error", "unparseable"):
         score = 0.0
     return float(score), status, str(detail)[:MAX_DETAIL_CHARS]
 
