@@ -194,6 +194,7 @@ def test_the_reward_service_sends_judge_items_to_the_judge(
         answer = client.post(
             "/score", json={"items": [i.model_dump() for i in (item("42"), countdown, item("41"))]}
         )
+        scraped = client.get("/metrics").text
     assert "judge" in health["verifiers"] and KEY not in json.dumps(health)
     assert answer.status_code == 200, answer.text
     results = answer.json()["results"]
@@ -201,3 +202,9 @@ def test_the_reward_service_sends_judge_items_to_the_judge(
     assert results[2]["detail"] == "no score in the judge's reply: no idea"
     assert all(r["auth"] == f"Bearer {KEY}" for r in endpoint.requests) and len(endpoint.requests) == 2
     assert KEY not in (tmp_path / "service.log").read_text() and KEY not in answer.text
+    for line in [
+        "sparkrl_reward_judge_calls_total 2.0",
+        "sparkrl_reward_judge_tokens_total 50.0",  # 25 a reply, as the endpoint reported
+        'sparkrl_reward_items_total{status="unparseable",task="judge"} 1.0',
+    ]:
+        assert line in scraped, scraped

@@ -72,7 +72,7 @@ def create_app(settings: RewardSettings) -> FastAPI:
     known = sorted([*verifiers, *([JUDGE_TASK] if judge is not None else [])])
     inline = {task: fn for task, fn in verifiers.items() if task in bounded_tasks()}
     pool = VerifierPool(settings.verifier_processes, verifiers)
-    metrics = RewardMetrics(pool.stats)
+    metrics = RewardMetrics(pool.stats, None if judge is None else judge.snapshot)
     for task in known:  # the timeout series exist at zero from the first scrape, not from the first timeout
         metrics.timeouts.labels(task)
 

@@ -142,6 +142,11 @@ class Judge:
     def score(self, items: list[RewardItem]) -> list[RewardResult]:
         return list(self.calls.map(self._one, items))
 
+    def snapshot(self) -> dict[str, int]:
+        """Its counts now: calls, cache_hits, tokens, failed_<status>."""
+        with self.lock:
+            return dict(self.counts)
+
     def close(self) -> None:
         self.calls.shutdown(wait=False, cancel_futures=True)
         self.http.close()

@@ -38,10 +38,30 @@ class _PoolCollector(Collector):
         )
 
 
+class _JudgeCollector(Collector):
+    """The judge's own counts at scrape time (judge.py): calls made (retries included), items found in its
+    cache, tokens its endpoint reported. Its items' statuses and latency are `sparkrl_reward_items` and
+    `sparkrl_reward_item_seconds` under task `judge`."""
+
+    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._counts()
+        for name, doc in [
+            ("calls", "Calls to the judge's endpoint, retries included."),
+            ("cache_hits", "Judge items answered from its cache (judged once before)."),
+            ("tokens", "Tokens the judge's endpoint reported spending (usage.total_tokens)."),
+        ]:
+            yield CounterMetricFamily(f"sparkrl_reward_judge_{name}", doc, value=counts.get(name, 0))
+
+
 class RewardMetrics:
     """Counters and histograms of `/score`, plus the pool's state."""
 
-    def __init__(self, pool_stats: Callable[[], PoolStats]) -> None:
+    def __init__(
+        self, pool_stats: Callable[[], PoolStats], judge_counts: Callable[[], dict[str, int]] | None = None
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.items = Counter(
             "sparkrl_reward_items",
@@ -74,6 +94,8 @@ class RewardMetrics:
             registry=self.registry,
         )
         self.registry.register(_PoolCollector(pool_stats))
+        if judge_counts is not None:
+            self.registry.register(_JudgeCollector(judge_counts))
 
     def observe(self, items: list[RewardItem], results: list[RewardResult], request_s: float) -> None:
         for item, result in zip(items, results, strict=True):
