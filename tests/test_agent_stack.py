@@ -225,7 +225,9 @@ def test_the_agent_preset_learns_to_call_its_tool(tiny_agent_dir: Path, tmp_path
     said = (
         f"{len(rows)} steps: turns {turns[0]:.2f} → {turns[1]:.2f}, reward {reward[0]:.3f} → {reward[1]:.3f}"
     )
-    assert turns[1] > turns[0] + 0.2, said  # it calls the tool far more often (2: always)
+    # It calls the tool far more often (2 turns: a call, then the answer): the share of episodes that
+    # answer without it (2 − turns) at least halves, whatever the warm-up left (0.24 or 0.62 here).
+    assert 2 - turns[1] < (2 - turns[0]) / 2, said
     assert reward[1] > reward[0] + 0.15, said
     # Step 1 is on-policy: the learner scores every model token in the context it was sampled in (the prompt
     # rendered with the tools' schemas), so its log-probs are the worker's. A learner that scored the
