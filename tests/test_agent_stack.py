@@ -228,8 +228,8 @@ def test_the_agent_preset_learns_to_call_its_tool(tiny_agent_dir: Path, tmp_path
     # It calls the tool far more often (2 turns: a call, then the answer): the share of episodes that
     # answer without it (2 − turns) at least halves, whatever the warm-up left (0.24 or 0.62 here).
     assert 2 - turns[1] < (2 - turns[0]) / 2, said
-    # Each fifth is ~500 episodes: the noise of its mean is ~0.02, so a rise of 0.1 is learning (0.16-0.21
-    # in three runs of this model; 0.31 with the previous warm-up, which called the tool less at first).
+    # Each fifth is ~500 episodes: the noise of its mean is ~0.02, so a rise of 0.1 is learning (0.16, 0.21
+    # in two runs of this model; 0.31 with the previous warm-up, which called the tool less at first).
     assert reward[1] > reward[0] + 0.1, said
     # Step 1 is on-policy: the learner scores every model token in the context it was sampled in (the prompt
     # rendered with the tools' schemas), so its log-probs are the worker's. A learner that scored the
