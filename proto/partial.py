@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from sparkrl.proto.base import WireModel
+from sparkrl.proto.environment import EPISODE_ID_PATTERN
 from sparkrl.proto.errors import FieldError
 from sparkrl.proto.tensors import Int32Array1D
 from sparkrl.proto.trajectory import (
@@ -97,7 +98,7 @@ class HeldEpisode(WireModel):
     """One episode of a group handed over, as far as it got. Its environment lives on in the environment
     service under `episode_id` (the only place an environment's state survives its worker)."""
 
-    episode_id: str = Field(pattern=r"^[0-9a-f]{32}$", description="The environment service's episode.")
+    episode_id: str = Field(pattern=EPISODE_ID_PATTERN, description="The environment service's episode.")
     samples: list[list[EpisodePiece]] = Field(
         min_length=1, description="Its samples' pieces: those split off, then the one in the making."
     )

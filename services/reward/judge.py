@@ -124,15 +124,12 @@ class Verdict:
 class Judge:
     """`score(items)`: each item judged (or found in the cache), concurrently; results in order."""
 
-    def __init__(self, settings: JudgeSettings, http: httpx.Client | None = None) -> None:
+    def __init__(self, settings: JudgeSettings) -> None:
         if settings.url is None:
             raise ValueError("reward.judge.url is not set: name the judge's OpenAI-compatible endpoint")
         self.settings = settings
         key = read_key(settings)
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self.http = http or httpx.Client(headers=headers)
-        if http is not None and key:
-            self.http.headers["Authorization"] = f"Bearer {key}"
+        self.http = httpx.Client(headers={"Authorization": f"Bearer {key}"} if key else {})
         self.url = settings.url.rstrip("/") + "/chat/completions"
         self.calls = ThreadPoolExecutor(max_workers=settings.concurrency, thread_name_prefix="judge")
         self.cache: OrderedDict[str, Verdict] = OrderedDict()
