@@ -63,6 +63,9 @@ class RewardRequest(BaseModel):
 # Every status a result may have, in one place: the service, the learner's counts and the page read it.
 RewardStatus = Literal["correct", "incorrect", "no_answer", "timeout", "error", "unparseable"]
 REWARD_STATUSES: tuple[str, ...] = get_args(RewardStatus)
+# Where scoring failed: the status says nothing of the completion (the worker makes its reward the group's
+# scored mean, services/rollout/batch.py `group_rewards`; a mixed task fails with its part).
+UNSCORED = frozenset({"timeout", "error", "unparseable"})
 
 
 class RewardResult(BaseModel):

@@ -124,7 +124,7 @@ class Stack:
                 raise FileNotFoundError(f"{spec.config_path} is missing: write_configs(plan) before starting")
         for spec in self.specs:
             self.procs[spec.name] = spawn(spec, self.keep_fds)
-            if spec.role == "redis":
+            if spec.role in ("redis", "judge"):  # everyone talks to Redis; the reward service to the judge
                 self._wait_ready(spec)
         for spec in self.specs:
             self._wait_ready(spec)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import shlex
 import shutil
 import sys
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from sparkrl.services.common.settings.roles import (
 from sparkrl.services.common.settings.servers import SHIPPED_ENVIRONMENTS
 from sparkrl.torchrun import torchrun_command
 
-Role = Literal["redis", "control", "reward", "env", "learner", "rollout", "prompts", "evaluator"]
+Role = Literal["redis", "judge", "control", "reward", "env", "learner", "rollout", "prompts", "evaluator"]
 # Shutdown, tier by tier: producers stop before what they feed (the feeder and workers before the learner,
 # workers before the reward and environment services they call); the control service, which only reads
 # and writes Redis, goes with those, before Redis, which everyone talks to and goes last. The evaluator
@@ -45,7 +46,7 @@ STOP_TIERS: tuple[tuple[Role, ...], ...] = (
     ("prompts", "rollout"),
     ("learner", "evaluator"),
     ("reward", "control", "env"),
-    ("redis",),
+    ("redis", "judge"),
 )
 TOKEN_FILE = "control-token"
 
@@ -92,7 +93,7 @@ class ServiceSpec:
     config: RoleConfig | str  # its role's part of the resolved tree, or (redis) the literal redis.conf text
     log_path: Path
     env: tuple[tuple[str, str], ...] = ()  # set in its environment (CUDA_VISIBLE_DEVICES)
-    ready: tuple[Literal["ping", "healthz"], str] | None = None  # its readiness probe and where; None: none
+    ready: tuple[Literal["ping", "healthz", "health"], str] | None = None  # its probe and where; None: none
 
 
 @dataclass(frozen=True)
@@ -164,6 +165,12 @@ def _resolve_root(
         if played not in SHIPPED_ENVIRONMENTS and played not in root.env.custom_environments:
             root.env.custom_environments = [*root.env.custom_environments, played]  # yours, served
     root.control.url = f"http://{_client_host(root.control.host)}:{root.control.port}"
+    judge = root.reward.judge
+    if judge.serve is not None:  # a local judge: the launcher serves it, the reward service calls it
+        if "serve_port" not in cfg.reward.judge.model_fields_set:
+            judge.serve_port = free_ports(1)[0]
+        judge.serve, judge.serve_python = os.path.abspath(judge.serve), os.path.abspath(judge.serve_python)
+        judge.url = f"http://127.0.0.1:{judge.serve_port}/v1"
     if "port" not in cfg.sync.model_fields_set:
         root.sync.port = sync_port
     if "http_port" not in cfg.sync.model_fields_set:
@@ -251,6 +258,20 @@ def _service(
     return ServiceSpec(name, role, command, config_path, config, run_dir / "logs" / f"{name}.log", env, ready)
 
 
+def _local_judge(root: SparkSettings, run_dir: Path) -> ServiceSpec:
+    """`vllm serve` of `reward.judge.serve` on loopback, from `serve_python` (vLLM's own command line, as
+    its `vllm` script runs it); its config file is the command line, its probe vLLM's GET /health."""
+    judge = root.reward.judge
+    command = (
+        judge.serve_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(judge.serve),
+        "--served-model-name", judge.model, "--host", "127.0.0.1", "--port", str(judge.serve_port),
+        *judge.serve_args,
+    )  # fmt: skip
+    ready = ("health", f"http://127.0.0.1:{judge.serve_port}")
+    config_path, log_path = run_dir / "config" / "judge.args", run_dir / "logs" / "judge.log"
+    return ServiceSpec("judge", "judge", command, config_path, shlex.join(command), log_path, ready=ready)
+
+
 def _probe(config: RoleConfig | str) -> tuple[Literal["ping", "healthz"], str] | None:
     """How the launcher knows a service is up: Redis answers PING (see plan_stack: its URL is the root
     settings'), reward and control GET /healthz (the others have no probe: they retry what they need)."""
@@ -289,6 +310,8 @@ def plan_stack(
             run_dir, "redis", "redis", _redis_conf(root.bus, run_dir / "redis", redis_max_memory(root))
         )
         services.append(dataclasses.replace(redis_spec, ready=("ping", root.bus.url)))
+    if root.reward.judge.serve is not None:
+        services.append(_local_judge(root, run_dir))
     services.append(_service(run_dir, "control", "control", ControlConfig.of(root)))
     services.append(_service(run_dir, "reward", "reward", RewardConfig.of(root)))
     if root.env.enabled:

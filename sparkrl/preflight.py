@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from sparkrl import model_check, ports
+from sparkrl import model_check, ports, reward_check
 from sparkrl.services.common.prompt_limits import PromptBudgetError, context_of, resolve_max_prompt_tokens
 from sparkrl.services.common.settings import SparkSettings
 
@@ -64,8 +64,9 @@ def _prompt_texts(cfg: SparkSettings) -> tuple[list[Problem], list[str]]:
     from sparkrl.services.common.tasks.datasets import DatasetError, MalformedFile, iter_prompts
 
     p = cfg.prompts
-    if p.task == "math" and p.path is None:
-        return [Problem("prompts.path", "task math reads a file: set prompts.path (jsonl or parquet)")], []
+    if p.task != "countdown" and p.path is None:
+        fix = f"task {p.task} reads a file: set prompts.path (jsonl or parquet)"
+        return [Problem("prompts.path", fix)], []
     if p.path is not None and not Path(p.path).is_file():
         where = "" if Path(p.path).is_absolute() else f" (relative to {Path.cwd()})"
         return [Problem("prompts.path", f"{p.path}{where} does not exist: point it at your prompt file")], []
@@ -393,6 +394,7 @@ def check(cfg: SparkSettings) -> list[Problem]:
                 Problem("rollout.sampling.topk_logprobs", f"exceeds the vocabulary ({vocab}): lower it")
             )
     engine_problems, vllm_on_cpu = _engine(cfg, config)
+    problems += [Problem(*problem) for problem in reward_check.problems(cfg)]
     return problems + engine_problems + _devices(cfg, vllm_on_cpu) + _sync(cfg) + _environment(cfg)
 
 

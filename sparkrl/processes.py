@@ -73,10 +73,11 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
     proc.wait()
 
 
-def answers_healthz(url: str, timeout_s: float = 1.0) -> bool:
-    """Whether the service at `url` answers GET /healthz with 200 (not answering at all: False)."""
+def answers_healthz(url: str, timeout_s: float = 1.0, route: str = "healthz") -> bool:
+    """Whether the service at `url` answers GET /healthz (or `route`) with 200 (not answering at all:
+    False)."""
     try:
-        return httpx.get(f"{url}/healthz", timeout=timeout_s).status_code == 200
+        return httpx.get(f"{url}/{route}", timeout=timeout_s).status_code == 200
     except httpx.HTTPError:
         return False
 
@@ -87,8 +88,8 @@ def is_ready(spec: ServiceSpec) -> bool:
     if spec.ready is None:
         return True
     kind, url = spec.ready
-    if kind == "healthz":
-        return answers_healthz(url)
+    if kind in ("healthz", "health"):  # ours, and vLLM's server (a local judge)
+        return answers_healthz(url, route=kind)
     client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
     try:
         return bool(client.ping())

@@ -4,9 +4,12 @@ One process, one event loop. The loop only parses, dispatches and answers; every
 the pool (`pool.py`), which enforces each item's time limit by killing the stuck worker, so no input can
 stall the loop or take the service down — but for the tasks whose verifier is registered bounded
 (countdown: it checks limits on its input before any work, so it cannot run long), scored on a thread of
-this process without the round trip to a verifier process (verifiers.py). Each request has a budget set by
-the server (`reward.max_request_seconds`, and per item at most `reward.max_item_timeout_s` whatever the
-client asks), takes turns with the other requests, and is cancelled as soon as its client disconnects.
+this process without the round trip to a verifier process (verifiers.py). Served scorers run on their own
+threads: an LLM judge over HTTP (`task: judge`, judge.py) and a reward model (`task: reward_model`,
+reward_model.py); a mixed task (`reward.mixes`, mixing.py) is scored by its parts. Each request has a
+budget set by the server (`reward.max_request_seconds`, and per item at most `reward.max_item_timeout_s`
+whatever the client asks), takes turns with the other requests, and is cancelled as soon as its client
+disconnects.
 """
 
 from __future__ import annotations
@@ -17,23 +20,25 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Protocol
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from sparkrl.proto.reward import RewardRequest, RewardResponse, RewardResult
+from sparkrl.proto.reward import RewardItem, RewardRequest, RewardResponse, RewardResult
 from sparkrl.services.common import asgi_server
 from sparkrl.services.common.http import AsciiJSON, BodyLimit, install_validation_handler
 from sparkrl.services.common.settings import RewardSettings
-from sparkrl.services.reward.judge import JUDGE_TASK, Judge
+from sparkrl.services.common.settings.reward import JUDGE_TASK, REWARD_MODEL_TASK
+from sparkrl.services.reward.judge import Judge
 from sparkrl.services.reward.metrics import RewardMetrics
+from sparkrl.services.reward.mixing import score_mixed
 from sparkrl.services.reward.pool import VerifierPool
 from sparkrl.services.reward.verifiers import (
     VerifyFn,
@@ -48,6 +53,41 @@ log = logging.getLogger("sparkrl.reward")
 # In-flight requests get this long after SIGTERM before uvicorn cancels them and the pool is closed.
 _GRACEFUL_SHUTDOWN_S = 5
 _DISCONNECT_POLL_S = 0.25  # how soon a client that went away stops its request's work
+
+
+class Served(Protocol):
+    """A scorer the service runs on its own threads: the judge, the reward model."""
+
+    def score(self, items: list[RewardItem]) -> list[RewardResult]: ...
+
+
+def served_scorers(settings: RewardSettings) -> dict[str, Served]:
+    """The served scorers the settings ask for, by task. Raises ValueError naming what is wrong."""
+    served: dict[str, Served] = {}
+    if settings.judge.url is not None:
+        served[JUDGE_TASK] = Judge(settings.judge)
+    if settings.model.path is not None:
+        try:
+            from sparkrl.services.reward.reward_model import RewardModel
+        except ImportError as exc:
+            raise ValueError(
+                f"reward.model needs torch and transformers ({exc}): pip install 'sparkrl[reward-model]'"
+            ) from None
+        served[REWARD_MODEL_TASK] = RewardModel(settings.model)
+    return served
+
+
+def _check_mixes(settings: RewardSettings, scored: Sequence[str]) -> None:
+    """Every mix's parts are tasks the service scores, and no mix takes a verifier's name."""
+    for name, mix in settings.mixes.items():
+        if name in scored:
+            raise ValueError(f"reward.mixes.{name}: the name of a verifier; give the mix its own")
+        for part in mix.parts:
+            if part.verifier not in scored:
+                raise ValueError(
+                    f"reward.mixes.{name}: part {part.verifier!r} is not scored here (scored: "
+                    f"{', '.join(scored)}; `judge` needs reward.judge.url, `reward_model` reward.model.path)"
+                )
 
 
 def _unknown_tasks(request: RewardRequest, known: list[str]) -> list[dict[str, Any]]:
@@ -65,14 +105,17 @@ def _unknown_tasks(request: RewardRequest, known: list[str]) -> list[dict[str, A
 
 
 def create_app(settings: RewardSettings) -> FastAPI:
-    """The app and its pool (started and closed by the app's lifespan). Raises on a bad custom verifier."""
+    """The app and its pool (started and closed by the app's lifespan). Raises ValueError on a bad custom
+    verifier, a judge key that cannot be read, a reward model that does not load or a mix of unknown parts."""
     load_custom_verifiers(settings.custom_verifiers)
     verifiers = registry()
-    judge = Judge(settings.judge) if settings.judge.url is not None else None  # task `judge`: over HTTP
-    known = sorted([*verifiers, *([JUDGE_TASK] if judge is not None else [])])
+    served = served_scorers(settings)
+    _check_mixes(settings, sorted([*verifiers, *served]))
+    known = sorted([*verifiers, *served, *settings.mixes])
     inline = {task: fn for task, fn in verifiers.items() if task in bounded_tasks()}
     pool = VerifierPool(settings.verifier_processes, verifiers)
-    metrics = RewardMetrics(pool.stats, None if judge is None else judge.snapshot)
+    judge = served.get(JUDGE_TASK)
+    metrics = RewardMetrics(pool.stats, judge.snapshot if isinstance(judge, Judge) else None)
     for task in known:  # the timeout series exist at zero from the first scrape, not from the first timeout
         metrics.timeouts.labels(task)
 
@@ -84,7 +127,7 @@ def create_app(settings: RewardSettings) -> FastAPI:
             yield
         finally:
             pool.close()
-            if judge is not None:
+            if isinstance(judge, Judge):
                 judge.close()
             log.info("reward service stopped: verifier pool closed")
 
@@ -100,7 +143,12 @@ def create_app(settings: RewardSettings) -> FastAPI:
             return AsciiJSON({"detail": unknown}, status_code=422)
         started = time.monotonic()
         deadline = started + settings.max_request_seconds
-        results = await _verify_all(pool, inline, judge, request, http, settings, deadline)
+        timeout_s = min(request.timeout_s or settings.item_timeout_s, settings.max_item_timeout_s)
+
+        async def score_items(items: list[RewardItem]) -> list[RewardResult] | None:
+            return await _verify_all(pool, inline, served, items, http, timeout_s, deadline)
+
+        results = await score_mixed(request.items, settings.mixes, score_items)
         if results is None:
             metrics.cancelled.inc()
             return Response(status_code=499)
@@ -121,26 +169,23 @@ def create_app(settings: RewardSettings) -> FastAPI:
 async def _verify_all(
     pool: VerifierPool,
     inline: dict[str, VerifyFn],
-    judge: Judge | None,
-    request: RewardRequest,
+    served: dict[str, Served],
+    items: list[RewardItem],
     http: Request,
-    settings: RewardSettings,
+    timeout_s: float,
     deadline: float,
 ) -> list[RewardResult] | None:
-    """Every item's result, in request order; None when the client went away first (its work is then
-    cancelled: nobody waits for the answer). Items of a bounded task (`inline`) are scored on a thread of
-    this process while the pool works on the rest, and `judge` items by the judge (its own threads and
-    deadline: judge.py)."""
-    timeout_s = min(request.timeout_s or settings.item_timeout_s, settings.max_item_timeout_s)
+    """Every item's result, in order; None when the client went away first (its work is then cancelled:
+    nobody waits for the answer). Items of a bounded task (`inline`) are scored on a thread of this
+    process while the pool works on the rest, and a served scorer's items by it (its own threads)."""
     request_id = uuid.uuid4().hex
-    judged = [i for i, item in enumerate(request.items) if judge is not None and item.task == JUDGE_TASK]
-    pooled = [i for i, item in enumerate(request.items) if item.task not in inline and i not in judged]
+    pooled = [i for i, item in enumerate(items) if item.task not in inline and item.task not in served]
     futures = [
         pool.submit(
-            request.items[i].task,
-            request.items[i].completion,
-            request.items[i].answer,
-            request.items[i].task_data,
+            items[i].task,
+            items[i].completion,
+            items[i].answer,
+            items[i].task_data,
             timeout_s,
             request_id=request_id,
             deadline=deadline,
@@ -148,12 +193,14 @@ async def _verify_all(
         for i in pooled
     ]
     results: dict[int, RewardResult] = {}
-    if judged and judge is not None:
-        items = [request.items[i] for i in judged]
-        results.update(zip(judged, await asyncio.to_thread(judge.score, items), strict=True))
-    if any(item.task in inline for item in request.items):
-        here = [i for i, item in enumerate(request.items) if item.task in inline]
-        results.update(zip(here, await asyncio.to_thread(_verify_here, inline, request, here), strict=True))
+    for task, scorer in served.items():
+        mine = [i for i, item in enumerate(items) if item.task == task]
+        if mine:
+            got = await asyncio.to_thread(scorer.score, [items[i] for i in mine])
+            results.update(zip(mine, got, strict=True))
+    here = [i for i, item in enumerate(items) if item.task in inline]
+    if here:
+        results.update(zip(here, await asyncio.to_thread(_verify_here, inline, items, here), strict=True))
     done = _all_done(futures)
     while not done.done():
         await asyncio.wait({done}, timeout=_DISCONNECT_POLL_S)
@@ -164,16 +211,16 @@ async def _verify_all(
             )
             return None
     results.update(zip(pooled, (future.result() for future in futures), strict=True))
-    return [results[i] for i in range(len(request.items))]
+    return [results[i] for i in range(len(items))]
 
 
 def _verify_here(
-    inline: dict[str, VerifyFn], request: RewardRequest, indices: list[int]
+    inline: dict[str, VerifyFn], items: list[RewardItem], indices: list[int]
 ) -> list[RewardResult]:
-    """The items `indices` of `request`, each by its bounded verifier, in this process."""
+    """The items `indices` of `items`, each by its bounded verifier, in this process."""
     results = []
     for i in indices:
-        item = request.items[i]
+        item = items[i]
         started = time.perf_counter()
         score, status, detail = run_verifier(inline[item.task], item.completion, item.answer, item.task_data)
         results.append(
@@ -216,7 +263,7 @@ def main(settings: RewardSettings) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         app = create_app(settings)
-    except ValueError as exc:  # a custom verifier that does not load, a judge key that cannot be read
+    except ValueError as exc:  # a custom verifier, judge key, reward model or mix that does not hold
         raise SystemExit(f"reward service: {exc}") from None
     config = asgi_server.config(
         app,

@@ -37,12 +37,12 @@ from typing import Any
 import httpx
 
 from sparkrl.proto.reward import RewardItem, RewardResult
-from sparkrl.services.common.settings.servers import JudgeSettings
+from sparkrl.services.common.settings.reward import JudgeSettings
 from sparkrl.services.common.tasks.answers import last_boxed
 
 log = logging.getLogger("sparkrl.reward.judge")
 
-JUDGE_TASK = "judge"  # the items' `task` the judge scores
+
 MAX_DETAIL = 2000
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 

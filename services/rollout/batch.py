@@ -18,6 +18,7 @@ from sparkrl.proto import (
     decode_message,
     group_id_for,
 )
+from sparkrl.proto.reward import UNSCORED
 from sparkrl.services.common.bus import Entry, RedisBus
 from sparkrl.services.common.modeling import render_prompt
 from sparkrl.services.common.prompt_limits import PromptLimits
@@ -145,7 +146,7 @@ def score_groups(
                 prompt=prompt,
                 prompt_token_ids=prompt_ids,
                 completions=group,
-                rewards=[d.score + penalty for d, penalty in zip(details, penalties, strict=True)],
+                rewards=group_rewards(details, penalties),
                 reward_details=details,
                 overlong_penalties=penalties if buffer.len is not None else None,
                 task=prompt.task,
@@ -159,6 +160,18 @@ def score_groups(
             )
         )
     return groups
+
+
+def group_rewards(details: list[RewardResult], penalties: list[float]) -> list[float]:
+    """Each completion's reward: its score plus its over-long penalty, but a completion whose scoring
+    failed (`UNSCORED`: timeout, error, unparseable — a judge down, a verifier killed) says nothing of the
+    completion: it gets the mean reward of the group's scored ones, so its advantage is 0 and it moves
+    neither the group's mean nor the policy. Every one failed: all 0, a group without signal. Its status
+    stays in `reward_details` (counted per step, shown in samples.jsonl): named, never a silent 0."""
+    rewards = [d.score + penalty for d, penalty in zip(details, penalties, strict=True)]
+    scored = [r for r, d in zip(rewards, details, strict=True) if d.status not in UNSCORED]
+    neutral = sum(scored) / len(scored) if scored else 0.0
+    return [r if d.status not in UNSCORED else neutral for r, d in zip(rewards, details, strict=True)]
 
 
 def episode_results(

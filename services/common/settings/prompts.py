@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field, model_validator
 
 from sparkrl.services.common.settings.section import Section
@@ -27,9 +25,13 @@ class CountdownSettings(Section):
 class PromptSettings(Section):
     """What `sparkrl prompts` feeds into the prompt stream."""
 
-    task: Literal["countdown", "math", "exact"] = Field(
+    task: str = Field(
         "countdown",
-        description="Task; chooses generator and verifier (exact: the answer verbatim, from a file).",
+        pattern=r"^[a-z][a-z0-9_]{0,63}$",
+        description="The task each prompt names, which the reward service scores it by: countdown "
+        "(generated, without a path), math, exact (the answer verbatim), judge (an LLM judge), "
+        "reward_model, a mix of reward.mixes or your own verifier; every task but countdown reads "
+        "prompts.path.",
     )
     path: str | None = Field(
         None, description="jsonl/parquet file of prompts (math); None: generate (countdown)."

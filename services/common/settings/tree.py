@@ -40,13 +40,9 @@ from sparkrl.services.common.settings.learner_knobs import (
 from sparkrl.services.common.settings.prompt_format import PromptFormat
 from sparkrl.services.common.settings.prompts import CountdownSettings, PromptSettings
 from sparkrl.services.common.settings.ray import RaySettings
+from sparkrl.services.common.settings.reward import RewardSettings
 from sparkrl.services.common.settings.rollout import RolloutSettings
-from sparkrl.services.common.settings.servers import (
-    ControlSettings,
-    EnvServiceSettings,
-    MetricsEndpoint,
-    RewardSettings,
-)
+from sparkrl.services.common.settings.servers import ControlSettings, EnvServiceSettings, MetricsEndpoint
 from sparkrl.services.common.settings.supervision import SupervisionSettings, WorkerHealthSettings
 from sparkrl.services.common.settings.sync import WeightSyncSettings
 

@@ -21,6 +21,7 @@ from sparkrl.services.common.tasks.answers import last_boxed
 
 DEFAULT_COUNTDOWN_PROMPTS = 64
 PLACEHOLDER = "{prompt}"  # where prompts.template takes the question; other braces stay as written
+NEEDS_ANSWER = frozenset({"math", "exact"})  # the tasks that check an answer: every row has one
 
 
 class DatasetError(ValueError):
@@ -116,9 +117,12 @@ def answer_text(value: Any) -> str:
 
 
 def file_prompts(cfg: PromptSettings) -> Iterator[Prompt]:
-    """Prompts from `cfg.path`, each with a stable id (file stem + row number)."""
+    """Prompts from `cfg.path`, each with a stable id (file stem + row number). A task that checks an
+    answer (`NEEDS_ANSWER`) needs one in every row; the others (a judge, a reward model, a mix, your own)
+    take it where a row has one, and carry the question as written (`task_data.question`: what a judge's
+    rubric and a reward model read)."""
     if cfg.path is None:
-        raise DatasetError("task `math` needs prompts.path (a jsonl or parquet file)")
+        raise DatasetError(f"task `{cfg.task}` needs prompts.path (a jsonl or parquet file)")
     path = Path(cfg.path)
     if not path.is_file():
         raise DatasetError(f"prompt file {path} does not exist")
@@ -131,15 +135,19 @@ def file_prompts(cfg: PromptSettings) -> Iterator[Prompt]:
     for index in order:
         line, row = rows[index]
         where = f"{path}:{line}, row {index + 1}"
-        for field in (cfg.prompt_field, cfg.answer_field):
+        needed = (cfg.prompt_field, cfg.answer_field) if cfg.task in NEEDS_ANSWER else (cfg.prompt_field,)
+        for field in needed:
             if row.get(field) is None:
                 raise DatasetError(f"{where}: no field {field!r} (has {sorted(row)})")
-        question = cfg.template.replace(PLACEHOLDER, str(row[cfg.prompt_field]))
+        raw = row.get(cfg.answer_field)
+        answer = None if raw is None else _text(where, cfg.answer_field, answer_text(raw))
+        question = _text(where, cfg.prompt_field, str(row[cfg.prompt_field]))
         yield Prompt(
             prompt_id=f"{path.stem}-{index:06d}",
             task=cfg.task,
-            text=_text(where, cfg.prompt_field, question),
-            answer=_text(where, cfg.answer_field, answer_text(row[cfg.answer_field])),
+            text=_text(where, cfg.prompt_field, cfg.template.replace(PLACEHOLDER, question)),
+            answer=answer,
+            task_data=None if cfg.task in NEEDS_ANSWER else {"question": question},
             source=path.name,
         )
 
