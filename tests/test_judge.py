@@ -2,7 +2,7 @@
 — and as one fails: down, slower than the deadline, garbage, 429 then an answer, a refusal. Every failure is
 a named status with its reason, never a silent 0 that trains as "wrong"; a reply is parsed (a number on the
 rubric's scale, labels, a boxed grade) or `unparseable`; the same item is judged once; the key is sent
-and never shown. (These test the client; a run judged by a real `vllm serve` is issue 49's next step.)"""
+and never shown. (These test the client; tests/test_judge_stack.py runs a real `vllm serve` as the judge.)"""
 
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ def combine(mix: MixSettings, results: list[RewardResult]) -> RewardResult:
     elapsed = sum(r.elapsed_s for r in results)
     if mix.combine == "fallback":
         last = results[-1]
-        detail = f"{said} — {names[len(results) - 1]}: {last.detail}" if last.detail else said
+        detail = f"{said} — {last.detail}" if last.detail else said
         return RewardResult(
             score=last.score, status=last.status, detail=detail[:MAX_DETAIL], elapsed_s=elapsed
         )
@@ -93,6 +93,6 @@ def combine(mix: MixSettings, results: list[RewardResult]) -> RewardResult:
         status = "no_answer"
     else:
         status = "correct" if mean >= mix.pass_score else "incorrect"
-    details = " | ".join(f"{name}: {r.detail}" for name, r in zip(names, results, strict=True) if r.detail)
+    details = " | ".join(r.detail for r in results if r.detail)  # each says whose it is
     detail = f"{said} — {details}" if details else said
     return RewardResult(score=mean, status=status, detail=detail[:MAX_DETAIL], elapsed_s=elapsed)
