@@ -29,7 +29,7 @@ from sparkrl.services.common.bus._text import mask_password
 from sparkrl.services.common.settings import RewardSettings, SparkSettings
 from sparkrl.services.common.settings.roles import LearnerConfig, RolloutConfig
 
-BESIDE = ("redis", "control", "env", "prompts", "evaluator")  # plain processes next to the actors
+BESIDE = ("redis", "judge", "control", "env", "prompts", "evaluator")  # plain processes beside the actors
 STOP_GRACE_S = 30.0
 
 
