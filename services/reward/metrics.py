@@ -48,12 +48,12 @@ class _JudgeCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         counts = self._counts()
-        for name, doc in [
-            ("calls", "Calls to the judge's endpoint, retries included."),
-            ("cache_hits", "Judge items answered from its cache (judged once before)."),
-            ("tokens", "Tokens the judge's endpoint reported spending (usage.total_tokens)."),
+        for metric, name, doc in [
+            ("sparkrl_reward_judge_calls", "calls", "Calls to the judge's endpoint, retries included."),
+            ("sparkrl_reward_judge_cache_hits", "cache_hits", "Judge items answered from its cache."),
+            ("sparkrl_reward_judge_tokens", "tokens", "Tokens the judge's endpoint reported (usage)."),
         ]:
-            yield CounterMetricFamily(f"sparkrl_reward_judge_{name}", doc, value=counts.get(name, 0))
+            yield CounterMetricFamily(metric, doc, value=counts.get(name, 0))
 
 
 class RewardMetrics:
