@@ -29,12 +29,13 @@ chromium:
 
 # The vLLM tier (`-m vllm`: vLLM's CPU build) runs in its own environment; SPARKRL_REQUIRE_VLLM turns its
 # "not installed" skips into failures, so `make test` never passes without it.
-# The fast tier runs on both cores (pytest-xdist, one file per process: a module's fixtures stay shared); the
-# slow tier one test at a time, its stacks already using both (measured in parallel: 19 min against 24,
-# and tests sharing a run directory, a lock or a module's stack collide; docs/testing.md).
+# Both tiers run two files at a time (pytest-xdist, one file per process: a module's fixtures and stack stay
+# shared). The slow tier's stacks spend much of their time waiting (sleeps, polls, deadlines), not computing:
+# one at a time it took 67.5 min on CI's last machine, past the budget; two at a time, 36.5 min here
+# (docs/testing.md). A test that sets up something shared (a lock, a port, a folder) keeps it private.
 test: install chromium vllm-env
 	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -m "not slow and not vllm" -n 2 --dist loadfile
-	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -m "slow and not vllm and not families" --durations=15
+	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -m "slow and not vllm and not families" -n 2 --dist loadfile --durations=15
 	SPARKRL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_engine_contract.py tests/test_engine_in_flight.py tests/test_vllm_cpu.py tests/test_vllm_lora.py tests/test_vllm_families.py
 
 # Every model family on both engines (tests/test_families.py, `make test` runs a few of them; about 4.5

@@ -5,6 +5,7 @@ that names the lock (instead of waiting silently for ever and ignoring SIGTERM).
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,14 +59,18 @@ def test_a_lock_a_process_holds_open_is_not_cleared(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def shm_lock() -> Iterator[Path]:
-    """The lock of the op DeepSpeed builds on a CPU learner's first start, as a killed build leaves it."""
-    folder = extensions_dir() / "deepspeed_shm_comm"
+def shm_lock(tmp_path: Path) -> Iterator[Path]:
+    """The lock of the op DeepSpeed builds on a CPU learner's first start, as a killed build leaves it — in
+    a copy of the extensions folder (the op already built there, when it is), never in the one every other
+    learner uses: a learner starting beside this test (the slow tier runs two at a time) would wait on it."""
+    private = tmp_path / "torch_extensions"
+    if extensions_dir().is_dir():
+        shutil.copytree(extensions_dir(), private, ignore=shutil.ignore_patterns("lock"))
+    folder = private / "deepspeed_shm_comm"
     folder.mkdir(parents=True, exist_ok=True)
     lock = folder / "lock"
     lock.touch()
     yield lock
-    lock.unlink(missing_ok=True)
 
 
 def _learner(model: Path, redis_url: str, tmp_path: Path, *overrides: str) -> subprocess.Popen[str]:
@@ -74,7 +79,7 @@ def _learner(model: Path, redis_url: str, tmp_path: Path, *overrides: str) -> su
     command = [sys.executable, "-m", "sparkrl.cli", "learner", "--preset", "smoke"]
     for override in args:
         command += ["--set", override]
-    env = clean_env()
+    env = clean_env() | {"TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}  # shm_lock's copy
     return subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
 
 
