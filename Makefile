@@ -33,9 +33,12 @@ chromium:
 # shared). The slow tier's stacks spend much of their time waiting (sleeps, polls, deadlines), not computing:
 # one at a time it took 67.5 min on CI's last machine, past the budget; two at a time, 36.5 min here
 # (docs/testing.md). A test that sets up something shared (a lock, a port, a folder) keeps it private.
+# SLOW_SKIP: pytest arguments that leave slow tests out (.ci/run: the families sample, which
+# `make test-families` runs right after with every other family).
+SLOW_SKIP ?=
 test: install chromium vllm-env
 	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -m "not slow and not vllm" -n 2 --dist loadfile
-	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -m "slow and not vllm and not families" -n 2 --dist loadfile --durations=15
+	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -m "slow and not vllm and not families" -n 2 --dist loadfile --durations=15 $(SLOW_SKIP)
 	SPARKRL_REQUIRE_VLLM=1 $(VLLM_VENV)/bin/python -m pytest -q -m vllm tests/test_engine_contract.py tests/test_engine_in_flight.py tests/test_vllm_cpu.py tests/test_vllm_lora.py tests/test_vllm_families.py
 
 # Every model family on both engines (tests/test_families.py, `make test` runs a few of them; about 4.5
