@@ -532,3 +532,41 @@ def test_the_agents_override_adds_the_environment_service_and_wires_the_players(
     done = subprocess.run(config, capture_output=True, text=True, env=clean)
     assert done.returncode == 0, done.stderr
     assert set(json.loads(done.stdout)["services"]) == SERVICES | {"env"}
+
+
+JUDGE = DOCKER / "compose.judge.yml"
+
+
+def test_the_judge_override_serves_a_judge_the_reward_service_calls_with_its_key(tmp_path: Path) -> None:
+    """deploy/docker/compose.judge.yml: vLLM's OpenAI server on a GPU, healthy before the reward service,
+    which scores judged tasks through it; the key comes from the environment, required, into the two
+    containers' environments only."""
+    tree: dict[str, Any] = {}
+    for path in (BASE, JUDGE):
+        tree = _merged(tree, load_compose(path))
+    key = {"JUDGE_API_KEY": "k" * 24, "JUDGE_MODEL": "my-judge"}
+    services = typing.cast(dict[str, Service], _interpolated(tree, {**SECRETS, **key})["services"])
+    judge, reward = services["judge"], services["reward"]
+    assert "/models/my-judge" in judge["command"] and judge["command"][-1] == "8400"
+    assert "/health" in judge["healthcheck"]["test"][-1] and environment(judge)["VLLM_API_KEY"] == "k" * 24
+    settings = service_settings(reward).reward.judge
+    assert (settings.url, settings.model, settings.api_key_env) == (
+        "http://judge:8400/v1",
+        "judge",
+        "JUDGE_API_KEY",
+    )
+    assert environment(reward)["JUDGE_API_KEY"] == "k" * 24 and "SPARKRL_BUS__URL" in environment(reward)
+    assert reward["depends_on"]["judge"] == {"condition": "service_healthy"}
+    with pytest.raises(Exception, match="JUDGE_API_KEY"):
+        _interpolated(tree, {**SECRETS, "JUDGE_MODEL": "my-judge"})
+    compose = compose_binary()
+    if compose is None:
+        return  # the merge above is this test's; `docker compose config` is checked where it is installed
+    env_file = tmp_path / "test.env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in {**SECRETS, **key}.items()))
+    config = [*compose, "--project-directory", str(ROOT), "-p", "sparkrl-test", "-f", str(BASE), "-f",
+              str(JUDGE), "--env-file", str(env_file), "config", "--format", "json"]  # fmt: skip
+    clean = {k: v for k, v in os.environ.items() if k not in SECRETS and k not in key}
+    done = subprocess.run(config, capture_output=True, text=True, env=clean)
+    assert done.returncode == 0, done.stderr
+    assert set(json.loads(done.stdout)["services"]) == SERVICES | {"judge"}
