@@ -237,8 +237,10 @@ def test_the_agent_preset_learns_to_call_its_tool(tiny_agent_dir: Path, tmp_path
     assert abs(rows[0]["loss/ratio_mean"] - 1) < 0.01 and abs(rows[0]["loss/ratio_kl"]) < 0.01
     # Held out (eval.every 10): 32 boxes the run never trains on, 4 episodes each, played with the lookup
     # environment as the workers play them; pass@1 over episodes rises with the habit.
+    # (5 evaluations on a quiet machine; a loaded one skips versions the evaluator was too busy for: the first
+    # and the last are what the claim needs.)
     evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
-    assert len(evals) >= 3 and all(e["problems"] == 32 and e["n"] == 4 for e in evals), evals
+    assert len(evals) >= 2 and all(e["problems"] == 32 and e["n"] == 4 for e in evals), evals
     first, last = evals[0]["pass_at"]["1"], evals[-1]["pass_at"]["1"]
     assert last > first, f"held-out pass@1 {first:.3f} → {last:.3f}; {said}"
 
