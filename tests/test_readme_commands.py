@@ -53,10 +53,15 @@ def _said(done: subprocess.CompletedProcess[str]) -> str:
     return done.stdout + done.stderr
 
 
-def _wait_for_first_step(demo: subprocess.Popen[str], timeout_s: float = 600) -> None:
+def _wait_for_first_step(demo: subprocess.Popen[str], started: float, timeout_s: float = 600) -> None:
+    """Until this demo (not an earlier run left in runs/demo) has a step and holds its lock."""
     metrics = ROOT / "runs" / "demo" / "metrics.jsonl"
     deadline = time.monotonic() + timeout_s
-    while not (metrics.is_file() and metrics.stat().st_size > 0 and (metrics.parent / "run.lock").exists()):
+
+    def stepped() -> bool:
+        return metrics.is_file() and metrics.stat().st_size > 0 and metrics.stat().st_mtime >= started
+
+    while not (stepped() and (metrics.parent / "run.lock").exists()):
         assert demo.poll() is None, "make demo ended before its first step"
         assert time.monotonic() < deadline, "make demo had no step after 10 min"
         time.sleep(0.5)
@@ -77,6 +82,10 @@ def test_the_readme_commands_work_in_a_fresh_shell_as_printed(tmp_path: Path) ->
     # Why the README says to activate: a fresh shell has no `sparkrl`.
     assert fresh_shell("sparkrl --version").returncode == 127
 
+    # A fresh checkout has no runs/demo; an earlier run's would answer `sparkrl status` with its own
+    # (dead) control address until `make demo` overwrites it.
+    shutil.rmtree(ROOT / "runs" / "demo", ignore_errors=True)
+    started = time.time()
     demo = subprocess.Popen(
         ["bash", "-c", "make demo"],
         cwd=ROOT,
@@ -86,7 +95,7 @@ def test_the_readme_commands_work_in_a_fresh_shell_as_printed(tmp_path: Path) ->
         text=True,
     )
     try:
-        _wait_for_first_step(demo)
+        _wait_for_first_step(demo, started)
         for command in steering:  # in another terminal, while it runs
             done = fresh_shell(f"{ACTIVATE} && {command}")
             print(f"$ {command}\n{_said(done)}")
