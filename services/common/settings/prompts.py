@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field, model_validator
 
+from sparkrl.services.common.settings.reward import TASK_NAME
 from sparkrl.services.common.settings.section import Section
 
 
@@ -27,7 +28,7 @@ class PromptSettings(Section):
 
     task: str = Field(
         "countdown",
-        pattern=r"^[a-z][a-z0-9_]{0,63}$",
+        pattern=f"^{TASK_NAME.pattern}$",
         description="The task each prompt names, which the reward service scores it by: countdown "
         "(generated, without a path), math, exact (the answer verbatim), judge (an LLM judge), "
         "reward_model, a mix of reward.mixes or your own verifier; every task but countdown reads "
