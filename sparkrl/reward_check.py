@@ -11,11 +11,11 @@ from sparkrl.services.common.settings.reward import JUDGE_TASK, REWARD_MODEL_TAS
 
 def scored_tasks(cfg: SparkSettings) -> dict[str, str]:
     """Every task the reward service scores with these settings, each with what scores it."""
-    from sparkrl.services.reward.verifiers import registry
+    from sparkrl.services.reward.verifiers import custom_verifier_name, registry
 
     reward = cfg.reward
     tasks = {name: "rule verifier" for name in registry()}
-    tasks |= {path.rpartition(":")[2].rsplit(".", 1)[-1]: "your verifier" for path in reward.custom_verifiers}
+    tasks |= {custom_verifier_name(path): "your verifier" for path in reward.custom_verifiers}
     if reward.judge.url is not None or reward.judge.serve is not None:
         tasks[JUDGE_TASK] = "the LLM judge"
     if reward.model.path is not None:

@@ -77,6 +77,11 @@ def bounded_tasks() -> frozenset[str]:
     return frozenset(_BOUNDED)
 
 
+def custom_verifier_name(path: str) -> str:
+    """The task a custom verifier `module:function` is registered as: the function's name."""
+    return path.partition(":")[2].rsplit(".", 1)[-1]
+
+
 def load_custom_verifiers(paths: list[str]) -> list[str]:
     """Import each `module:function` and register it under the function's name; returns the names."""
     names = []
@@ -88,7 +93,7 @@ def load_custom_verifiers(paths: list[str]) -> list[str]:
             fn = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:
             raise ValueError(f"custom verifier {path!r} cannot be loaded: {exc}") from exc
-        name = attr.rsplit(".", 1)[-1]
+        name = custom_verifier_name(path)
         register_verifier(name, fn)
         names.append(name)
     return names
