@@ -25,6 +25,7 @@ from sparkrl.proto.partial import PARTIAL_SCHEMA_VERSION, PartialGroup
 from sparkrl.proto.ranks import RankOrder
 from sparkrl.proto.reward import (
     REWARD_SCHEMA_VERSION,
+    JudgeUsage,
     RewardItem,
     RewardRequest,
     RewardResponse,
@@ -108,6 +109,7 @@ __all__ = [
     "HyperparameterPatch",
     "Int32Array1D",
     "Int32Array2D",
+    "JudgeUsage",
     "LearnerStatus",
     "MetricsPage",
     "NdArray",

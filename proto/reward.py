@@ -88,6 +88,37 @@ class RewardResult(BaseModel):
     elapsed_s: float = Field(ge=0, description="Wall time spent verifying this item, seconds.")
 
 
+class JudgeUsage(BaseModel):
+    """What the LLM judge spent: on one request's items (`RewardResponse.judge`), or a worker's summed since
+    it started (`WorkerStatus.judge`, for the live page). Writer: reward service. Readers: rollout worker,
+    control service, the page."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    items: dict[RewardStatus, int] = Field(
+        default_factory=dict,
+        description="Items the judge scored (a mix's judge part included), by status: `correct`, "
+        "`incorrect`, and the failures `unparseable`, `timeout`, `error`.",
+    )
+    calls: int = Field(default=0, ge=0, description="HTTP calls to its endpoint, retries included.")
+    cache_hits: int = Field(default=0, ge=0, description="Items answered from its cache, with no call.")
+    tokens: int = Field(default=0, ge=0, description="Tokens its endpoint reported spending (`usage`).")
+    seconds: float = Field(default=0.0, ge=0, description="Wall time of those items, summed, seconds.")
+
+    def plus(self, other: "JudgeUsage") -> "JudgeUsage":
+        """Both, summed."""
+        items = dict(self.items)
+        for status, count in other.items.items():
+            items[status] = items.get(status, 0) + count
+        return JudgeUsage(
+            items=items,
+            calls=self.calls + other.calls,
+            cache_hits=self.cache_hits + other.cache_hits,
+            tokens=self.tokens + other.tokens,
+            seconds=self.seconds + other.seconds,
+        )
+
+
 class RewardResponse(BaseModel):
     """Scores in request order. Writer: reward service. Reader: rollout worker."""
 
@@ -95,3 +126,6 @@ class RewardResponse(BaseModel):
 
     schema_version: Literal[1] = Field(default=REWARD_SCHEMA_VERSION, description="Wire version.")
     results: list[RewardResult] = Field(description="One result per request item, same order.")
+    judge: JudgeUsage | None = Field(
+        default=None, description="What the LLM judge spent on these items; None when it scored none."
+    )

@@ -11,6 +11,7 @@ from pydantic import Field
 
 from sparkrl.proto.base import WireModel
 from sparkrl.proto.control import HparamValue
+from sparkrl.proto.reward import JudgeUsage
 
 STATUS_SCHEMA_VERSION = 1
 
@@ -159,6 +160,12 @@ class WorkerStatus(WireModel):
         default=None,
         description="Its multi-turn episodes so far (rollout.agent). Writer: rollout worker. Readers: "
         "control service, the page. None: it plays no episodes.",
+    )
+    judge: JudgeUsage | None = Field(
+        default=None,
+        description="What the LLM judge spent scoring its groups since it started, as the reward service "
+        "reported it per batch. Writer: rollout worker. Readers: control service, the page. None: no "
+        "judge scored its items.",
     )
     temperature: float | None = Field(
         default=None,

@@ -11,6 +11,7 @@ from pydantic import Field
 from sparkrl.proto.base import WireModel
 from sparkrl.proto.control import HparamValue
 from sparkrl.proto.names import CheckpointTag
+from sparkrl.proto.reward import JudgeUsage
 from sparkrl.proto.status import EpisodeTally, LearnerStatus
 from sparkrl.proto.telemetry import CommandResult, EvalRecord, StepMetrics, SyncEvent
 
@@ -93,6 +94,9 @@ class WorkerView(WireModel):
     )
     episodes: EpisodeTally | None = Field(
         default=None, description="Its multi-turn episodes so far (rollout.agent); None: it plays none."
+    )
+    judge: JudgeUsage | None = Field(
+        default=None, description="What the LLM judge spent on its groups so far; None: no judge scored them."
     )
 
 

@@ -7,17 +7,19 @@ import contextlib
 import json
 import threading
 import time
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 
 class Endpoint:
     """A chat-completions endpoint on loopback whose next answers the test sets (`plan`: one per call;
-    after the plan, a reply of `default`), recording every request."""
+    after the plan, `choose(body)` when set, else a reply of `default`), recording every request."""
 
     def __init__(self) -> None:
         self.plan: list[tuple[int, Any, float]] = []  # (status, body, delay) per call
         self.default = "Grade: 10"
+        self.choose: Callable[[dict[str, Any]], tuple[int, Any, float]] | None = None
         self.requests: list[dict[str, Any]] = []
         endpoint = self
 
@@ -27,9 +29,12 @@ class Endpoint:
                 endpoint.requests.append(
                     {"path": self.path, "body": body, "auth": self.headers["Authorization"]}
                 )
-                status, answer, delay = (
-                    endpoint.plan.pop(0) if endpoint.plan else (200, endpoint.default, 0.0)
-                )
+                if endpoint.plan:
+                    status, answer, delay = endpoint.plan.pop(0)
+                elif endpoint.choose is not None:
+                    status, answer, delay = endpoint.choose(body)
+                else:
+                    status, answer, delay = 200, endpoint.default, 0.0
                 time.sleep(delay)
                 payload = answer if isinstance(answer, bytes) else json.dumps(_completion(answer)).encode()
                 with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # a client past its deadline

@@ -112,3 +112,22 @@ def test_the_agents_panel_shows_each_workers_episodes(browser: Browser) -> None:
     cells = page.locator("#agent-workers tr td").all_inner_texts()
     assert cells == ["w1", "32", "2", "done 30 · max_turns 2", "ok 40 · timeout 2", "0.20 s", "1"]
     assert "warn" in (page.locator("#agent-workers tr td").nth(4).get_attribute("class") or "")
+
+
+def test_the_judge_panel_shows_what_the_judge_spent_on_each_workers_groups(browser: Browser) -> None:  # noqa: F811
+    """Issue 49 item 5: with an LLM judge, each worker's judged items by status (failures counted and
+    flagged), calls, cache hits, tokens and mean latency; hidden while no judge scored anything."""
+    page = _page(browser)
+    plain = {"worker_id": "w0", "judge": None}
+    page.evaluate("(view) => renderJudge(view)", {"workers": [plain]})
+    assert page.locator("#judge").is_hidden()
+    spent = {
+        "items": {"correct": 5, "incorrect": 3, "timeout": 1, "unparseable": 1},
+        "calls": 12, "cache_hits": 2, "tokens": 900, "seconds": 4.0,
+    }  # fmt: skip
+    page.evaluate("(view) => renderJudge(view)", {"workers": [plain, {"worker_id": "w1", "judge": spent}]})
+    assert page.locator("#judge").is_visible()
+    cells = page.locator("#judge-workers tr td").all_inner_texts()
+    by_status = "correct 5 · incorrect 3 · timeout 1 · unparseable 1"
+    assert cells == ["w1", "10", by_status, "2", "12", "2", "900", "0.40 s"]
+    assert "warn" in (page.locator("#judge-workers tr td").nth(3).get_attribute("class") or "")

@@ -57,12 +57,17 @@ def test_the_same_item_is_judged_once(endpoint: Endpoint, monkeypatch: pytest.Mo
     monkeypatch.setenv("JUDGE_TEST_KEY", KEY)
     scorer = judge(endpoint.url)
     try:
-        first = scorer.score([item("42"), item("41")])
-        again = scorer.score([item("42"), item("41"), item("42")])
+        first, spent = scorer.judge([item("42"), item("41")])
+        again, spent_again = scorer.judge([item("42"), item("41"), item("42")])
     finally:
         scorer.close()
-    assert len(endpoint.requests) == 2 and scorer.counts["cache_hits"] == 3
+    assert len(endpoint.requests) == 2
     assert [r.status for r in again] == [first[0].status, first[1].status, first[0].status]
+    # What each batch spent, and in all (Prometheus reads the sum): the second cost no call.
+    assert (spent.calls, spent.cache_hits, spent.tokens, spent.items) == (2, 0, 50, {"correct": 2})
+    assert (spent_again.calls, spent_again.cache_hits, spent_again.tokens) == (0, 3, 0)
+    total = scorer.snapshot()
+    assert (total.calls, total.cache_hits, total.items) == (2, 3, {"correct": 5})
 
 
 @pytest.mark.parametrize(
@@ -156,9 +161,15 @@ def test_the_reward_service_sends_judge_items_to_the_judge(
     assert results[2]["detail"] == "no score in the judge's reply: no idea"
     assert all(r["auth"] == f"Bearer {KEY}" for r in endpoint.requests) and len(endpoint.requests) == 2
     assert KEY not in (tmp_path / "service.log").read_text() and KEY not in answer.text
+    spent = answer.json()["judge"]  # what the worker sums for the page
+    assert {k: spent[k] for k in ("items", "calls", "cache_hits", "tokens")} == {
+        "items": {"correct": 1, "unparseable": 1}, "calls": 2, "cache_hits": 0, "tokens": 50,
+    }  # fmt: skip
     for line in [
         "sparkrl_reward_judge_calls_total 2.0",
         "sparkrl_reward_judge_tokens_total 50.0",  # 25 a reply, as the endpoint reported
+        'sparkrl_reward_judge_items_total{status="unparseable"} 1.0',
+        'sparkrl_reward_judge_items_total{status="timeout"} 0.0',  # every failure's series from the start
         'sparkrl_reward_items_total{status="unparseable",task="judge"} 1.0',
     ]:
         assert line in scraped, scraped

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -54,6 +55,16 @@ def _live_views(run_dir: Path) -> str:
     for route in ("status", "workers", "metrics"):
         seen.append(httpx.get(f"{control}/api/v1/{route}", headers=headers, timeout=10).text)
     return "\n".join(seen)
+
+
+def _workers_judge(run_dir: Path) -> list[dict[str, Any]]:
+    """The page's judge panel's data: each live worker's `judge` in the control service's workers view."""
+    control = yaml.safe_load((run_dir / "config" / "control.yaml").read_text())["control"]["url"]
+    token = (run_dir / "control-token").read_text().strip()
+    view = httpx.get(
+        f"{control}/api/v1/workers", headers={"Authorization": f"Bearer {token}"}, timeout=10
+    ).json()
+    return [w["judge"] for w in view["workers"] if w["judge"]]
 
 
 def test_a_run_rewarded_by_a_vllm_judge_and_a_reward_model_trains_every_group_once(
@@ -100,6 +111,10 @@ def test_a_run_rewarded_by_a_vllm_judge_and_a_reward_model_trains_every_group_on
             assert time.monotonic() < deadline, "no step within 400 s"
             time.sleep(0.5)
         live = _live_views(run_dir)
+        spent = []  # the page's judge panel: what the judge spent on the worker's groups (its heartbeat's)
+        while not spent and up.poll() is None and time.monotonic() < deadline:
+            spent = _workers_judge(run_dir)
+            time.sleep(0.5)
         output, _ = up.communicate(timeout=400)
     finally:
         up.kill()
@@ -117,6 +132,7 @@ def test_a_run_rewarded_by_a_vllm_judge_and_a_reward_model_trains_every_group_on
     assert sorted(history.steps) == [1, 2] and len(history.group_ids) == len(set(history.group_ids))
     state = json.loads((run_dir / "checkpoints" / "latest" / "trainer_state.json").read_text())
     assert (state["step"], state["groups_trained"]) == (2, len(history.group_ids))
+    assert spent and spent[0]["calls"] > 0 and sum(spent[0]["items"].values()) > 0, spent
     judge_log = (run_dir / "logs" / "judge.log").read_text()
     assert "POST /v1/chat/completions" in judge_log  # the reward service called the served judge
     written = [

@@ -57,7 +57,8 @@ def test_mixed_tasks_weigh_their_parts_and_fall_back_to_the_judge_only_where_nee
     ]
     with reward_service(tmp_path, judge=judge, mixes=mixes) as client:
         health = client.get("/healthz").json()
-        results = client.post("/score", json={"items": items}).json()["results"]
+        answer = client.post("/score", json={"items": items}).json()
+    results = answer["results"]
     assert {"exact_and_judge", "math_else_judge", "judge"} <= set(health["verifiers"])
     assert [r["status"] for r in results] == ["incorrect", "correct", "correct", "unparseable"]
     assert results[0]["score"] == pytest.approx(0.875)
@@ -67,6 +68,9 @@ def test_mixed_tasks_weigh_their_parts_and_fall_back_to_the_judge_only_where_nee
     assert results[2]["detail"].startswith("math: correct 1") and "judge" not in results[2]["detail"]
     assert results[3]["score"] == 0 and "judge unparseable" in results[3]["detail"]
     assert len(endpoint.requests) == 3  # the weighted items' two and the one fallback
+    # What the judge spent on its parts, over both rounds: the page's LLM judge panel sums these.
+    assert answer["judge"]["items"] == {"incorrect": 1, "unparseable": 1, "correct": 1}
+    assert answer["judge"]["calls"] == 3
 
 
 def test_a_mix_of_parts_the_service_does_not_score_stops_it_naming_them(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ import time
 
 import httpx
 
-from sparkrl.proto.reward import RewardItem, RewardRequest, RewardResponse, RewardResult
+from sparkrl.proto.reward import JudgeUsage, RewardItem, RewardRequest, RewardResponse, RewardResult
 
 log = logging.getLogger("sparkrl.reward_client")
 
@@ -26,7 +26,8 @@ class RewardServiceError(RuntimeError):
 
 
 class RewardClient:
-    """`score(items)` → one `RewardResult` per item, in order."""
+    """`score(items)` → one `RewardResult` per item, in order; `judged`: what the LLM judge spent on this
+    client's items so far (None while it scored none), for the worker's heartbeat."""
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class RewardClient:
         self.deadline_s = deadline_s
         self.stop = stop
         self._http = httpx.Client(timeout=timeout_s)
+        self.judged: JudgeUsage | None = None
 
     def score(self, items: list[RewardItem], item_timeout_s: float | None = None) -> list[RewardResult]:
         request = RewardRequest(items=items, timeout_s=item_timeout_s)
@@ -75,10 +77,12 @@ class RewardClient:
                 raise RewardServiceError(
                     f"{self.url}/score refused the batch ({reply.status_code}): {reply.text}"
                 )
-            results = RewardResponse.model_validate_json(reply.content).results
-            if len(results) != len(items):
-                raise RewardServiceError(f"asked for {len(items)} scores, got {len(results)}")
-            return results
+            response = RewardResponse.model_validate_json(reply.content)
+            if len(response.results) != len(items):
+                raise RewardServiceError(f"asked for {len(items)} scores, got {len(response.results)}")
+            if response.judge is not None:
+                self.judged = response.judge if self.judged is None else self.judged.plus(response.judge)
+            return response.results
         raise AssertionError("unreachable: the loop returns or raises")
 
     def healthy(self) -> bool:

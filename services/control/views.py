@@ -91,6 +91,7 @@ def workers_view(telemetry: Telemetry) -> WorkersView:
                 in_broadcast_group=last is not None and worker_id in last.members,
                 dropped_reason=last.dropped.get(worker_id) if last is not None else None,
                 episodes=s.episodes,
+                judge=s.judge,
             )
         )
     return WorkersView(learner_version=version, workers=views)

@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import Future
 from contextlib import asynccontextmanager
 from dataclasses import asdict
+from functools import reduce
 from typing import Any, Protocol
 
 import uvicorn
@@ -31,7 +32,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from sparkrl.proto.reward import RewardItem, RewardRequest, RewardResponse, RewardResult
+from sparkrl.proto.reward import JudgeUsage, RewardItem, RewardRequest, RewardResponse, RewardResult
 from sparkrl.services.common import asgi_server
 from sparkrl.services.common.http import AsciiJSON, BodyLimit, install_validation_handler
 from sparkrl.services.common.settings import RewardSettings
@@ -145,15 +146,17 @@ def create_app(settings: RewardSettings) -> FastAPI:
         deadline = started + settings.max_request_seconds
         timeout_s = min(request.timeout_s or settings.item_timeout_s, settings.max_item_timeout_s)
 
+        judged: list[JudgeUsage] = []  # what the judge spent on each of this request's rounds
+
         async def score_items(items: list[RewardItem]) -> list[RewardResult] | None:
-            return await _verify_all(pool, inline, served, items, http, timeout_s, deadline)
+            return await _verify_all(pool, inline, served, items, http, timeout_s, deadline, judged)
 
         results = await score_mixed(request.items, settings.mixes, score_items)
         if results is None:
             metrics.cancelled.inc()
             return Response(status_code=499)
         metrics.observe(request.items, results, time.monotonic() - started)
-        return RewardResponse(results=results)
+        return RewardResponse(results=results, judge=reduce(JudgeUsage.plus, judged) if judged else None)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
@@ -174,10 +177,12 @@ async def _verify_all(
     http: Request,
     timeout_s: float,
     deadline: float,
+    judged: list[JudgeUsage],
 ) -> list[RewardResult] | None:
     """Every item's result, in order; None when the client went away first (its work is then cancelled:
     nobody waits for the answer). Items of a bounded task (`inline`) are scored on a thread of this
-    process while the pool works on the rest, and a served scorer's items by it (its own threads)."""
+    process while the pool works on the rest, and a served scorer's items by it (its own threads); what
+    the judge spent is appended to `judged`."""
     request_id = uuid.uuid4().hex
     pooled = [i for i, item in enumerate(items) if item.task not in inline and item.task not in served]
     futures = [
@@ -195,9 +200,14 @@ async def _verify_all(
     results: dict[int, RewardResult] = {}
     for task, scorer in served.items():
         mine = [i for i, item in enumerate(items) if item.task == task]
-        if mine:
+        if not mine:
+            continue
+        if isinstance(scorer, Judge):
+            got, spent = await asyncio.to_thread(scorer.judge, [items[i] for i in mine])
+            judged.append(spent)
+        else:
             got = await asyncio.to_thread(scorer.score, [items[i] for i in mine])
-            results.update(zip(mine, got, strict=True))
+        results.update(zip(mine, got, strict=True))
     here = [i for i, item in enumerate(items) if item.task in inline]
     if here:
         results.update(zip(here, await asyncio.to_thread(_verify_here, inline, items, here), strict=True))

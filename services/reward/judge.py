@@ -15,6 +15,8 @@ An item's status says what happened, never a silent 0 that trains as "wrong":
 
 Calls run concurrently (`reward.judge.concurrency` at once, on threads: a judge call is I/O), and a
 content-addressed cache (the rubric as filled, the model and the sampling) judges the same item once.
+What judging spent (calls, cache hits, tokens, items by status, seconds) comes back with each batch's
+results (`JudgeUsage`: the worker sums it for the live page) and is summed here for Prometheus.
 The API key is read from a file or an environment variable when the judge is made, sent as a bearer
 token, and never logged, stored in a result, or written anywhere.
 """
@@ -36,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from sparkrl.proto.reward import RewardItem, RewardResult
+from sparkrl.proto.reward import JudgeUsage, RewardItem, RewardResult
 from sparkrl.services.common.settings.reward import JudgeSettings
 from sparkrl.services.common.tasks.answers import last_boxed
 
@@ -121,8 +123,17 @@ class Verdict:
     detail: str
 
 
+@dataclass
+class _Spent:
+    """One item's calls (retries included) and the tokens their answers reported."""
+
+    calls: int = 0
+    tokens: int = 0
+
+
 class Judge:
-    """`score(items)`: each item judged (or found in the cache), concurrently; results in order."""
+    """`judge(items)`: each item judged (or found in the cache), concurrently; results in order, and what
+    judging them spent. `score(items)`: the results only (the reward service's served-scorer shape)."""
 
     def __init__(self, settings: JudgeSettings) -> None:
         if settings.url is None:
@@ -133,49 +144,68 @@ class Judge:
         self.url = settings.url.rstrip("/") + "/chat/completions"
         self.calls = ThreadPoolExecutor(max_workers=settings.concurrency, thread_name_prefix="judge")
         self.cache: OrderedDict[str, Verdict] = OrderedDict()
-        self.lock = threading.RLock()  # _count takes it too, inside
-        self.counts: dict[str, int] = {}  # judge calls, cache hits, failures by kind, tokens: telemetry
+        self.lock = threading.Lock()
+        self.spent = JudgeUsage()  # since it was made: Prometheus reads it (snapshot)
+
+    def judge(self, items: list[RewardItem]) -> tuple[list[RewardResult], JudgeUsage]:
+        done = list(self.calls.map(self._one, items))
+        usage = JudgeUsage()
+        for result, spent, cached in done:
+            usage = usage.plus(
+                JudgeUsage(
+                    items={result.status: 1},
+                    calls=spent.calls,
+                    cache_hits=int(cached),
+                    tokens=spent.tokens,
+                    seconds=result.elapsed_s,
+                )
+            )
+        with self.lock:
+            self.spent = self.spent.plus(usage)
+        return [result for result, _, _ in done], usage
 
     def score(self, items: list[RewardItem]) -> list[RewardResult]:
-        return list(self.calls.map(self._one, items))
+        return self.judge(items)[0]
 
-    def snapshot(self) -> dict[str, int]:
-        """Its counts now: calls, cache_hits, tokens, failed_<status>."""
+    def snapshot(self) -> JudgeUsage:
+        """What it has spent since it was made."""
         with self.lock:
-            return dict(self.counts)
+            return self.spent
 
     def close(self) -> None:
         self.calls.shutdown(wait=False, cancel_futures=True)
         self.http.close()
 
-    def _one(self, item: RewardItem) -> RewardResult:
+    def _one(self, item: RewardItem) -> tuple[RewardResult, _Spent, bool]:
+        """The item's result, what judging it spent, and whether the cache answered."""
         started = time.monotonic()
         prompt = fill_rubric(self.settings.rubric, item)
         key = self._key(prompt)
+        spent = _Spent()
         with self.lock:
             cached = self.cache.get(key)
             if cached is not None:
                 self.cache.move_to_end(key)
-                self._count("cache_hits")
-        verdict = cached or self._judged(prompt)
+        verdict = cached or self._judged(prompt, spent)
         if cached is None and verdict.status in ("correct", "incorrect", "unparseable"):
             with self.lock:  # an answer is kept; a failure is tried again next time
                 self.cache[key] = verdict
                 while len(self.cache) > self.settings.cache_items:
                     self.cache.popitem(last=False)
-        return RewardResult(
+        result = RewardResult(
             score=verdict.score,
             status=verdict.status,  # type: ignore[arg-type]
             detail=verdict.detail[:MAX_DETAIL],
             elapsed_s=time.monotonic() - started,
         )
+        return result, spent, cached is not None
 
     def _key(self, prompt: str) -> str:
         s = self.settings
         what = f"{s.model}\n{s.temperature}\n{s.max_tokens}\n{prompt}"
         return hashlib.blake2b(what.encode(), digest_size=16).hexdigest()
 
-    def _judged(self, prompt: str) -> Verdict:
+    def _judged(self, prompt: str, spent: _Spent) -> Verdict:
         """One judge call, retried on 429/5xx/no connection with backoff, within the item's deadline."""
         s = self.settings
         deadline = time.monotonic() + s.deadline_s
@@ -196,7 +226,7 @@ class Judge:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-            self._count("calls")
+            spent.calls += 1
             try:
                 response = self.http.post(self.url, json=body, timeout=left)
             except httpx.TimeoutException:
@@ -206,35 +236,27 @@ class Judge:
                 why = f"{type(exc).__name__}: {exc}"
                 continue
             if response.status_code == 200:
-                return self._verdict(response)
+                return self._verdict(response, spent)
             why = f"HTTP {response.status_code}: {response.text[:300]}"
             if response.status_code != 429 and response.status_code < 500:
-                self._count("failed_error")
                 return Verdict("error", 0.0, f"the judge refused the request: {why}")
         timed_out = time.monotonic() >= deadline
-        kind = "timeout" if timed_out else "error"
-        self._count(f"failed_{kind}")
         said = (
             f"past reward.judge.deadline_s ({s.deadline_s:g}s)" if timed_out else f"after {s.retries} retries"
         )
-        return Verdict(kind, 0.0, f"the judge did not answer {said}: {why}")
+        return Verdict("timeout" if timed_out else "error", 0.0, f"the judge did not answer {said}: {why}")
 
-    def _verdict(self, response: httpx.Response) -> Verdict:
+    def _verdict(self, response: httpx.Response, spent: _Spent) -> Verdict:
         try:
             data: Any = response.json()
             reply = str(data["choices"][0]["message"]["content"] or "")
         except (ValueError, KeyError, IndexError, TypeError) as exc:
-            self._count("failed_unparseable")
             return Verdict("unparseable", 0.0, f"not a chat completion ({exc}): {response.text[:300]}")
-        usage = data.get("usage") or {}
-        self._count("tokens", int(usage.get("total_tokens") or 0))
+        usage = data.get("usage")
+        tokens = usage.get("total_tokens") if isinstance(usage, dict) else None
+        spent.tokens += tokens if isinstance(tokens, int) and tokens > 0 else 0  # a server may not say
         score = parse_reply(reply, self.settings)
         if score is None:
-            self._count("failed_unparseable")
             return Verdict("unparseable", 0.0, f"no score in the judge's reply: {reply}")
         status = "correct" if score >= self.settings.pass_score else "incorrect"
         return Verdict(status, score, f"judge: {reply}")
-
-    def _count(self, what: str, by: int = 1) -> None:
-        with self.lock:
-            self.counts[what] = self.counts.get(what, 0) + by

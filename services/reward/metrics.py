@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from sparkrl.proto.reward import RewardItem, RewardResult
+from sparkrl.proto.reward import REWARD_STATUSES, JudgeUsage, RewardItem, RewardResult
 from sparkrl.services.reward.pool import PoolStats
 
 # Verification is milliseconds when healthy; the tail up to the item time limit is what matters.
@@ -39,28 +39,36 @@ class _PoolCollector(Collector):
 
 
 class _JudgeCollector(Collector):
-    """The judge's own counts at scrape time (judge.py): calls made (retries included), items found in its
-    cache, tokens its endpoint reported. Its items' statuses and latency are `sparkrl_reward_items` and
-    `sparkrl_reward_item_seconds` under task `judge`."""
+    """What the judge has spent, at scrape time (judge.py): calls made (retries included), items found in its
+    cache, tokens its endpoint reported, its items by status (a mix's judge part included) and their
+    seconds."""
 
-    def __init__(self, counts: Callable[[], dict[str, int]]) -> None:
-        self._counts = counts
+    def __init__(self, spent: Callable[[], JudgeUsage]) -> None:
+        self._spent = spent
 
     def collect(self) -> Iterator[Metric]:
-        counts = self._counts()
-        for metric, name, doc in [
-            ("sparkrl_reward_judge_calls", "calls", "Calls to the judge's endpoint, retries included."),
-            ("sparkrl_reward_judge_cache_hits", "cache_hits", "Judge items answered from its cache."),
-            ("sparkrl_reward_judge_tokens", "tokens", "Tokens the judge's endpoint reported (usage)."),
+        spent = self._spent()
+        for metric, value, doc in [
+            ("sparkrl_reward_judge_calls", spent.calls, "Calls to the judge's endpoint, retries included."),
+            ("sparkrl_reward_judge_cache_hits", spent.cache_hits, "Judge items answered from its cache."),
+            ("sparkrl_reward_judge_tokens", spent.tokens, "Tokens the judge's endpoint reported (usage)."),
+            ("sparkrl_reward_judge_seconds", spent.seconds, "Wall time of the judge's items, summed."),
         ]:
-            yield CounterMetricFamily(metric, doc, value=counts.get(name, 0))
+            yield CounterMetricFamily(metric, doc, value=value)
+        items = CounterMetricFamily(
+            "sparkrl_reward_judge_items", "Items the judge scored, by status.", labels=["status"]
+        )
+        for status in REWARD_STATUSES:  # every series from the first scrape, at zero until it happens
+            if status != "no_answer":
+                items.add_metric([status], spent.items.get(status, 0))  # type: ignore[call-overload]
+        yield items
 
 
 class RewardMetrics:
     """Counters and histograms of `/score`, plus the pool's state."""
 
     def __init__(
-        self, pool_stats: Callable[[], PoolStats], judge_counts: Callable[[], dict[str, int]] | None = None
+        self, pool_stats: Callable[[], PoolStats], judge_spent: Callable[[], JudgeUsage] | None = None
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.items = Counter(
@@ -94,8 +102,8 @@ class RewardMetrics:
             registry=self.registry,
         )
         self.registry.register(_PoolCollector(pool_stats))
-        if judge_counts is not None:
-            self.registry.register(_JudgeCollector(judge_counts))
+        if judge_spent is not None:
+            self.registry.register(_JudgeCollector(judge_spent))
 
     def observe(self, items: list[RewardItem], results: list[RewardResult], request_s: float) -> None:
         for item, result in zip(items, results, strict=True):

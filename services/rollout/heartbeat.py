@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sparkrl.proto import EpisodeTally, WorkerStatus
+from sparkrl.proto.reward import JudgeUsage
 from sparkrl.services.common.bus import BusStopping
 from sparkrl.services.common.settings import SamplingSettings
 from sparkrl.services.common.telemetry import Telemetry
@@ -46,6 +47,7 @@ class WorkerState:
         default_factory=time.time
     )  # the loop's last sign of life (not the heartbeat's)
     episodes: EpisodeTally | None = None  # rollout.agent: its episodes so far (the worker adds to it)
+    judge: JudgeUsage | None = None  # what the LLM judge spent on its groups so far (reward service's word)
 
 
 class Heartbeat(threading.Thread):
@@ -98,6 +100,7 @@ class Heartbeat(threading.Thread):
                 startup_s=dict(s.startup_s),
                 progress_at=s.progress_at,
                 episodes=s.episodes,
+                judge=s.judge,
                 temperature=sampling.temperature,
                 top_p=sampling.top_p,
                 heartbeat_at=time.time(),

@@ -242,6 +242,7 @@ class Worker:
                 groups = score_groups(
                     self.reward, self.engine, batch, completions, self.cfg, self.state.worker_id, episodes
                 )
+            state.judge = self.reward.judged
         except RewardServiceError as exc:
             # Not acked: the prompts come back (to us or another worker) after bus.claim_idle_ms.
             log.error("scoring failed, leaving %d prompts to be reclaimed: %s", len(batch.prompts), exc)

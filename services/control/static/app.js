@@ -228,6 +228,23 @@ function renderAgents(view) {
   $("agent-workers").replaceChildren(...rows);
 }
 
+// What the LLM judge spent on each worker's groups (reward.judge), since the worker started; hidden without.
+const JUDGE_FAILURES = ["timeout", "error", "unparseable"];
+function renderJudge(view) {
+  const judged = view.workers.filter((w) => w.judge);
+  $("judge").hidden = !judged.length;
+  const rows = judged.map((w) => {
+    const j = w.judge;
+    const items = Object.values(j.items).reduce((a, b) => a + b, 0);
+    const failed = JUDGE_FAILURES.reduce((n, kind) => n + (j.items[kind] || 0), 0);
+    return tableRow("", [
+      [w.worker_id, "id"], [items], [byKind(j.items), "note"], [failed, failed ? "warn" : ""], [j.calls],
+      [j.cache_hits], [j.tokens], [fmtSec(items ? j.seconds / items : null)],
+    ]);
+  });
+  $("judge-workers").replaceChildren(...rows);
+}
+
 function renderWeights(pageOfSyncs) {
   const rows = pageOfSyncs.items.map((e) => {
     const dropped = Object.entries(e.dropped).map(([id, why]) => `${id}: ${why}`);
@@ -306,6 +323,7 @@ async function tick() {
     renderStatus(status);
     renderWorkers(workers);
     renderAgents(workers);
+    renderJudge(workers);
     renderWeights(weights);
     await pollMetrics(status);
     renderNewestRow(status);
