@@ -4,8 +4,8 @@ same bytes as one pre-touched flat buffer on a raw `ProcessGroupGloo` (no packin
 
 Receivers reuse their buckets between versions (`reuse_buffers`; one row shows fresh buffers).
 `transfer` is first bucket sent → last bucket delivered (payload bytes / seconds, whatever the number of
-receivers); `e2e` is the whole `broadcast` call, which also waits for every receiver's checksum (blake2b
-runs as buckets arrive, so on a slow CPU it is the bound). Prints a table, then one JSON line.
+receivers); `e2e` is the whole `broadcast` call, which also waits for every receiver's checksum (hashed
+as buckets arrive, on every core, so on a slow CPU it is the bound). Prints a table, then one JSON line.
 
     .venv/bin/python bench/sync_bench.py [--repeats 2]
 """

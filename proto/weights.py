@@ -31,17 +31,54 @@ DTYPE_ITEMSIZE: dict[str, int] = {
     "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
 }  # fmt: skip
 
-CHECKSUM_ALGORITHM = "blake2b-256"
+# The weights checksum is a tree, so that it is computed on every core and each tensor is verified as it
+# lands: a tensor's bytes are cut into `CHUNK_BYTES` leaves, each hashed; a tensor's digest is the hash of
+# its length and its leaves' digests; the version's checksum is the hash of the tensors' digests in
+# manifest order. It does not depend on how the tensors are packed into buckets, so an engine computes it
+# over the tensors it holds. The leaf hash is SHA-256 (cryptographic; x86's SHA extensions run it at
+# several GB/s a core), the announcement stays HMAC-signed, and each `TensorSpec.digest` is in it.
+CHECKSUM_ALGORITHM = "sha256-tree-4MiB"
+CHUNK_BYTES = 4 << 20
+Bytes = bytes | bytearray | memoryview
 
 
-def weights_checksum(tensor_bytes: Iterable[bytes | bytearray | memoryview]) -> str:
-    """The announcement's checksum: blake2b (32-byte digest) over each tensor's raw bytes, in manifest
-    order, fed one after another (each tensor contiguous, native little-endian, no padding); lowercase hex.
-    """
-    digest = hashlib.blake2b(digest_size=32)
-    for chunk in tensor_bytes:
-        digest.update(chunk)
-    return digest.hexdigest()
+def leaf_digest(chunk: Bytes) -> bytes:
+    return hashlib.sha256(chunk).digest()
+
+
+def _tensor_node(nbytes: int, leaves: Iterable[bytes]) -> bytes:
+    node = hashlib.sha256(b"sparkrl-tensor\0" + nbytes.to_bytes(8, "little"))
+    for leaf in leaves:
+        node.update(leaf)
+    return node.digest()
+
+
+def chunks(data: Bytes) -> list[memoryview]:
+    """The leaves of a tensor's bytes: `CHUNK_BYTES` each, the last one shorter (none when empty)."""
+    view = memoryview(data).cast("B")
+    return [view[i : i + CHUNK_BYTES] for i in range(0, len(view), CHUNK_BYTES)]
+
+
+def tensor_digest(data: Bytes, leaf_digests: Iterable[bytes] | None = None) -> bytes:
+    """One tensor's digest (its raw bytes: contiguous, native little-endian, no padding); `leaf_digests`:
+    its leaves' digests when hashed already (in parallel, `ParallelHasher`)."""
+    view = memoryview(data).cast("B")
+    leaves = leaf_digests if leaf_digests is not None else (leaf_digest(c) for c in chunks(view))
+    return _tensor_node(len(view), leaves)
+
+
+def root_checksum(tensor_digests: Iterable[bytes]) -> str:
+    """The version's checksum from its tensors' digests, in manifest order; lowercase hex."""
+    root = hashlib.sha256(b"sparkrl-weights\0")
+    for digest in tensor_digests:
+        root.update(digest)
+    return root.hexdigest()
+
+
+def weights_checksum(tensor_bytes: Iterable[Bytes]) -> str:
+    """The announcement's checksum over each tensor's raw bytes in manifest order, on this thread (the
+    weight-sync side hashes on several: `weight_sync.hashing`)."""
+    return root_checksum(tensor_digest(data) for data in tensor_bytes)
 
 
 class TensorSpec(WireModel):
@@ -72,6 +109,13 @@ class TensorSpec(WireModel):
         ge=0,
         description="Byte offset of the tensor's first element in its bucket. Writer: learner. Reader: "
         "rollout worker.",
+    )
+    digest: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="The tensor's digest in the weights checksum's tree (`tensor_digest`, hex): a receiver "
+        "verifies each tensor as its bucket lands and names the one that differs. Writer: learner. Reader: "
+        "rollout worker. None: not given (checked through the version's checksum only).",
     )
 
     @property
@@ -133,9 +177,9 @@ class WeightAnnouncement(WireModel):
     )
     checksum: str = Field(
         pattern=r"^[0-9a-f]{64}$",
-        description="blake2b-256 hex digest of the tensors' raw bytes in manifest order (see "
-        "`weights_checksum`). Writer: learner. Reader: rollout worker (verifies what it received, reports "
-        "it in its status).",
+        description="The weights checksum (`CHECKSUM_ALGORITHM`, hex): the root of the tree over the "
+        "tensors' raw bytes in manifest order (see `weights_checksum`). Writer: learner. Reader: rollout "
+        "worker (verifies what it received, reports it in its status).",
     )
     group_epoch: int = Field(
         ge=0,

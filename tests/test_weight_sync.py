@@ -20,6 +20,7 @@ from torch import Tensor
 
 from sparkrl.proto import WeightAnnouncement
 from sparkrl.proto import weights_checksum as checksum_of_bytes
+from sparkrl.proto.weights import CHUNK_BYTES, chunks, root_checksum, tensor_digest
 from sparkrl.services.common.weight_sync import (
     ALIGN,
     Backend,
@@ -33,6 +34,7 @@ from sparkrl.services.common.weight_sync import (
     unpack,
     weights_checksum,
 )
+from sparkrl.services.common.weight_sync.hashing import ParallelHasher
 from sparkrl.services.common.weight_sync.rendezvous import joined_key
 from sparkrl.services.common.weight_sync.sealed_store import SealedStore
 
@@ -90,7 +92,8 @@ def test_manifest_packs_in_order_and_round_trips() -> None:
     with WeightSender(bucket_bytes=BUCKET_BYTES) as sender:  # the manifest passes the wire contract
         announcement = sender.announce(state, version=3, epoch=1, members=["a", "b"])
     wire = WeightAnnouncement.model_validate_json(announcement.model_dump_json())
-    assert wire == announcement and wire.manifest == manifest and wire.bucket_sizes() == sizes
+    layout = [spec.model_copy(update={"digest": None}) for spec in wire.manifest]  # with each tensor's digest
+    assert wire == announcement and layout == manifest and wire.bucket_sizes() == sizes
     assert (wire.world_size, wire.rendezvous_port) == (3, sender.port)
     assert wire.checksum == weights_checksum(state.items())
 
@@ -102,7 +105,8 @@ def test_checksum_is_stable_and_sensitive_to_one_element() -> None:
     # Same bytes, different memory layout or storage: same checksum (it hashes contiguous bytes).
     copies = {name: tensor.contiguous().clone() for name, tensor in state.items()}
     assert weights_checksum(copies.items()) == checksum
-    # The documented algorithm: the proto's blake2b over each tensor's raw bytes, names not included.
+    # The documented algorithm: the proto's tree over each tensor's raw bytes (on one thread there, on
+    # every core here), names not included.
     raw = [tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for tensor in state.values()]
     assert checksum_of_bytes(raw) == checksum
     renamed = {f"x.{name}": tensor for name, tensor in state.items()}
@@ -111,6 +115,35 @@ def test_checksum_is_stable_and_sensitive_to_one_element() -> None:
     copies["norm.weight"][3] = copies["norm.weight"][3] + 1  # one bfloat16 element
     assert weights_checksum(copies.items()) != checksum
     assert weights_checksum(reversed(state.items())) != checksum  # order matters
+
+
+def test_the_checksum_tree_is_the_same_on_every_core_and_names_the_tensor_that_differs() -> None:
+    """Leaves of CHUNK_BYTES hashed on a pool give the one-thread result; a tensor's digest is in its spec,
+    and the root of the specs' digests is the announcement's checksum."""
+    big = torch.arange(CHUNK_BYTES // 2 + 123, dtype=torch.float32)  # 2+ leaves, the last one short
+    state = _state_dict() | {"big.chunked": big}
+    raw = [tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() for tensor in state.values()]
+    assert len(chunks(raw[-1])) == 3 and chunks(raw[0]) == []  # the empty tensor has no leaf
+    assert checksum_of_bytes(raw) == weights_checksum(state.items())
+    for threads in (1, 2, 5):
+        hasher = ParallelHasher(threads)
+        try:
+            assert hasher.checksum(raw) == checksum_of_bytes(raw)
+            assert hasher.digests(raw) == [tensor_digest(r) for r in raw]
+        finally:
+            hasher.close()
+    with WeightSender(bucket_bytes=BUCKET_BYTES) as sender:
+        announcement = sender.announce(state, version=1, epoch=1, members=["a"])
+    assert [spec.digest for spec in announcement.manifest] == [tensor_digest(r).hex() for r in raw]
+    assert (
+        root_checksum(bytes.fromhex(s.digest or "") for s in announcement.manifest) == announcement.checksum
+    )
+    # A tensor whose bytes moved within it (same length, same multiset of bytes) is another tensor.
+    swapped = list(raw)
+    swapped[-1] = raw[-1][CHUNK_BYTES:] + raw[-1][:CHUNK_BYTES]
+    assert checksum_of_bytes(swapped) != checksum_of_bytes(raw)
+    # Bytes moved across tensors (the same concatenation, other boundaries) change it too.
+    assert checksum_of_bytes([raw[1] + raw[2], *raw[3:]]) != checksum_of_bytes(raw[1:])
 
 
 # ── worker processes ──────────────────────────────────────────────────────────────────────────────────
@@ -143,7 +176,7 @@ def _worker_main(backend: Backend, device: int | None, commands: Any, results: A
             assert isinstance(delivery, Received)  # no engine here: the tensors come back
             results.put(("ok", {name: tensor.cpu().clone() for name, tensor in delivery.tensors.items()}))
         except SyncFailed as exc:
-            results.put((type(exc).__name__, exc.phase))
+            results.put((type(exc).__name__, exc.phase, str(exc)))
     if receiver is not None:
         receiver.close()
 
@@ -162,6 +195,7 @@ class Worker:
         self.ready = False
         self.outstanding = 0  # receives sent minus results read
         self.harmed = False  # killed or stopped by a test
+        self.failure = ""  # the last failure's message (a result is its kind and phase)
 
     def bind(self, worker_id: str, reuse_buffers: bool) -> None:
         if not self.ready:
@@ -177,6 +211,9 @@ class Worker:
     def result(self, timeout_s: float = WORKER_TIMEOUT_S + MARGIN_S) -> tuple[Any, ...]:
         result = self.results.get(timeout=timeout_s)
         self.outstanding -= 1
+        if len(result) == 3:  # a failure: its kind and phase, and its message kept apart
+            self.failure = result[2]
+            return result[:2]
         return result
 
     def signal(self, signum: int) -> None:
@@ -318,6 +355,20 @@ def test_two_receivers_get_equal_tensors_and_reuse_the_group(spawn_workers: Any)
         failure = _expect_failure(sender, state, forged, members)
         assert (failure.phase, sorted(failure.missing)) == ("verify", ["a", "b"])
         assert [worker.result() for worker in workers] == [("SyncFailed", "verify")] * 2
+
+        # A tampered bucket: the bytes that arrive are not the announced ones (one element of one tensor).
+        # Every receiver hashes each tensor as its bucket lands, refuses the version and names the tensor.
+        state = _state_dict(seed=4)
+        announcement = sender.announce(state, version=4, epoch=2, members=members)  # a failed epoch is over
+        tampered = dict(state) | {"embed.weight": state["embed.weight"].clone()}
+        tampered["embed.weight"][3, 5] += 1.0
+        for worker in workers:
+            worker.receive(announcement)
+        failure = _expect_failure(sender, tampered, announcement, members)
+        assert (failure.phase, sorted(failure.missing)) == ("verify", ["a", "b"])
+        for worker in workers:
+            assert worker.result() == ("SyncFailed", "verify")
+            assert "embed.weight is not the announced tensor" in worker.failure, worker.failure
 
 
 @pytest.mark.timeout(60)

@@ -19,8 +19,9 @@ Both engines satisfy the same contract, checked by `tests/test_engine_contract.p
   that could not undo a failed load raises `EngineBroken` and refuses to generate.
 - A tied tensor (a head that is its embedding) arrives once, under its first state-dict name
   (`weight_sync.distinct_tensors`); the engine's own copy of it takes the values under every name.
-- `weights_checksum` is `sparkrl.services.common.weight_sync.weights_checksum` (blake2b-256 over raw
-  tensor bytes in state-dict order), the algorithm of the learner's `WeightAnnouncement.checksum`.
+- `weights_checksum` is `sparkrl.services.common.weight_sync.weights_checksum` (the tree of
+  `sparkrl.proto.weights` over raw tensor bytes in state-dict order), the learner's
+  `WeightAnnouncement.checksum`.
 """
 
 from __future__ import annotations
@@ -166,7 +167,7 @@ class Engine(ABC):
 
     @abstractmethod
     def weights_checksum(self) -> str:
-        """blake2b-256 hex digest of the weights held, comparable with `WeightAnnouncement.checksum`."""
+        """The weights checksum (hex) of the weights held, comparable with `WeightAnnouncement.checksum`."""
 
     @abstractmethod
     def close(self) -> None:

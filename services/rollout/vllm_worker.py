@@ -18,18 +18,18 @@ format, loaded, and processed again (fused, quantized, or on CPU pre-packed for 
 layer's `weight`: a plain `model.load_weights` into a live CPU model fails on that empty tensor, and can
 leave the model half-updated).
 
-The checksum a worker reports is blake2b over the bytes of each tensor as vLLM's loader takes it, in
-order (`sparkrl.proto.weights_checksum`'s algorithm), taken here, in the engine's process, after the
-transport. vLLM's parameters cannot be hashed back into the learner's layout (fused q/k/v and gate/up,
-padded vocabularies, CPU weights pre-packed into kernel handles), so a session also reports what it can
-check of vLLM's own state: every parameter of the model was reloaded, and the parameters vLLM keeps as
-given (norms, unpadded embeddings) read back equal to the bytes that went in.
+The checksum a worker reports is the weights checksum's tree over the bytes of each tensor as vLLM's
+loader takes it, in order (`sparkrl.proto.weights_checksum`'s algorithm, leaves on every core), taken
+here, in the engine's process, after the transport. vLLM's parameters cannot be hashed back into the
+learner's layout (fused q/k/v and gate/up, padded vocabularies, CPU weights pre-packed into kernel
+handles), so a session also reports what it can check of vLLM's own state: every parameter of the model
+was reloaded, and the parameters vLLM keeps as given (norms, unpadded embeddings) read back equal to the
+bytes that went in.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -41,6 +41,8 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+from sparkrl.proto.weights import root_checksum
+from sparkrl.services.common.weight_sync.hashing import shared_hasher
 from sparkrl.services.common.weight_sync.manifest import raw_bytes, tied_aliases
 
 log = logging.getLogger("sparkrl.rollout.vllm")
@@ -82,7 +84,7 @@ class UpdateSession:
         for alias, first in tied.items():
             self._aliases.setdefault(first, []).append(alias)
         self._load = model.load_weights  # the class's method: the NCCL engine's patch must not recurse
-        self.digest = hashlib.blake2b(digest_size=32)
+        self.digests: list[bytes] = []  # each tensor's, in order: the checksum's tree (sparkrl.proto.weights)
         self.loaded: set[str] = set()
         self.tensors = 0
         self._params = dict(model.named_parameters())  # vLLM's names; those kept as given match ours
@@ -94,7 +96,7 @@ class UpdateSession:
 
         def hashed() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
-                self.digest.update(raw_bytes(tensor))
+                self.digests.append(shared_hasher().submit(raw_bytes(tensor)).result())
                 held = self._params.get(name)
                 if held is not None and held.numel() and tuple(held.shape) == tuple(tensor.shape):
                     self._expected[name] = _digest(tensor.to(held.dtype))
@@ -124,11 +126,11 @@ class UpdateSession:
                 read_back += 1
                 if _digest(held[name]) != given:
                     problems.append(f"{name} does not hold the bytes loaded into it")
-        return UpdateReport(self.digest.hexdigest(), self.tensors, problems, read_back)
+        return UpdateReport(root_checksum(self.digests), self.tensors, problems, read_back)
 
 
 def _digest(tensor: torch.Tensor) -> str:
-    return hashlib.blake2b(raw_bytes(tensor), digest_size=32).hexdigest()
+    return shared_hasher().submit(raw_bytes(tensor)).result().hex()
 
 
 def finish_session(model: torch.nn.Module, model_config: Any, session: UpdateSession | None) -> UpdateReport:

@@ -1,8 +1,9 @@
 """Moving a version as buckets over one broadcast group: what gloo, torch's NCCL and nccl4py share.
 
 The learner packs the announced tensors into the manifest's buckets and broadcasts them in order; each
-member posts every receive up front and hashes each bucket as it arrives, so hashing overlaps receiving
-the rest. The group behind it is the backend's (`torch_groups.py`, `nccl4py_group.py`).
+member posts every receive up front and hashes each bucket's tensors as it arrives (on every core), so
+hashing overlaps receiving the rest, and each tensor is checked against its announced digest. The group
+behind it is the backend's (`torch_groups.py`, `nccl4py_group.py`).
 """
 
 from collections import deque
@@ -13,7 +14,8 @@ import torch
 from torch import Tensor
 
 from sparkrl.proto import WeightAnnouncement
-from sparkrl.proto import weights_checksum as checksum_of_bytes
+from sparkrl.proto.weights import root_checksum
+from sparkrl.services.common.weight_sync.hashing import PendingDigest, shared_hasher
 from sparkrl.services.common.weight_sync.manifest import (
     pack_into,
     raw_bytes,
@@ -122,24 +124,43 @@ def send_buckets(
 
 def receive_buckets(group: BroadcastGroup, announcement: WeightAnnouncement, buffers: Buffers) -> Received:
     """A member's side of `send_buckets`: the tensors (views into the buckets) and the checksum of their
-    bytes, taken as the buckets arrive."""
+    bytes, each tensor hashed (on every core) as its bucket lands and checked against its spec's digest."""
     sizes = announcement.bucket_sizes()
     buckets = buffers.receiving(sizes, group.device)
     # Every receive is posted up front (gloo runs them in order on its own threads), so hashing an
     # arrived bucket overlaps receiving the next ones.
     works = [group.broadcast(bucket) if size else None for bucket, size in zip(buckets, sizes, strict=True)]
-    checksum = checksum_of_bytes(_bytes_as_they_arrive(group, works, buckets, announcement))
-    return Received(unpack(buckets, announcement.manifest), checksum)
+    pending = list(_hashed_as_they_arrive(group, works, buckets, announcement))
+    return verified(announcement, pending, unpack(buckets, announcement.manifest))
 
 
-def _bytes_as_they_arrive(
+def verified(
+    announcement: WeightAnnouncement, pending: list[PendingDigest], tensors: dict[str, Tensor]
+) -> Received:
+    """The received tensors with the checksum of their digests, and the first tensor (in manifest order)
+    whose digest is not its spec's: what a receiver names when it refuses the version."""
+    digests = [p.result() for p in pending]
+    mismatch = next(
+        (
+            spec.name
+            for spec, digest in zip(announcement.manifest, digests, strict=True)
+            if spec.digest is not None and spec.digest != digest.hex()
+        ),
+        None,
+    )
+    return Received(tensors, root_checksum(digests), mismatch)
+
+
+def _hashed_as_they_arrive(
     group: BroadcastGroup, works: list[Any], buckets: list[Tensor], announcement: WeightAnnouncement
-) -> Iterator[memoryview]:
-    """Each tensor's bytes in manifest order, waiting for buckets in bucket order as they are needed.
+) -> Iterator[PendingDigest]:
+    """Each tensor's digest being computed, in manifest order, waiting for buckets in bucket order as they
+    are needed.
 
     Waiting in bucket order keeps each wait's timeout about one bucket long: every earlier bucket has
     already arrived when a wait starts. A GPU bucket is copied to the host once, not tensor by tensor.
     """
+    hasher = shared_hasher()
     arrived = 0
     host: tuple[int, Tensor] = (-1, buckets[0])
     for spec in announcement.manifest:
@@ -149,7 +170,7 @@ def _bytes_as_they_arrive(
             arrived += 1
         if host[0] != spec.bucket:
             host = (spec.bucket, buckets[spec.bucket].cpu())
-        yield raw_bytes(tensor_view(host[1], spec))
+        yield hasher.submit(raw_bytes(tensor_view(host[1], spec)))
     for work in works[arrived:]:
         if work is not None:
             group.wait(work)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from sparkrl.proto import DTYPE_ITEMSIZE, TensorSpec
-from sparkrl.proto import weights_checksum as checksum_of_bytes
+from sparkrl.services.common.weight_sync.hashing import shared_hasher
 
 ALIGN = 64  # bytes: a multiple of every dtype's size, and of a cache line
 
@@ -173,13 +173,18 @@ def raw_bytes(tensor: Tensor) -> memoryview:
 
 
 def weights_checksum(named_tensors: Iterable[tuple[str, Tensor]]) -> str:
-    """The weights checksum everyone computes: `weights_checksum(state_dict.items())`.
+    """The weights checksum everyone computes: `weights_checksum(state_dict.items())`, on every core.
 
-    blake2b with a 32-byte digest (`sparkrl.proto.weights_checksum`, hex) over each tensor's raw
-    contiguous CPU bytes (native little-endian, C order, no padding), fed in the iteration order. Names,
-    dtypes and shapes are not hashed: the manifest carries those and a receiver checks them by
-    construction; hashing bytes alone lets an engine whose parameter names differ from the learner's
-    still report the same checksum for the same bytes. Order matters: iterate in manifest order
-    (`state_dict()` / `named_parameters()` order on the learner).
+    The tree of `sparkrl.proto.weights` (`CHECKSUM_ALGORITHM`) over each tensor's raw contiguous CPU bytes
+    (native little-endian, C order, no padding), in the iteration order. Names, dtypes and shapes are not
+    hashed: the manifest carries those and a receiver checks them by construction; hashing bytes alone lets
+    an engine whose parameter names differ from the learner's still report the same checksum for the same
+    bytes. Order matters: iterate in manifest order (`state_dict()` / `named_parameters()` order on the
+    learner).
     """
-    return checksum_of_bytes(raw_bytes(tensor) for _, tensor in named_tensors)
+    return shared_hasher().checksum(raw_bytes(tensor) for _, tensor in named_tensors)
+
+
+def tensor_digests(named_tensors: Iterable[tuple[str, Tensor]]) -> list[bytes]:
+    """Each tensor's digest in the checksum's tree, in order (`root_checksum` of them is the checksum)."""
+    return shared_hasher().digests(raw_bytes(tensor) for _, tensor in named_tensors)

@@ -212,6 +212,8 @@ def _refused(delivery: Delivery, announcement: WeightAnnouncement) -> str | None
     """Why the delivered version is not the announced one, or None."""
     if isinstance(delivery, LoadedInPlace) and delivery.problem is not None:
         return f"the engine did not take the version ({delivery.problem}); it holds {delivery.checksum}"
+    if isinstance(delivery, Received) and delivery.mismatch is not None:
+        return f"checksum mismatch: {delivery.mismatch} is not the announced tensor (got {delivery.checksum})"
     if delivery.checksum != announcement.checksum:
         return f"checksum mismatch: got {delivery.checksum}"
     return None

@@ -11,9 +11,10 @@ from datetime import timedelta
 from torch import Tensor
 
 from sparkrl.proto import WeightAnnouncement
+from sparkrl.proto.weights import root_checksum
 from sparkrl.services.common.weight_sync.backends import make_transport
 from sparkrl.services.common.weight_sync.errors import SyncFailed
-from sparkrl.services.common.weight_sync.manifest import bucket_sizes, build_manifest, weights_checksum
+from sparkrl.services.common.weight_sync.manifest import bucket_sizes, build_manifest, tensor_digests
 from sparkrl.services.common.weight_sync.rendezvous import (
     ACK_OK,
     CURRENT_KEY,
@@ -63,8 +64,8 @@ class WeightSender:
     `timeout_s` bounds every wait: members joining an epoch (so it must cover a worker's longest gap
     between generation steps), forming the link, each bucket (so it must exceed twice the time of the
     largest bucket: two are in flight), and the members' acknowledgements (members hash buckets as they
-    arrive, but blake2b runs at ~0.5-1 GB/s on one core, slower than the wire: the wait must cover the
-    hashing backlog, about total_bytes / hash rate - transfer time). A dead member fails the sync fast,
+    arrive, on every core (`hashing.py`), but that may still be slower than the wire: the wait must cover
+    the hashing backlog, about total_bytes / hash rate - transfer time). A dead member fails the sync fast,
     a hung one after `timeout_s`; never later. One thread drives a sender.
 
     Every value in the store is sealed with `secret` (`sealed_store.py`): a member's joined key or
@@ -142,9 +143,14 @@ class WeightSender:
         this sender's incarnation and the announcement's sequence number (its freshness). `adapter_base`:
         the tensors are a LoRA adapter for the base of that checksum (`WeightAnnouncement.adapter_base`).
 
-        Hashes every tensor (a device-to-host copy for GPU tensors), so call it once per version.
+        Hashes every tensor on every core (a device-to-host copy for GPU tensors; each tensor's digest goes
+        into its spec, for receivers to verify it as it lands), so call it once per version.
         """
         manifest = build_manifest(named_tensors, self.bucket_bytes)
+        digests = tensor_digests((spec.name, named_tensors[spec.name]) for spec in manifest)
+        manifest = [
+            spec.model_copy(update={"digest": d.hex()}) for spec, d in zip(manifest, digests, strict=True)
+        ]
         self._sequence += 1
         return WeightAnnouncement(
             incarnation=self.incarnation,
@@ -154,7 +160,7 @@ class WeightSender:
             total_bytes=sum(spec.nbytes for spec in manifest),
             bucket_bytes=self.bucket_bytes,
             num_buckets=len(bucket_sizes(manifest)),
-            checksum=weights_checksum((spec.name, named_tensors[spec.name]) for spec in manifest),
+            checksum=root_checksum(digests),
             group_epoch=epoch,
             rendezvous_host=self.host,
             rendezvous_port=self.port,
@@ -251,7 +257,8 @@ class WeightSender:
             raise ValueError(f"world_size {announcement.world_size} does not fit {len(members)} members")
         if announcement.backend != self.backend:
             raise ValueError(f"announced backend {announcement.backend}, this sender uses {self.backend}")
-        if build_manifest(named_tensors, announcement.bucket_bytes) != announcement.manifest:
+        layout = [spec.model_copy(update={"digest": None}) for spec in announcement.manifest]
+        if build_manifest(named_tensors, announcement.bucket_bytes) != layout:  # digests: the receivers'
             raise ValueError("named_tensors do not match the announcement's manifest")
         epoch, link = announcement.group_epoch, self._link
         if link is not None and link.epoch == epoch:

@@ -38,6 +38,7 @@ class Received:
 
     tensors: dict[str, Tensor]
     checksum: str  # of the bytes as they arrived
+    mismatch: str | None = None  # the first tensor whose bytes are not its announced digest's
 
 
 @dataclass(frozen=True)
