@@ -5,15 +5,22 @@ Trajectory group layout (all integers little-endian)::
     offset 0   8 bytes   magic b"SPRKLTG1"
     offset 8   uint32    H, length of the header
     offset 12  H bytes   msgpack map {"schema_version": 1, "prompt_len": P, "lengths": [T_0, …, T_n-1],
-                                      "group": <the group without its arrays, as JSON-mode values>}
+                                      "group": <the group without its arrays, as JSON-mode values>,
+                                      "wire": {"logprobs": …, "topk_logprobs": …}}
                0-7 zero bytes, so the tensor block starts 8-byte aligned
-               tensor block, each field of every completion concatenated in completion order:
+               tensor block, each field of every completion concatenated in completion order, each
+               field starting 8-byte aligned:
                    prompt_token_ids  int32   [P]
-                   token_ids         int32   [N]      N = sum of T_i
-                   logprobs          float32 [N]
+                   token_ids         ids     [N]      N = sum of T_i
+                   logprobs          floats  [N]
                    policy_versions   int32   [N]
-                   topk_ids          int32   [N, K]   K = group["topk"]
-                   topk_logprobs     float32 [N, K]
+                   topk_ids          ids     [N, K]   K = group["topk"]
+                   topk_logprobs     floats  [N, K]
+
+`ids` is uint16 when the group's vocab_size is at most 65,536, else int32; `floats` is what the header's
+`wire` names for the field: float32, float16 or bfloat16 (the upper half of a float32, as uint16). The
+decoder widens them back to int32 / float32. A header without `wire` (an older writer) means every field
+4 bytes wide, packed without padding.
 
 One buffer per field instead of one per array keeps the per-completion overhead to a slice, lets the
 decoder check each field of the whole group in one vectorized pass, and makes the decoded arrays
@@ -35,12 +42,15 @@ This format's framing is one copy to encode and none to decode (views), so the v
 the checks' cost: ≈0.36 ms to encode and ≈0.26 ms to decode such a group at k=20. Both check each field
 of the whole group in one vectorized pass (encoding did it completion by completion until 2026-12: 2600
 and 4900 MB/s then; `bench/publish_bench.py` measures what that means for a worker's small groups).
-A group costs 4·(3 + 2K) bytes per generated token plus its header (texts, prompt ids: a few bytes per
-token).
+A group costs 4·(3 + 2K) bytes per generated token on the float32 wire with int32 ids, plus its header
+(texts, prompt ids: a few bytes per token); with `rollout.wire`'s default (float16 top-k log-probs) and
+uint16 ids, 10 + 4K (k = 20: 90, from 172), or 12 + 6K with int32 ids (V = 151,936: 132). The table
+above was measured on the float32 wire before the narrower one (`bench/wire_bench.py` measures that).
 """
 
 import struct
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar, get_args
 
 import msgpack
 import numpy as np
@@ -67,6 +77,59 @@ TOKEN_FIELDS: tuple[tuple[str, str], ...] = (
     ("topk_logprobs", "<f4"),
 )
 _TOPK_FIELDS = frozenset({"topk_ids", "topk_logprobs"})
+_OPTIONAL_HEADER_KEYS = frozenset({"wire"})
+
+# How the per-token fields travel (issue 50, item 3): ids in the narrowest type the vocabulary allows
+# (uint16 up to 65,536 tokens: lossless), log-probs in float32 or, as `rollout.wire` chooses, rounded to
+# float16 or bfloat16. A decoder widens them back to int32 / float32, so everything past it is unchanged.
+WireFloat = Literal["float32", "float16", "bfloat16"]
+WIRE_FLOATS: tuple[str, ...] = get_args(WireFloat)
+_FLOAT16_MIN = float(np.finfo(np.float16).min)  # a finite log-prob below it would round to -inf
+
+
+@dataclass(frozen=True)
+class Wire:
+    """The log-prob fields' precision on the wire (`rollout.wire`); ids are always as narrow as lossless."""
+
+    logprobs: WireFloat = "float32"
+    topk_logprobs: WireFloat = "float32"
+
+
+def _ids_dtype(vocab_size: int | None) -> str:
+    return "<u2" if vocab_size is not None and vocab_size <= 1 << 16 else "<i4"
+
+
+def _narrow_float(values: np.ndarray, kind: str) -> np.ndarray:
+    """float32 values as `kind` on the wire: float16 (clipped to its finite range), bfloat16 (the upper
+    half of each float32, rounded to nearest even, carried as uint16) or float32."""
+    values = np.ascontiguousarray(values, dtype="<f4")
+    if kind == "float16":
+        return np.maximum(values, _FLOAT16_MIN).astype("<f2")
+    if kind == "bfloat16":
+        bits = values.view("<u4")
+        return ((bits + (0x7FFF + ((bits >> 16) & 1))) >> 16).astype("<u2")
+    return values
+
+
+def _widen_float(raw: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "bfloat16":
+        return (raw.astype("<u4") << 16).view("<f4")
+    return raw.astype("<f4") if kind == "float16" else raw
+
+
+def _wire_dtypes(wire: dict[str, str], vocab_size: int | None) -> dict[str, str]:
+    """Each per-token field's dtype in the tensor block (bfloat16 travels as uint16)."""
+    floats = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2"}
+    ids = _ids_dtype(vocab_size)
+    return {
+        "token_ids": ids,
+        "logprobs": floats[wire["logprobs"]],
+        "policy_versions": "<i4",
+        "topk_ids": ids,
+        "topk_logprobs": floats[wire["topk_logprobs"]],
+    }
+
+
 _ARRAY_EXCLUDE = {
     "prompt_token_ids": True,
     "completions": {"__all__": {name for name, _ in TOKEN_FIELDS}},
@@ -81,8 +144,9 @@ def header_meta(group: TrajectoryGroup) -> dict[str, Any]:
         raise CodecError("", f"cannot serialize: {exc}") from None
 
 
-def encode_group(group: TrajectoryGroup) -> bytes:
-    """The binary form of a group. Validates exactly what it writes; raises `CodecError` if invalid."""
+def encode_group(group: TrajectoryGroup, wire: Wire | None = None) -> bytes:
+    """The binary form of a group (`wire`: the log-probs' precision, float32 by default). Validates
+    exactly what it writes; raises `CodecError` if invalid."""
     meta = header_meta(group)
     arrays = [{name: getattr(c, name) for name, _ in TOKEN_FIELDS} for c in group.completions]
     # Re-validate from the dumped values: arrays and lists can be edited in place after construction,
@@ -100,24 +164,42 @@ def encode_group(group: TrajectoryGroup) -> bytes:
             check_token_arrays(**flat, vocab_size=checked.vocab_size, lengths=lengths)
     except FieldError as exc:
         raise CodecError(exc.path, exc.reason) from None
-    return frame(meta, checked.prompt_token_ids, checked.completions)
+    return frame(meta, checked.prompt_token_ids, checked.completions, wire)
 
 
-def frame(meta: dict[str, Any], prompt_token_ids: np.ndarray, completions: list[Completion]) -> bytes:
+def frame(
+    meta: dict[str, Any],
+    prompt_token_ids: np.ndarray,
+    completions: list[Completion],
+    wire: Wire | None = None,
+) -> bytes:
     """The binary layout around already-validated parts (no checks: `encode_group` is the public way)."""
+    chosen = wire or Wire()
+    said = {"logprobs": chosen.logprobs, "topk_logprobs": chosen.topk_logprobs}
+    vocab = meta.get("vocab_size")
+    dtypes = _wire_dtypes(said, vocab if _is_count(vocab) else None)
     header = {
         "schema_version": TRAJECTORY_SCHEMA_VERSION,
         "prompt_len": int(prompt_token_ids.shape[0]),
         "lengths": [c.num_tokens for c in completions],
         "group": meta,
+        "wire": said,
     }
     packed = msgpack.packb(header, use_bin_type=True)
     pad = -(_PREAMBLE.size + len(packed)) % _ALIGN
     parts: list[Any] = [_PREAMBLE.pack(MAGIC, len(packed)), packed, b"\0" * pad]
     parts.append(np.ascontiguousarray(prompt_token_ids, dtype="<i4"))
-    for name, dtype in TOKEN_FIELDS:
-        parts.extend(np.ascontiguousarray(getattr(c, name), dtype=dtype) for c in completions)
-    return b"".join(parts)  # the only copy: join reads the arrays' buffers directly
+    written = 4 * len(prompt_token_ids)
+    for name, _ in TOKEN_FIELDS:
+        parts.append(b"\0" * (-written % _ALIGN))  # each field starts aligned: its views need no copy
+        written += -written % _ALIGN
+        if name in said:
+            fields = [_narrow_float(getattr(c, name), said[name]) for c in completions]
+        else:
+            fields = [np.ascontiguousarray(getattr(c, name), dtype=dtypes[name]) for c in completions]
+        parts.extend(fields)
+        written += sum(f.nbytes for f in fields)
+    return b"".join(parts)  # one copy (and a narrowing's): join reads the arrays' buffers directly
 
 
 def decode_group(data: bytes | bytearray | memoryview) -> TrajectoryGroup:
@@ -171,7 +253,17 @@ def unframe(
     not (`decode_group` is the public way)."""
     header, tensor_offset = _read_header(data)
     meta, lengths, prompt_len, topk = _header_fields(header)
-    prompt_ids, flat = _tensor_views(data, tensor_offset, prompt_len, lengths, topk)
+    wire = _header_wire(header)
+    dtypes = _wire_dtypes(wire, meta.get("vocab_size") if _is_count(meta.get("vocab_size")) else None)
+    if "wire" not in header:  # an older writer: every field 4 bytes wide, packed without padding
+        dtypes = dict(TOKEN_FIELDS)
+    align = _ALIGN if "wire" in header else 1
+    prompt_ids, flat = _tensor_views(data, tensor_offset, prompt_len, lengths, topk, dtypes, align)
+    for name in ("logprobs", "topk_logprobs"):
+        flat[name] = _widen_float(flat[name], wire[name])
+    for name in ("token_ids", "topk_ids"):
+        if flat[name].dtype != np.dtype("<i4"):
+            flat[name] = flat[name].astype("<i4")
     return meta, lengths, prompt_ids, flat
 
 
@@ -223,8 +315,12 @@ def _read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], 
             "schema_version",
             f"unsupported schema_version {version!r}; this build reads {TRAJECTORY_SCHEMA_VERSION}",
         )
-    if header.keys() != _HEADER_KEYS:
-        raise CodecError("header", f"keys must be {sorted(_HEADER_KEYS)}, got {sorted(map(str, header))}")
+    if not _HEADER_KEYS <= header.keys() <= _HEADER_KEYS | _OPTIONAL_HEADER_KEYS:
+        raise CodecError(
+            "header",
+            f"keys must be {sorted(_HEADER_KEYS)} (and optionally {sorted(_OPTIONAL_HEADER_KEYS)}), got "
+            f"{sorted(map(str, header))}",
+        )
     return header, header_end + (-header_end % _ALIGN)
 
 
@@ -247,24 +343,44 @@ def _header_fields(header: dict[str, Any]) -> tuple[dict[str, Any], list[int], i
     return meta, lengths, prompt_len, topk
 
 
+def _header_wire(header: dict[str, Any]) -> dict[str, str]:
+    """The log-prob fields' precision the header names (float32 when it names none: an older writer)."""
+    wire = header.get("wire", {"logprobs": "float32", "topk_logprobs": "float32"})
+    if not isinstance(wire, dict) or wire.keys() != {"logprobs", "topk_logprobs"}:
+        raise CodecError("header.wire", "must map logprobs and topk_logprobs to their precision")
+    for name, kind in wire.items():
+        if kind not in WIRE_FLOATS:
+            raise CodecError(f"header.wire.{name}", f"must be one of {list(WIRE_FLOATS)}, got {kind!r}")
+    return wire
+
+
 def _tensor_views(
-    data: bytes | bytearray | memoryview, offset: int, prompt_len: int, lengths: list[int], topk: int
+    data: bytes | bytearray | memoryview,
+    offset: int,
+    prompt_len: int,
+    lengths: list[int],
+    topk: int,
+    dtypes: dict[str, str],
+    align: int,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Zero-copy views of the tensor block: the prompt ids and each per-token field, concatenated."""
+    """Zero-copy views of the tensor block: the prompt ids and each per-token field, concatenated, in
+    their wire dtypes, each field starting at a multiple of `align` bytes."""
     N = sum(lengths)
-    expected = 4 * (prompt_len + 3 * N + 2 * N * topk)
-    if len(data) - offset != expected:
+    width = {name: np.dtype(dtype).itemsize for name, dtype in dtypes.items()}
+    starts, end = {}, 4 * prompt_len
+    for name, _ in TOKEN_FIELDS:
+        starts[name] = end + (-end % align)
+        end = starts[name] + width[name] * N * (topk if name in _TOPK_FIELDS else 1)
+    if len(data) - offset != end:
         raise CodecError(
             "",
-            f"tensor block has {len(data) - offset} bytes, the header describes {expected} "
+            f"tensor block has {len(data) - offset} bytes, the header describes {end} "
             f"(P={prompt_len}, N={N}, K={topk})",
         )
     prompt_ids = np.frombuffer(data, dtype="<i4", count=prompt_len, offset=offset)
-    offset += 4 * prompt_len
     flat = {}
-    for name, dtype in TOKEN_FIELDS:
-        width = topk if name in _TOPK_FIELDS else 1
-        array = np.frombuffer(data, dtype=dtype, count=N * width, offset=offset)
+    for name, _ in TOKEN_FIELDS:
+        count = N * (topk if name in _TOPK_FIELDS else 1)
+        array = np.frombuffer(data, dtype=dtypes[name], count=count, offset=offset + starts[name])
         flat[name] = array.reshape(N, topk) if name in _TOPK_FIELDS else array  # [N, K] or [N]
-        offset += 4 * N * width
     return prompt_ids, flat

@@ -24,7 +24,7 @@ from sparkrl.proto import (
     encode_message,
     group_id_for,
 )
-from sparkrl.proto.codec import frame, header_meta
+from sparkrl.proto.codec import Wire, frame, header_meta
 from sparkrl.proto.errors import FieldError
 from sparkrl.proto.testing import random_group
 
@@ -153,12 +153,59 @@ def test_layout_is_magic_header_then_aligned_tensor_block() -> None:
 
 
 def test_decoded_arrays_are_views_of_the_payload() -> None:
-    payload = bytearray(encode_group(small_group()))
+    """Fields that travel 4 bytes wide are views; ids narrowed to uint16 (a vocabulary of ≤ 65,536) are
+    widened back into int32 copies."""
+    wide = random_group(np.random.default_rng(0), n=4, T=20, k=5, vocab_size=151_936, max_new_tokens=20)
+    payload = bytearray(encode_group(wide))
     decoded = decode_group(payload)
     whole = np.frombuffer(payload, dtype=np.uint8)
     assert all(np.shares_memory(whole, getattr(c, f)) for c in decoded.completions for f in ARRAY_FIELDS)
     assert not decode_group(bytes(payload)).completions[0].topk_ids.flags.writeable
     assert decode_group(memoryview(payload)) == decoded
+    narrow = decode_group(bytearray(encode_group(small_group())))  # vocabulary 1000: uint16 ids
+    assert narrow.completions[0].topk_ids.dtype == np.int32
+    assert np.shares_memory(whole, decoded.completions[0].logprobs)
+
+
+@pytest.mark.parametrize("kind", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("vocab_size", [1000, 65_536, 151_936])
+def test_a_narrower_wire_rounds_log_probs_and_keeps_ids_exact(kind: str, vocab_size: int) -> None:
+    """Issue 50 item 3: ids in uint16 when the vocabulary allows (lossless), log-probs rounded to the
+    chosen precision (to nearest: float16's relative error ≤ 2^-11, bfloat16's ≤ 2^-8), the bytes shrink
+    accordingly, and what decodes is float32 / int32 as before."""
+    group = random_group(np.random.default_rng(3), n=4, T=50, k=8, vocab_size=vocab_size, max_new_tokens=50)
+    wire = Wire(logprobs=kind, topk_logprobs=kind)  # type: ignore[arg-type]
+    payload = encode_group(group, wire)
+    decoded = decode_group(payload)
+    bound = {"float32": 0.0, "float16": 2.0**-11, "bfloat16": 2.0**-8}[kind]
+    for got, want in zip(decoded.completions, group.completions, strict=True):
+        for f in ("token_ids", "topk_ids", "policy_versions"):
+            assert getattr(got, f).dtype == np.int32 and np.array_equal(getattr(got, f), getattr(want, f))
+        for f in ("logprobs", "topk_logprobs"):
+            values, exact = getattr(got, f), getattr(want, f)
+            assert values.dtype == np.float32
+            assert np.all(np.abs(values - exact) <= bound * np.abs(exact) + 1e-7), f
+    N, K, P = 4 * 50, 8, len(group.prompt_token_ids)
+    ids = 2 if vocab_size <= 65_536 else 4
+    floats = {"float32": 4, "float16": 2, "bfloat16": 2}[kind]
+    block = 4 * P + N * (ids + floats + 4 + K * (ids + floats))
+    assert block <= len(payload) - 12 - struct.unpack_from("<I", payload, 8)[0] < block + 8 * 6 + 8
+    assert encode_group(decoded, wire) == payload  # a rounded value rounds to itself: stable
+
+
+def test_a_payload_from_before_the_wire_setting_still_decodes() -> None:
+    """An older writer's layout (no `wire` in the header: every field 4 bytes, no padding between fields),
+    as a journal of a run started before an upgrade holds it."""
+    group = small_group()
+    header = {"schema_version": 1, "prompt_len": len(group.prompt_token_ids),
+              "lengths": [c.num_tokens for c in group.completions], "group": header_meta(group)}  # fmt: skip
+    packed = msgpack.packb(header, use_bin_type=True)
+    parts: list[bytes] = [MAGIC, struct.pack("<I", len(packed)), packed, b"\0" * (-(12 + len(packed)) % 8)]
+    parts.append(group.prompt_token_ids.astype("<i4").tobytes())
+    for f, dtype in (("token_ids", "<i4"), ("logprobs", "<f4"), ("policy_versions", "<i4"),
+                     ("topk_ids", "<i4"), ("topk_logprobs", "<f4")):  # fmt: skip
+        parts.extend(getattr(c, f).astype(dtype).tobytes() for c in group.completions)
+    assert_bitwise_equal(decode_group(b"".join(parts)), group)
 
 
 # ---- corrupt payloads: always a CodecError, never anything else ---------------------------------
@@ -246,11 +293,20 @@ BAD_VALUES = [
 ]
 
 
+def test_decode_rejects_a_negative_id_of_a_wide_vocabulary() -> None:
+    group = random_group(np.random.default_rng(0), n=2, T=8, k=3, vocab_size=151_936, max_new_tokens=8)
+    group.completions[1].topk_ids[2, 1] = -7  # int32 on the wire
+    error = decode_error(unchecked_payload(group))
+    assert error.path == "completions[1].topk_ids" and "negative token id -7 at position 2" in error.reason
+
+
 @pytest.mark.parametrize(("i", "field", "index", "value", "message"), BAD_VALUES)
 def test_decode_rejects_bad_values(
     i: int, field: str, index: tuple[int, ...], value: float, message: str
 ) -> None:
     error = decode_error(payload_with(i, field, index, value))
+    if field.endswith("ids") and value < 0:  # uint16 on the wire (1000 tokens): it arrives as value + 2^16
+        message = f"token id {int(value) + (1 << 16)} at position 0 is not below vocab_size=1000"
     assert error.path == f"completions[{i}].{field}"
     assert message in error.reason
     assert str(error).startswith(f"completions[{i}].{field}: ")

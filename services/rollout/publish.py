@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from sparkrl.proto import LearnerStatus, TrajectoryGroup, encode_group, staleness
+from sparkrl.proto.codec import Wire
 from sparkrl.services.common.bus import BusBackpressureTimeout, Entry, RedisBus
 from sparkrl.services.common.telemetry import Telemetry
 
@@ -33,8 +34,9 @@ def publish_groups(
     stop: threading.Event,
     waiting: Callable[[int], None],
     doomed: Callable[[TrajectoryGroup], bool] = lambda group: False,
+    wire: Wire | None = None,
 ) -> Published:
-    """Publish each group, then ack its prompt.
+    """Publish each group (encoded as `wire` says: `rollout.wire`), then ack its prompt.
 
     The batch goes out in two round trips: every group that is not doomed is offered at once, then the
     prompts of those the bus took (or had: a replay is dropped by the bus, yet acked) are acknowledged
@@ -45,7 +47,7 @@ def publish_groups(
     redo = [i for i, group in enumerate(groups) if doomed(group)]
     offered = sorted(set(range(len(groups))) - set(redo))
     now = time.time()
-    payloads = [encode_group(groups[i].model_copy(update={"published_at": now})) for i in offered]
+    payloads = [encode_group(groups[i].model_copy(update={"published_at": now}), wire) for i in offered]
     taken = bus.publish_groups_once([(groups[i].group_id, p) for i, p in zip(offered, payloads, strict=True)])
     done = [i for i, took in zip(offered, taken, strict=True) if took is not None]
     bus.ack("prompts", [entries[i].entry_id for i in done])
@@ -53,7 +55,7 @@ def publish_groups(
     refused = [i for i, took in zip(offered, taken, strict=True) if took is None]
     if refused:
         later = publish_waiting(bus, [groups[i] for i in refused], [entries[i] for i in refused], stop,
-                                waiting, doomed)  # fmt: skip
+                                waiting, doomed, wire)  # fmt: skip
         new += later.new
         done += [refused[i] for i in later.done]
         redo += [refused[i] for i in later.redo]
@@ -67,6 +69,7 @@ def publish_waiting(
     stop: threading.Event,
     waiting: Callable[[int], None],
     doomed: Callable[[TrajectoryGroup], bool],
+    wire: Wire | None = None,
 ) -> Published:
     """Publish the groups one by one into a stream that may be full, each prompt acked once its group is
     in: while the stream is full (the learner sets the pace, or is paused) this waits in short slices,
@@ -80,7 +83,7 @@ def publish_waiting(
             if doomed(group):
                 redo.append(index)
                 break
-            payload = encode_group(group.model_copy(update={"published_at": time.time()}))
+            payload = encode_group(group.model_copy(update={"published_at": time.time()}), wire)
             try:
                 new += bus.publish_group(group.group_id, payload, timeout_s=PUBLISH_POLL_S)
             except BusBackpressureTimeout:

@@ -28,6 +28,7 @@ from sparkrl.proto import (
     TrajectoryGroup,
     WeightAnnouncement,
 )
+from sparkrl.proto.codec import Wire
 from sparkrl.services.common.bus import RedisBus
 from sparkrl.services.common.metrics_server import MetricsServer
 from sparkrl.services.common.prompt_limits import PromptLimits
@@ -252,7 +253,8 @@ class Worker:
         doomed = (lambda group: False) if last else self.doomed_check()
         try:
             with self._part("publish"):  # waiting on a full stream (the learner's pace) included
-                out = publish_groups(self.bus, groups, batch.entries, self.stop, self.waiting, doomed)
+                wire = Wire(self.cfg.wire.logprobs, self.cfg.wire.topk_logprobs)
+                out = publish_groups(self.bus, groups, batch.entries, self.stop, self.waiting, doomed, wire)
         finally:
             if state.state == "stream_full":
                 state.state = "generating"

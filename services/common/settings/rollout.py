@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from sparkrl.proto.codec import WireFloat
 from sparkrl.services.common.settings.engine import (
     EngineSettings,
     SamplingSettings,
@@ -46,6 +47,25 @@ class OverlongBufferSettings(Section):
         gt=0,
         le=100,
         description="The penalty at max_new_tokens (verl overlong_buffer.penalty_factor; DAPO's, TRL's 1).",
+    )
+
+
+class WireSettings(Section):
+    """How a worker's groups travel to the learner (issue 50, item 3): the log-prob fields' precision. Ids
+    always travel as narrow as the vocabulary allows (uint16 up to 65,536 tokens: lossless). Measured
+    (`bench/wire_bench.py`, docs/benchmarks.md): top-k log-probs in float16 cut the bytes a token by a
+    quarter (V = 151,936) to nearly half (the demo) and move Lp-Reg's loss by ~1e-5 and its gradient by
+    ~1e-4 relative, selecting the same tokens; bfloat16 changed which tokens were regularized, and the
+    sampled log-probs (each ratio's denominator) in float16 moved the gradient 4-6x more."""
+
+    logprobs: WireFloat = Field(
+        "float32",
+        description="The sampled tokens' log-probs (π_old in every ratio): float32, float16 or bfloat16.",
+    )
+    topk_logprobs: WireFloat = Field(
+        "float16",
+        description="The top-k log-probs (Lp-Reg's proxy): float32, float16 (rounded to nearest, clipped "
+        "to its finite range) or bfloat16.",
     )
 
 
@@ -155,6 +175,7 @@ class RolloutSettings(Section):
     )
     engine: EngineSettings = Field(default_factory=TorchEngineSettings, description="Generation engine.")
     sampling: SamplingSettings = Field(default_factory=SamplingSettings)
+    wire: WireSettings = Field(default_factory=WireSettings)
     chat_template: ChatTemplateMode = same_format_field("chat_template")
     chat_template_kwargs: TemplateKwargs = same_format_field("chat_template_kwargs")
     system_prompt: str | None = same_format_field("system_prompt")

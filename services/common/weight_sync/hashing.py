@@ -21,7 +21,9 @@ MAX_THREADS = 16  # past this, the memory bus, not the cores, is what a host run
 
 def default_threads() -> int:
     """The cores this process may run on, up to `MAX_THREADS`."""
-    return max(1, min(len(os.sched_getaffinity(0)), MAX_THREADS))
+    affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every core counts
+    cores = len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+    return max(1, min(cores, MAX_THREADS))
 
 
 class PendingDigest:
