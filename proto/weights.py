@@ -81,6 +81,11 @@ def weights_checksum(tensor_bytes: Iterable[Bytes]) -> str:
     return root_checksum(tensor_digest(data) for data in tensor_bytes)
 
 
+# A delta version's (`WeightAnnouncement.delta_base`) sparse tensors travel as two: positions and values.
+DELTA_INDEX = "#delta.index"
+DELTA_VALUES = "#delta.values"
+
+
 class TensorSpec(WireModel):
     """One parameter in the broadcast. Writer: learner. Reader: rollout worker (unpacks the buckets)."""
 
@@ -178,8 +183,9 @@ class WeightAnnouncement(WireModel):
     checksum: str = Field(
         pattern=r"^[0-9a-f]{64}$",
         description="The weights checksum (`CHECKSUM_ALGORITHM`, hex): the root of the tree over the "
-        "tensors' raw bytes in manifest order (see `weights_checksum`). Writer: learner. Reader: rollout "
-        "worker (verifies what it received, reports it in its status).",
+        "tensors' raw bytes in manifest order (see `weights_checksum`); with `delta_base`, of the whole "
+        "version the delta makes. Writer: learner. Reader: rollout worker (verifies what it received, "
+        "reports it in its status).",
     )
     group_epoch: int = Field(
         ge=0,
@@ -210,6 +216,17 @@ class WeightAnnouncement(WireModel):
         description="Transport of the group (`sync.backend`): `gloo` on CPU; on GPU `nccl` (torch's "
         "ProcessGroupNCCL), `nccl4py` (an NVIDIA nccl4py communicator) or `vllm_nccl` (vLLM's own "
         "NCCL weight-transfer engine, into the workers' vLLM). Writer: learner. Reader: rollout worker."
+    )
+    delta_base: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="Set when the version travels as a delta (`sync.delta`) against the version of this "
+        "checksum, which every member holds: the manifest then holds, per tensor that changed, either "
+        "`<name>` whole (dense) or `<name>` + `DELTA_INDEX` (int32 or int64 flat positions) and `<name>` + "
+        "`DELTA_VALUES` (the new elements there); a tensor not named is unchanged. `checksum` is then the "
+        "whole version's, which a worker checks after applying the delta (each sent tensor's own digest is "
+        "in its spec). A worker whose weights are another version refuses it. None: the manifest is the "
+        "version. Writer: learner. Reader: rollout worker.",
     )
     adapter_base: str | None = Field(
         default=None,

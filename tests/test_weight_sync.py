@@ -164,9 +164,9 @@ def _worker_main(backend: Backend, device: int | None, commands: Any, results: A
         if command[0] == "bind":
             if receiver is not None:
                 receiver.close()
-            _, worker_id, reuse = command
+            _, worker_id, reuse, delta = command
             receiver = WeightReceiver(
-                worker_id, backend=backend, timeout_s=WORKER_TIMEOUT_S, reuse_buffers=reuse
+                worker_id, backend=backend, timeout_s=WORKER_TIMEOUT_S, reuse_buffers=reuse, delta=delta
             )
             continue
         assert receiver is not None
@@ -197,12 +197,12 @@ class Worker:
         self.harmed = False  # killed or stopped by a test
         self.failure = ""  # the last failure's message (a result is its kind and phase)
 
-    def bind(self, worker_id: str, reuse_buffers: bool) -> None:
+    def bind(self, worker_id: str, reuse_buffers: bool, delta: bool = False) -> None:
         if not self.ready:
             assert self.results.get(timeout=60)[0] == "ready"
             self.ready = True
         self.worker_id = worker_id
-        self.commands.put(("bind", worker_id, reuse_buffers))
+        self.commands.put(("bind", worker_id, reuse_buffers, delta))
 
     def receive(self, announcement: WeightAnnouncement) -> None:
         self.outstanding += 1
@@ -243,7 +243,12 @@ class WorkerPool:
         self.idle: list[Worker] = [Worker() for _ in range(self.IDLE)]
 
     def take(
-        self, worker_ids: tuple[str, ...], backend: Backend, devices: tuple[int, ...], reuse_buffers: bool
+        self,
+        worker_ids: tuple[str, ...],
+        backend: Backend,
+        devices: tuple[int, ...],
+        reuse_buffers: bool,
+        delta: bool = False,
     ) -> list[Worker]:
         if backend != "gloo":
             workers = [Worker(backend, devices[i] if devices else None) for i in range(len(worker_ids))]
@@ -251,7 +256,7 @@ class WorkerPool:
             self.idle += [Worker() for _ in range(len(worker_ids) - len(self.idle))]
             workers, self.idle = self.idle[: len(worker_ids)], self.idle[len(worker_ids) :]
         for worker, worker_id in zip(workers, worker_ids, strict=True):
-            worker.bind(worker_id, reuse_buffers)
+            worker.bind(worker_id, reuse_buffers, delta)
         return workers
 
     def give_back(self, workers: list[Worker]) -> None:
@@ -281,9 +286,13 @@ def spawn_workers(worker_pool: WorkerPool) -> Iterator[Any]:
     taken: list[Worker] = []
 
     def spawn(
-        *worker_ids: str, backend: Backend = "gloo", devices: tuple[int, ...] = (), reuse: bool = False
+        *worker_ids: str,
+        backend: Backend = "gloo",
+        devices: tuple[int, ...] = (),
+        reuse: bool = False,
+        delta: bool = False,
     ) -> list[Worker]:
-        workers = worker_pool.take(worker_ids, backend, devices, reuse)
+        workers = worker_pool.take(worker_ids, backend, devices, reuse, delta)
         taken.extend(workers)
         return workers
 

@@ -90,6 +90,7 @@ class WeightPublisher(threading.Thread):
             bucket_bytes=cfg.bucket_mb << 20,
             straggler_s=cfg.straggler_s,
             secret=cfg.secret,
+            delta=cfg.delta,
         )
         # A worker that said `stopping` (Ctrl-C, a stop command) will not acknowledge: cut at once, not when
         # its heartbeat expires.

@@ -173,7 +173,9 @@ def _receiver(worker_id: str, cfg: RolloutConfig, installer: VersionInstaller) -
         assert isinstance(installer.engine, VllmEngine)  # make_engine builds the engine `kind` names
         return receiver_for(worker_id, cfg.sync, installer)
     sync = cfg.sync
-    return WeightReceiver(worker_id, backend=sync.backend, timeout_s=sync.timeout_s, secret=sync.secret)
+    return WeightReceiver(
+        worker_id, backend=sync.backend, timeout_s=sync.timeout_s, secret=sync.secret, delta=sync.delta
+    )
 
 
 def _learner_bound(telemetry: Telemetry) -> int | None:

@@ -50,5 +50,10 @@ def receiver_for(worker_id: str, sync: WeightSyncSettings, versions: VersionInst
     transport = make_transport(sync.backend, engine=versions.engine)
     install = installer(versions)
     return WeightReceiver(
-        worker_id, transport=transport, timeout_s=sync.timeout_s, install=install, secret=sync.secret
+        worker_id,
+        transport=transport,
+        timeout_s=sync.timeout_s,
+        install=install,
+        secret=sync.secret,
+        delta=sync.delta,  # never with vllm_nccl (the settings refuse it): this transport hands over tensors
     )

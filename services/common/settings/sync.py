@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from sparkrl.services.common.settings.section import Section
 
@@ -59,6 +59,14 @@ class WeightSyncSettings(Section):
     snapshot_every: int = Field(
         1, ge=1, description="Write the weights a late joiner loads every N policy versions."
     )
+    delta: bool = Field(
+        False,
+        description="Send a version as what changed since the last one (positions + values of the elements "
+        "whose bits changed; a tensor whole when that is smaller), when every member acknowledged the last "
+        "one in the same group epoch; else whole. Applied exactly: a worker checks the whole version's "
+        "checksum. Each side keeps a CPU copy of the version held. Pays in bf16 (few elements change a "
+        "step at RL learning rates); in float32 nearly all do (docs/benchmarks.md). Not with vllm_nccl.",
+    )
     secret: str | None = Field(
         None,
         repr=False,
@@ -66,3 +74,12 @@ class WeightSyncSettings(Section):
         description="Shared secret of the learner and the workers: announcements are HMAC-signed with it and "
         "workers refuse any that does not verify. None: unauthenticated (`sparkrl up` generates one).",
     )
+
+    @model_validator(mode="after")
+    def _delta_needs_our_transfer(self) -> WeightSyncSettings:
+        if self.delta and self.backend == "vllm_nccl":
+            raise ValueError(
+                "sync.delta needs a transport that hands the worker the tensors (gloo, nccl, nccl4py): "
+                "vllm_nccl loads each version straight into vLLM; set sync.delta false or another backend"
+            )
+        return self

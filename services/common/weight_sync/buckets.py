@@ -148,7 +148,13 @@ def verified(
         ),
         None,
     )
-    return Received(tensors, root_checksum(digests), mismatch)
+    checksum = root_checksum(digests)
+    said = (
+        None
+        if mismatch is None
+        else f"checksum mismatch: {mismatch} is not the announced tensor (got {checksum})"
+    )
+    return Received(tensors, checksum, said)
 
 
 def _hashed_as_they_arrive(

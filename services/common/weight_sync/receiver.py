@@ -2,13 +2,16 @@
 The same for every backend; the transport moves the bytes (`transport.py`)."""
 
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 
 from torch import Tensor
 
 from sparkrl.proto import WeightAnnouncement
 from sparkrl.services.common.weight_sync.backends import make_transport
+from sparkrl.services.common.weight_sync.delta import DeltaBase, DeltaError
 from sparkrl.services.common.weight_sync.errors import EpochOver, NotAMember, SyncFailed
+from sparkrl.services.common.weight_sync.manifest import weights_checksum
 from sparkrl.services.common.weight_sync.rendezvous import (
     ACK_OK,
     START_GO,
@@ -67,11 +70,14 @@ class WeightReceiver:
         install: Install | None = None,
         transport: Transport | None = None,
         secret: str | None = None,
+        delta: bool = False,
     ) -> None:
-        """`secret`: `sync.secret`, which seals the values of the learner's store (None: a seal anyone can
-        make). `reuse_buffers`: receive every version into the same buckets (`buckets.Buffers`): the tensors
-        `receive` returned are overwritten by the next `receive`, even one that fails. `transport`: one
-        made already (`make_transport`: vLLM's own transfer needs the engine); else `backend`'s. Raises
+        """`delta`: `sync.delta`, keep a CPU copy of the version held, to apply the next as a delta
+        (delta.py) — a version sent as a delta against another one is refused. `secret`: `sync.secret`,
+        which seals the values of the learner's store (None: a seal anyone can make). `reuse_buffers`:
+        receive every version into the same buckets (`buckets.Buffers`): the tensors `receive` returned
+        are overwritten by the next `receive`, even one that fails. `transport`: one made already
+        (`make_transport`: vLLM's own transfer needs the engine); else `backend`'s. Raises
         BackendUnavailable (naming the fix) when the backend cannot run here.
 
         `install`: a version that arrives as tensors is loaded by it before the acknowledgement, which
@@ -85,6 +91,7 @@ class WeightReceiver:
         self.failed_epoch = None
         self._secret = secret
         self._store, self._address, self._link = None, None, None
+        self.delta = DeltaBase() if delta else None
 
     @property
     def held_epoch(self) -> int | None:
@@ -111,7 +118,8 @@ class WeightReceiver:
             )
         try:
             store, link = self._connection(announcement)
-            delivery = self._installed(link.receive(announcement), announcement)
+            received = self._whole(link.receive(announcement), announcement)
+            delivery = self._installed(received, announcement)
             refused = _refused(delivery, announcement)
             # The learner waits for one acknowledgement per member; a refusal is acknowledged too, so the
             # learner learns it now rather than at its timeout.
@@ -131,6 +139,11 @@ class WeightReceiver:
             if isinstance(delivery, LoadedInPlace) and delivery.undo is not None:
                 delivery.undo()  # after the acknowledgement: the learner need not wait for the reload
             raise SyncFailed(refused, epoch=epoch, phase="verify")
+        if self.delta is not None and isinstance(received, Received):  # the next delta's base
+            if announcement.delta_base is None:  # a whole version: views into the buckets, copied
+                self.delta.keep(received.tensors, announcement.checksum)
+            else:  # the delta was applied to the base itself, now verified
+                self.delta.checksum = announcement.checksum
         return delivery
 
     def close(self) -> None:
@@ -148,6 +161,22 @@ class WeightReceiver:
     def _fail(self, epoch: int) -> None:
         self.failed_epoch = epoch
         self.close()
+
+    def _whole(self, delivery: Delivery, announcement: WeightAnnouncement) -> Delivery:
+        """A delta (`announcement.delta_base`) applied to the version held, with the whole version's
+        checksum; anything else as it came."""
+        base = announcement.delta_base
+        if base is None or not isinstance(delivery, Received) or delivery.problem is not None:
+            return delivery
+        held = self.delta.checksum if self.delta is not None else None
+        if self.delta is None or self.delta.tensors is None or held != base:
+            why = "sync.delta is off here" if self.delta is None else f"this worker holds {held or 'no copy'}"
+            return replace(delivery, problem=f"a delta against {base[:12]}…, and {why}")
+        try:
+            tensors = self.delta.apply(delivery.tensors, announcement.checksum)
+        except DeltaError as exc:
+            return replace(delivery, problem=f"the delta does not apply: {exc}")
+        return Received(tensors, weights_checksum(tensors.items()))
 
     def _installed(self, delivery: Delivery, announcement: WeightAnnouncement) -> Delivery:
         """With `install`, verified tensors go into the engine: the engine's checksum is what counts."""
@@ -212,8 +241,8 @@ def _refused(delivery: Delivery, announcement: WeightAnnouncement) -> str | None
     """Why the delivered version is not the announced one, or None."""
     if isinstance(delivery, LoadedInPlace) and delivery.problem is not None:
         return f"the engine did not take the version ({delivery.problem}); it holds {delivery.checksum}"
-    if isinstance(delivery, Received) and delivery.mismatch is not None:
-        return f"checksum mismatch: {delivery.mismatch} is not the announced tensor (got {delivery.checksum})"
+    if isinstance(delivery, Received) and delivery.problem is not None:
+        return delivery.problem
     if delivery.checksum != announcement.checksum:
         return f"checksum mismatch: got {delivery.checksum}"
     return None

@@ -13,6 +13,7 @@ from torch import Tensor
 from sparkrl.proto import WeightAnnouncement
 from sparkrl.proto.weights import root_checksum
 from sparkrl.services.common.weight_sync.backends import make_transport
+from sparkrl.services.common.weight_sync.delta import DeltaBase
 from sparkrl.services.common.weight_sync.errors import SyncFailed
 from sparkrl.services.common.weight_sync.manifest import bucket_sizes, build_manifest, tensor_digests
 from sparkrl.services.common.weight_sync.rendezvous import (
@@ -98,12 +99,13 @@ class WeightSender:
         straggler_s: float = 5.0,
         transport: Transport | None = None,
         secret: str | None = None,
+        delta: bool = False,
     ) -> None:
         """`host` is the address workers reach the store at; port 0 picks a free one (see `port`).
         `secret`: `sync.secret`, which seals the store's values (None: a seal anyone can make).
         `straggler_s`: once a member has acknowledged, how much longer the others get. `transport`: one
         made already (else `backend`'s). Raises BackendUnavailable (naming the fix) when the backend's
-        library or device is not here."""
+        library or device is not here. `delta`: `sync.delta` (send what changed, delta.py)."""
         self.transport = transport or make_transport(backend)
         self.backend = self.transport.name
         self.host = host
@@ -122,6 +124,11 @@ class WeightSender:
         self._aborting = []
         self._epoch = -1
         self._sequence = -1
+        # sync.delta: the last version announced, which the next is a delta against (delta.py)
+        self.delta = DeltaBase() if delta else None
+        self._wire: tuple[int, Mapping[str, Tensor]] = (-1, {})  # what the newest announcement sends
+        # (epoch, members, checksum) of the last broadcast every member acknowledged: what they hold
+        self._synced: tuple[int, tuple[str, ...], str] | None = None
 
     @property
     def refused_writes(self) -> int:
@@ -142,16 +149,26 @@ class WeightSender:
         """The announcement to publish (in Redis) before `broadcast`: manifest, checksum, rendezvous, and
         this sender's incarnation and the announcement's sequence number (its freshness). `adapter_base`:
         the tensors are a LoRA adapter for the base of that checksum (`WeightAnnouncement.adapter_base`).
+        With `delta`, the version goes as a delta against the last one announced when every member
+        acknowledged that one in this epoch (`WeightAnnouncement.delta_base`); else whole.
 
         Hashes every tensor on every core (a device-to-host copy for GPU tensors; each tensor's digest goes
         into its spec, for receivers to verify it as it lands), so call it once per version.
         """
-        manifest = build_manifest(named_tensors, self.bucket_bytes)
-        digests = tensor_digests((spec.name, named_tensors[spec.name]) for spec in manifest)
+        digests = tensor_digests(named_tensors.items())
+        checksum, wire, base = root_checksum(digests), named_tensors, None
+        if self.delta is not None:  # sync.delta: what changed, when every member holds the last version
+            synced = self._synced == (epoch, tuple(members), self.delta.checksum)  # all hold the base
+            held = [self.delta.checksum if synced else None] * len(members)
+            wire, base = self.delta.wire_for(named_tensors, checksum, held)
+            if base is not None:
+                digests = tensor_digests(wire.items())
+        manifest = build_manifest(wire, self.bucket_bytes)
         manifest = [
             spec.model_copy(update={"digest": d.hex()}) for spec, d in zip(manifest, digests, strict=True)
         ]
         self._sequence += 1
+        self._wire = (self._sequence, wire)
         return WeightAnnouncement(
             incarnation=self.incarnation,
             sequence=self._sequence,
@@ -160,7 +177,8 @@ class WeightSender:
             total_bytes=sum(spec.nbytes for spec in manifest),
             bucket_bytes=self.bucket_bytes,
             num_buckets=len(bucket_sizes(manifest)),
-            checksum=root_checksum(digests),
+            checksum=checksum,
+            delta_base=base,
             group_epoch=epoch,
             rendezvous_host=self.host,
             rendezvous_port=self.port,
@@ -193,8 +211,14 @@ class WeightSender:
         `error.missing` and announces again with a higher epoch. Raises ValueError on misuse.
         """
         members = tuple(announcement.members)
+        if announcement.delta_base is not None:  # the delta computed when it was announced
+            sequence, wire = self._wire
+            if sequence != announcement.sequence:
+                raise ValueError("a delta version is broadcast right after its announcement, not later")
+            named_tensors = wire
         self._check(named_tensors, announcement, members)
         epoch = announcement.group_epoch
+        self._synced = None  # until every member acknowledges this version
         started = time.perf_counter()
         in_flight: list[Sending] = []
         link: Transport | None = None
@@ -206,6 +230,7 @@ class WeightSender:
             self._await_acks(epoch, announcement.version, members)
             in_flight[0].wait()
             sent = time.perf_counter()
+            self._synced = (epoch, members, announcement.checksum)
         except SyncFailed:
             link = None  # the traceback keeps this frame: it must not hold the link (see _drop_link)
             self._drop_link(in_flight)

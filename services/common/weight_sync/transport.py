@@ -38,7 +38,7 @@ class Received:
 
     tensors: dict[str, Tensor]
     checksum: str  # of the bytes as they arrived
-    mismatch: str | None = None  # the first tensor whose bytes are not its announced digest's
+    problem: str | None = None  # why it is not the announced version (a tensor not its digest, …)
 
 
 @dataclass(frozen=True)
