@@ -7,7 +7,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import msgpack
 import numpy as np
+import pytest
 import redis
 import torch
 
@@ -98,6 +100,25 @@ def test_journal_round_trip_gaps_and_trim(tmp_path: Path) -> None:
     assert journal.replayable(after=6) == [7]
     assert journal.trim(6) == 2 and journal.steps() == [7, 9]
     assert not list(tmp_path.joinpath("journal").glob(".*.tmp"))  # written by rename, nothing half-done
+
+
+def test_the_journal_holds_the_payloads_as_they_came_and_still_reads_the_older_layout(tmp_path: Path) -> None:
+    """Issue 50 item 2: a step's payloads are written after a small header, never packed again; a journal
+    written before (one msgpack map of the records) is still replayed after an upgrade."""
+    journal = Journal(tmp_path)
+    payloads = [encode_group(random_group(np.random.default_rng(i), n=2, T=16, k=4)) for i in range(3)]
+    entries = [Entry(f"1-{i}", f"g{i}", payload, 1 + i) for i, payload in enumerate(payloads)]
+    journal.write(1, entries)
+    raw = journal.path(1).read_bytes()
+    assert raw.startswith(b"SPRKJRN2") and raw.endswith(b"".join(payloads))  # verbatim, in order
+    assert journal.read(1) == entries
+    older = {"step": 2, "entries": [{"entry_id": e.entry_id, "item_id": e.item_id, "payload": e.payload,
+                                      "deliveries": e.deliveries} for e in entries]}  # fmt: skip
+    journal.path(2).write_bytes(msgpack.packb(older, use_bin_type=True))
+    assert journal.read(2) == entries
+    journal.path(3).write_bytes(raw[:-5])  # a file cut short is refused, never half-read
+    with pytest.raises(ValueError, match="its entries take"):
+        journal.read(3)
 
 
 def test_a_wiped_redis_gets_the_trained_marks_back_from_the_audit_trail(

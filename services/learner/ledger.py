@@ -51,6 +51,7 @@ from sparkrl.services.learner.state import TrainState
 log = logging.getLogger("sparkrl.learner.ledger")
 
 _NAME = re.compile(r"^step-(\d{6,})\.bin$")
+_JOURNAL_MAGIC = b"SPRKJRN2"  # then a u32 header length, the msgpack header, the payloads as they came
 AUDIT_TRAIL = "trained_groups.jsonl"  # written with each step row (reporting.RunLog), read after a wipe
 FILTERED_TRAIL = "filtered_groups.jsonl"  # the groups set aside as uninformative (FilteredLog)
 
@@ -94,15 +95,21 @@ class Journal:
         return self.directory / f"step-{step:06d}.bin"
 
     def write(self, step: int, entries: list[Entry]) -> None:
-        """Record a step's entries durably (temp file, fsync, rename, fsync of the folder)."""
-        records = [
-            {"entry_id": e.entry_id, "item_id": e.item_id, "payload": e.payload, "deliveries": e.deliveries}
-            for e in entries
-        ]
-        data = msgpack.packb({"step": step, "entries": records}, use_bin_type=True)
+        """Record a step's entries durably (temp file, fsync, rename, fsync of the folder). The payloads go
+        to the file as they came from the bus, after a small header: never packed again (a step's 93 MB
+        were copied into one msgpack buffer before being written)."""
+        header = msgpack.packb(
+            {
+                "step": step,
+                "entries": [[e.entry_id, e.item_id, len(e.payload), e.deliveries] for e in entries],
+            },
+            use_bin_type=True,
+        )
         tmp = self.directory / f".step-{step:06d}.{os.getpid()}.tmp"
         with tmp.open("wb") as file:
-            file.write(data)
+            file.write(_JOURNAL_MAGIC + len(header).to_bytes(4, "little") + header)
+            for entry in entries:
+                file.write(entry.payload)
             file.flush()
             os.fsync(file.fileno())
         os.replace(tmp, self.path(step))
@@ -112,10 +119,23 @@ class Journal:
         return sorted(int(m.group(1)) for p in self.directory.iterdir() if (m := _NAME.match(p.name)))
 
     def read(self, step: int) -> list[Entry]:
-        record = msgpack.unpackb(self.path(step).read_bytes(), raw=False)
+        data = self.path(step).read_bytes()
+        if not data.startswith(_JOURNAL_MAGIC):  # written before the raw layout: one msgpack map
+            record = msgpack.unpackb(data, raw=False)
+            rows = [(r["entry_id"], r["item_id"], r["payload"], r["deliveries"]) for r in record["entries"]]
+        else:
+            start = len(_JOURNAL_MAGIC) + 4
+            end = start + int.from_bytes(data[len(_JOURNAL_MAGIC) : start], "little")
+            record = msgpack.unpackb(data[start:end], raw=False)
+            rows, offset = [], end
+            for entry_id, item_id, size, deliveries in record["entries"]:
+                rows.append((entry_id, item_id, data[offset : offset + size], deliveries))
+                offset += size
+            if offset != len(data):
+                raise ValueError(f"{self.path(step)}: its entries take {offset} bytes, the file {len(data)}")
         if record.get("step") != step:
             raise ValueError(f"{self.path(step)} holds step {record.get('step')}, not {step}")
-        return [Entry(r["entry_id"], r["item_id"], r["payload"], r["deliveries"]) for r in record["entries"]]
+        return [Entry(*row) for row in rows]
 
     def replayable(self, after: int) -> list[int]:
         """Steps after `after` that follow it without a gap (a gap ends the replay, loudly)."""
