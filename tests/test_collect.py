@@ -4,6 +4,8 @@ be made anew: finite data is not lost) and counted."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from sparkrl.proto import Prompt, TrajectoryGroup, decode_message, encode_group
@@ -122,3 +124,47 @@ def test_a_group_made_again_is_judged_by_its_own_versions(bus_settings: BusSetti
         c.read_ahead(3, STALENESS)
         assert [g.group_id for g in c.groups] == [old.group_id] and c.oldest == {old.group_id: 3}
         assert c.dropped == 1  # the first copy only
+
+
+def test_read_ahead_on_a_thread_holds_a_step_and_leaves_it_pending_for_the_next_learner(
+    bus_settings: BusSettings,
+) -> None:
+    """Issue 50 item 2 (`learner.read_ahead_mb`): while a step trains, a thread reads the next step's
+    groups (at most a step's worth, within the byte budget), decoded and validated; they stay pending in
+    Redis, so a learner that stops (or crashes) with them in hand leaves them to the next one, which
+    trains each once."""
+    settings = bus_settings.model_copy(update={"trajectory_maxlen": 64, "claim_idle_ms": 500})
+    groups = [sampled_by(i, 0) for i in range(10)]
+    with RedisBus(settings) as bus:
+        for g in groups:
+            assert bus.publish_group(g.group_id, encode_group(g))
+        c = collector(bus)
+        c.start_read_ahead()
+        try:
+            first = c.fill(0, STALENESS, lambda: False)
+            assert first is not None and len(first.groups) >= 4
+            # The step "trains": the thread takes the next step's groups, a step's worth and no more.
+            deadline = time.monotonic() + 10
+            while len(c.prefetch.queue) < 4 and time.monotonic() < deadline:  # type: ignore[union-attr]
+                time.sleep(0.05)
+            ahead = [g.group_id for _, g in c.prefetch.queue]  # type: ignore[union-attr]
+            assert len(ahead) == 4 and not set(ahead) & {g.group_id for g in first.groups}
+            time.sleep(1.0)  # past claim_idle_ms: the thread keeps its entries alive meanwhile
+            bus.ack("trajectories", [e.entry_id for e in first.entries])  # the step committed
+        finally:
+            c.stop_read_ahead()  # a learner that stops here holds groups read ahead, never acknowledged
+        held = {g.group_id for g in c.groups} | set(ahead)
+        assert bus.pending_info("trajectories").pending == len(held)
+    time.sleep(0.6)  # the next learner finds them idle and takes them
+    with RedisBus(settings) as bus:
+        again, trained = collector(bus), []
+        stop_at = time.monotonic() + 5
+        while len(trained) < len(held) and time.monotonic() < stop_at:
+            batch = again.fill(0, STALENESS, lambda: time.monotonic() > stop_at)
+            if batch is not None:  # the step commits: acknowledged, never delivered again
+                trained += [g.group_id for g in batch.groups]
+                bus.ack("trajectories", [e.entry_id for e in batch.entries])
+        trained += [g.group_id for g in again.groups]  # the last, partial step's
+        assert held <= set(trained) and len(trained) == len(set(trained))  # the held ones, each once
+        # with the first step's and the ones never read, every group exactly once, none lost
+        assert sorted([g.group_id for g in first.groups] + trained) == sorted(g.group_id for g in groups)

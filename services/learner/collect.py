@@ -29,6 +29,7 @@ from sparkrl.services.common.settings import LearnerSettings
 from sparkrl.services.learner.data_end import Fed, Progress, Tally, count_prompts, end_reason, feed_done
 from sparkrl.services.learner.dynamic_sampling import filtered
 from sparkrl.services.learner.ledger import Batch, FilteredLog, trained_among
+from sparkrl.services.learner.prefetch import Prefetch
 from sparkrl.services.learner.validate import ModelLimits, group_problem
 
 CONSUMER = "learner"
@@ -57,6 +58,7 @@ class BatchCollector:
     progress: Progress = field(default_factory=Tally)  # the learner's TrainState: what it has trained
     ran_out: Fed | None = None  # the feed is done and all of it is read: no more data will come
     counts: PromptCounts | None = None  # how the prompts fed ended, as the last end reason said
+    prefetch: Prefetch | None = None  # learner.read_ahead_mb: the stream read on a thread (prefetch.py)
     # Each held group's oldest policy version, worked out once: the stale check looks at every held group
     # on every read, and a group's 16 version arrays read each time took a third of a wide run's learner.
     oldest: dict[str, int | None] = field(default_factory=dict)
@@ -186,8 +188,24 @@ class BatchCollector:
             self._read(version, ahead, 0, max_staleness)
         return ahead > 0
 
+    def start_read_ahead(self) -> None:
+        """With `learner.read_ahead_mb`, the stream is read, decoded and validated on a thread of its own
+        from now on, a step's groups ahead, while the loop trains (prefetch.py)."""
+        if self.cfg.read_ahead_mb > 0 and self.prefetch is None:
+            budget = self.cfg.read_ahead_mb << 20
+            self.prefetch = Prefetch(self.bus, CONSUMER, self.cfg.prompts_per_step, budget)
+            self.prefetch.start()
+
+    def stop_read_ahead(self) -> None:
+        if self.prefetch is not None:
+            self.prefetch.stop()
+
     def _read(self, version: int, count: int, block_ms: int | None, max_staleness: int) -> None:
-        read = self.bus.read_decoded("trajectories", CONSUMER, count, decode_group, block_ms)
+        if self.prefetch is not None:
+            wait = self.bus.settings.block_ms if block_ms is None else block_ms
+            read = self.prefetch.take(count, wait)
+        else:
+            read = self.bus.read_decoded("trajectories", CONSUMER, count, decode_group, block_ms)
         # The trained marks of the whole read in one round trip: looked up group by group, each lookup
         # waited its turn in Redis behind the fleet's publishes, which capped the intake (ledger.py).
         replays = trained_among(self.bus, [group.group_id for _, group in read])

@@ -114,6 +114,7 @@ class Learner:
     def run(self) -> Ending:
         """Turn until the run is over: the control boundary, then a step or a paused wait."""
         waited = Clock("wait_data", "wait_fleet")  # since the last step, for its row
+        self.collector.start_read_ahead()
         try:
             while (ending := self.over()) is None:
                 todo = self.control.boundary(self.state.step, self.live)
@@ -304,6 +305,7 @@ class Learner:
         stop command's answer and the last broadcast. `ended.json` says why the run ended. Returns why it
         ends non-zero (None: it does not)."""
         state, command, guard = self.state, ending.command, self.guard
+        self.collector.stop_read_ahead()  # what it holds stays pending: the next learner takes it
         fenced = self.fenced()
         keep = fenced is None and (command is None or command.body.checkpoint)  # type: ignore[union-attr]
         # Never a checkpoint the ranks cannot all write, nor one of weights that are not finite, nor one of

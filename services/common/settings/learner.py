@@ -191,6 +191,13 @@ class LearnerSettings(Section):
     prompts_per_step: int = Field(
         256, ge=1, description="Groups per optimizer step: exactly (batch: fixed), or at least (grow)."
     )
+    read_ahead_mb: int = Field(
+        256,
+        ge=0,
+        description="The trajectory stream is read, decoded and validated on a thread of its own while a "
+        "step trains, up to a step's groups and this many MB of payload ahead; what it holds stays pending "
+        "in Redis, as a held group does (a crash leaves it to the next learner). 0: read on the loop.",
+    )
     filter_groups: Literal["none", "zero_variance"] = Field(
         "none",
         description="Dynamic sampling (DAPO; verl algorithm.filter_groups): zero_variance counts only groups "
