@@ -4,7 +4,8 @@ Simulated workers publish real-shaped trajectory groups (the wire codec's frame 
 template, a fresh prompt and group id and `published_at` each time) through the product's `RedisBus` into
 a private redis-server configured as `sparkrl up` configures its own (append-only file, fsync on every
 write). The learner's real intake drains it in a process of its own: `BatchCollector.fill` (read, decode,
-validate, dedup, keep-alive), `samples_from_groups` → `partition` → `update_micro_batches` (collation),
+validate, dedup, keep-alive; with `learner.read_ahead_mb`, as the learner runs it, the reads on a thread
+of their own), `samples_from_groups` → `partition` → `update_micro_batches` (collation),
 then `Ledger.commit` (journal, trained marks, ack) — everything a step does but the update.
 
 Publishers run in a few processes, each holding its share of the N workers on a fixed schedule (a random
@@ -289,6 +290,8 @@ def drain(run: Run, run_dir: Path) -> tuple[list[Taken], Phases, list[tuple[floa
         ledger, state = Ledger(bus, run_dir, saved_step=0, fresh=True), TrainState()
         print(json.dumps({"ready": os.getpid()}), flush=True)
         stop_at = float(sys.stdin.readline())
+        if hasattr(collector, "start_read_ahead"):  # learner.read_ahead_mb (issue 50): as the learner does
+            collector.start_read_ahead()
         while time.time() < stop_at:
             t0 = time.perf_counter()
             batch = collector.fill(0, cfg.max_staleness, lambda: time.time() >= stop_at)
@@ -310,6 +313,8 @@ def drain(run: Run, run_dir: Path) -> tuple[list[Taken], Phases, list[tuple[floa
             for group, entry in zip(batch.groups, batch.entries, strict=True):
                 read = read_at.pop(group.group_id, collated)
                 taken.append(Taken(group.published_at, read, collated, committed, len(entry.payload)))
+        if hasattr(collector, "stop_read_ahead"):
+            collector.stop_read_ahead()
     return taken, phases, reads
 
 
