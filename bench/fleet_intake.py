@@ -27,6 +27,7 @@ import tempfile
 import time
 from dataclasses import asdict, astuple, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import redis
@@ -76,12 +77,26 @@ class Framer:
     def __init__(self, group: TrajectoryGroup) -> None:
         self.meta = header_meta(group)
         self.prompt_ids, self.completions = group.prompt_token_ids, group.completions
+        self.wire = worker_wire()
 
     def payload(self, prompt_id: str) -> tuple[str, bytes]:
         group_id = group_id_for(prompt_id)
         prompt = {**self.meta["prompt"], "prompt_id": prompt_id}
         meta = {**self.meta, "group_id": group_id, "prompt": prompt, "published_at": time.time()}
-        return group_id, frame(meta, self.prompt_ids, self.completions)
+        if self.wire is None:  # a commit from before the narrower wire (--baseline)
+            return group_id, frame(meta, self.prompt_ids, self.completions)
+        return group_id, frame(meta, self.prompt_ids, self.completions, self.wire)
+
+
+def worker_wire() -> Any:
+    """The wire a worker publishes on by default (`rollout.wire`, issue 50); None before it existed."""
+    try:
+        from sparkrl.proto.codec import Wire
+        from sparkrl.services.common.settings.rollout import WireSettings
+    except ImportError:
+        return None
+    chosen = WireSettings()
+    return Wire(chosen.logprobs, chosen.topk_logprobs)
 
 
 def scratch(prefix: str) -> Path:
