@@ -168,3 +168,28 @@ def test_read_ahead_on_a_thread_holds_a_step_and_leaves_it_pending_for_the_next_
         assert held <= set(trained) and len(trained) == len(set(trained))  # the held ones, each once
         # with the first step's and the ones never read, every group exactly once, none lost
         assert sorted([g.group_id for g in first.groups] + trained) == sorted(g.group_id for g in groups)
+
+
+def test_read_ahead_never_reclaims_what_the_loop_holds_or_trains(bus_settings: BusSettings) -> None:
+    """A read reclaims the consumer's idle entries (a dead learner's). The thread reads while a step
+    trains, longer than `bus.claim_idle_ms`: the groups the loop holds and the batch it trains are kept
+    alive, never delivered again (a group delivered past `bus.max_deliveries` is dead-lettered)."""
+    settings = bus_settings.model_copy(update={"trajectory_maxlen": 64, "claim_idle_ms": 300})
+    with RedisBus(settings) as bus:
+        for g in [sampled_by(i, 0) for i in range(4)]:
+            assert bus.publish_group(g.group_id, encode_group(g))
+        c = collector(bus)
+        c.start_read_ahead()
+        try:
+            batch = c.fill(0, STALENESS, lambda: False)  # a step's 4
+            assert batch is not None
+            for i in range(3):  # a 1.5 s step: the thread reads what comes meanwhile, with room to spare
+                time.sleep(0.5)
+                g = sampled_by(100 + i, 0)
+                assert bus.publish_group(g.group_id, encode_group(g))
+            key, group = bus.stream_key("trajectories"), bus.groups["trajectories"]
+            pending = bus._redis.xpending_range(key, group, "-", "+", 100)
+            assert pending and all(p["times_delivered"] == 1 for p in pending), pending
+            assert bus.dead_letters() == []
+        finally:
+            c.stop_read_ahead()

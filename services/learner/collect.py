@@ -59,6 +59,7 @@ class BatchCollector:
     ran_out: Fed | None = None  # the feed is done and all of it is read: no more data will come
     counts: PromptCounts | None = None  # how the prompts fed ended, as the last end reason said
     prefetch: Prefetch | None = None  # learner.read_ahead_mb: the stream read on a thread (prefetch.py)
+    handed: list[Entry] = field(default_factory=list)  # the last batch's entries: trained, kept alive
     # Each held group's oldest policy version, worked out once: the stale check looks at every held group
     # on every read, and a group's 16 version arrays read each time took a third of a wide run's learner.
     oldest: dict[str, int | None] = field(default_factory=dict)
@@ -125,6 +126,7 @@ class BatchCollector:
             self.filtered,
         )
         self.groups, self.entries = [self.groups[i] for i in kept], [self.entries[i] for i in kept]
+        self.handed = batch.entries
         self.seen, self.dropped, self.filtered = {g.group_id for g in self.groups}, 0, 0
         self.oldest = {gid: self.oldest[gid] for gid in self.seen if gid in self.oldest}
         return batch
@@ -193,8 +195,12 @@ class BatchCollector:
         from now on, a step's groups ahead, while the loop trains (prefetch.py)."""
         if self.cfg.read_ahead_mb > 0 and self.prefetch is None:
             budget = self.cfg.read_ahead_mb << 20
-            self.prefetch = Prefetch(self.bus, CONSUMER, self.cfg.prompts_per_step, budget)
+            self.prefetch = Prefetch(self.bus, CONSUMER, self.cfg.prompts_per_step, budget, self._in_hand)
             self.prefetch.start()
+
+    def _in_hand(self) -> list[str]:
+        """The entries held and those of the batch handed out last (trained now, or acknowledged)."""
+        return [e.entry_id for e in [*self.entries, *self.handed]]
 
     def stop_read_ahead(self) -> None:
         if self.prefetch is not None:

@@ -6,8 +6,10 @@ It holds at most one step's groups (`learner.prompts_per_step`) and `learner.rea
 Everything that decides what a group becomes stays on the loop (`collect.py`): the trained marks, the
 staleness rule, the dead letters of groups the model cannot take, the batch. A group read ahead is, to
 Redis, an entry delivered to the learner and not yet acknowledged — as a held group is — so a crash
-leaves it pending, and it comes again; the thread keeps its entries from being reclaimed while they wait
-(`touch`). An error of the thread's (Redis gone past its retries) is raised on the loop at its next take.
+leaves it pending, and it comes again. A read reclaims the consumer's idle entries (a dead learner's), so
+before each read, and while it waits for room, the thread keeps alive (`touch`) its own entries and the
+loop's: the groups it holds and the batch it trains. An error of the thread's (Redis gone past its
+retries) is raised on the loop at its next take.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 
 from sparkrl.proto import TrajectoryGroup, decode_group
 from sparkrl.services.common.bus import Entry, RedisBus
@@ -29,9 +32,14 @@ Read = list[tuple[Entry, TrajectoryGroup]]
 class Prefetch(threading.Thread):
     """Reads ahead into a bounded queue; the loop `take`s from it instead of reading Redis."""
 
-    def __init__(self, bus: RedisBus, consumer: str, max_groups: int, max_bytes: int) -> None:
+    def __init__(
+        self, bus: RedisBus, consumer: str, max_groups: int, max_bytes: int, held: Callable[[], list[str]]
+    ) -> None:
+        """`held`: the entry ids the loop holds (its groups, the batch it trains): a read reclaims the
+        consumer's idle entries, so these are kept alive before each read, as the loop's own reads did."""
         super().__init__(name="intake-read-ahead", daemon=True)
         self.bus, self.consumer, self.max_groups, self.max_bytes = bus, consumer, max_groups, max_bytes
+        self.held = held
         self.queue: deque[tuple[Entry, TrajectoryGroup]] = deque()
         self.bytes = 0
         self.changed = threading.Condition()
@@ -48,6 +56,8 @@ class Prefetch(threading.Thread):
                     with self.changed:
                         self.changed.wait(self.touch_every_s)
                 else:
+                    self._keep_alive()  # nothing in hand may be idle when the read reclaims idle entries
+                    touched = time.monotonic()
                     read = self.bus.read_decoded(
                         "trajectories", self.consumer, room, decode_group, READ_BLOCK_MS
                     )
@@ -56,7 +66,7 @@ class Prefetch(threading.Thread):
                         self.bytes += sum(len(entry.payload) for entry, _ in read)
                         self.changed.notify_all()
                 if time.monotonic() - touched > self.touch_every_s:
-                    self.bus.touch("trajectories", self.consumer, self.entry_ids())
+                    self._keep_alive()
                     touched = time.monotonic()
         except BaseException as exc:  # told to the loop at its next take; the entries stay pending
             if not self.stopped.is_set():
@@ -84,6 +94,9 @@ class Prefetch(threading.Thread):
             self.bytes -= sum(len(entry.payload) for entry, _ in taken)
             self.changed.notify_all()  # room again
         return taken
+
+    def _keep_alive(self) -> None:
+        self.bus.touch("trajectories", self.consumer, self.held() + self.entry_ids())
 
     def entry_ids(self) -> list[str]:
         with self.changed:
