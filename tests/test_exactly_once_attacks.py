@@ -205,7 +205,11 @@ def test_a_commit_refused_past_the_wait_is_never_checkpointed_and_resume_trains_
     the step (before, the step was counted first and the final checkpoint held it: `--resume` then
     trained its groups again, which stayed pending). `--resume` redoes it from the journal, once."""
     run_dir, log = tmp_path / "run", tmp_path / "up.log"
-    command = up(tiny_model_dir, run_dir, "--set", "bus.reconnect_max_s=3")
+    # The intake on the loop (learner.read_ahead_mb=0): the attack needs the commit to be the learner's first
+    # write once Redis refuses them, and a read-ahead thread would write (read, keep alive) before it. With
+    # read-ahead, a refusal ends the run at a read instead, which the other attacks here cover.
+    reads = ("--set", "learner.read_ahead_mb=0")
+    command = up(tiny_model_dir, run_dir, "--set", "bus.reconnect_max_s=3", *reads)
     first = start(command, log)
     watch = JournalWatch(run_dir)
     watch.start()
@@ -239,7 +243,9 @@ def test_a_commit_refused_past_the_wait_is_never_checkpointed_and_resume_trains_
     ended = json.loads((run_dir / "ended.json").read_text())
     assert "was not committed" in ended["reason"] and "--resume" in ended["reason"]
 
-    resume_and_audit(up(tiny_model_dir, run_dir, "--set", "bus.reconnect_max_s=3", "--resume"), log, watch)
+    resume_and_audit(
+        up(tiny_model_dir, run_dir, "--set", "bus.reconnect_max_s=3", *reads, "--resume"), log, watch
+    )
 
 
 @pytest.fixture
