@@ -44,7 +44,7 @@ test: install chromium vllm-env
 # Every model family on both engines (tests/test_families.py, `make test` runs a few of them; about 4.5
 # minutes here), then its table for docs/models.md. `.ci/run` runs it.
 test-families: install vllm-env
-	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q -n 2 tests/test_families.py --junitxml=.cache/families.xml -o junit_family=xunit1 --durations=5
+	SPARKRL_REQUIRE_VLLM=1 $(VENV)/bin/pytest -q tests/test_families.py --junitxml=.cache/families.xml -o junit_family=xunit1 --durations=5
 	$(PY) tests/families_table.py .cache/families.xml
 
 # The inner loop's tier: unit and contract tests, no stack and no DeepSpeed start-up (`slow` marks those);
