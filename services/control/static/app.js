@@ -211,38 +211,39 @@ function byKind(counts) {
   return kinds.length ? kinds.map(([kind, n]) => `${kind} ${n}`).join(" · ") : "–";
 }
 
-// The workers' episodes (rollout.agent), each worker's tally since it started; hidden without any.
-function renderAgents(view) {
-  const playing = view.workers.filter((w) => w.episodes);
-  $("agents").hidden = !playing.length;
-  const rows = playing.map((w) => {
-    const e = w.episodes;
-    const episodes = Object.values(e.episodes).reduce((a, b) => a + b, 0);
-    const failed = Object.entries(e.tool_calls).some(([kind, n]) => kind !== "ok" && n > 0);
-    const latency = e.environment_calls ? e.environment_seconds / e.environment_calls : null;
-    return tableRow("", [
-      [w.worker_id, "id"], [episodes], [episodes ? fmtNum(e.turns / episodes) : "–"], [byKind(e.episodes), "note"],
-      [byKind(e.tool_calls), failed ? "note warn" : "note"], [fmtSec(latency)], [e.splits, e.splits ? "warn" : ""],
-    ]);
-  });
-  $("agent-workers").replaceChildren(...rows);
+const total = (counts) => Object.values(counts).reduce((a, b) => a + b, 0);
+
+// A panel of one row per worker that reports `key` (its tally since it started); hidden while none does.
+function renderTallies(view, key, panel, body, cells) {
+  const reporting = view.workers.filter((w) => w[key]);
+  $(panel).hidden = !reporting.length;
+  $(body).replaceChildren(...reporting.map((w) => tableRow("", [[w.worker_id, "id"], ...cells(w[key])])));
 }
 
-// What the LLM judge spent on each worker's groups (reward.judge), since the worker started; hidden without.
+// The workers' episodes (rollout.agent).
+function renderAgents(view) {
+  renderTallies(view, "episodes", "agents", "agent-workers", (e) => {
+    const episodes = total(e.episodes);
+    const failed = Object.entries(e.tool_calls).some(([kind, n]) => kind !== "ok" && n > 0);
+    const latency = e.environment_calls ? e.environment_seconds / e.environment_calls : null;
+    return [
+      [episodes], [episodes ? fmtNum(e.turns / episodes) : "–"], [byKind(e.episodes), "note"],
+      [byKind(e.tool_calls), failed ? "note warn" : "note"], [fmtSec(latency)], [e.splits, e.splits ? "warn" : ""],
+    ];
+  });
+}
+
+// What the LLM judge spent on each worker's groups (reward.judge).
 const JUDGE_FAILURES = ["timeout", "error", "unparseable"];
 function renderJudge(view) {
-  const judged = view.workers.filter((w) => w.judge);
-  $("judge").hidden = !judged.length;
-  const rows = judged.map((w) => {
-    const j = w.judge;
-    const items = Object.values(j.items).reduce((a, b) => a + b, 0);
+  renderTallies(view, "judge", "judge", "judge-workers", (j) => {
+    const items = total(j.items);
     const failed = JUDGE_FAILURES.reduce((n, kind) => n + (j.items[kind] || 0), 0);
-    return tableRow("", [
-      [w.worker_id, "id"], [items], [byKind(j.items), "note"], [failed, failed ? "warn" : ""], [j.calls],
-      [j.cache_hits], [j.tokens], [fmtSec(items ? j.seconds / items : null)],
-    ]);
+    return [
+      [items], [byKind(j.items), "note"], [failed, failed ? "warn" : ""], [j.calls], [j.cache_hits], [j.tokens],
+      [fmtSec(items ? j.seconds / items : null)],
+    ];
   });
-  $("judge-workers").replaceChildren(...rows);
 }
 
 function renderWeights(pageOfSyncs) {
